@@ -1,0 +1,298 @@
+"""etcd v3 access for the rendezvous: python3-etcd3 plus retries, failover and clear errors.
+
+python3-etcd3 fails a request at the first error and leaves retrying to the caller;
+here every call is retried across the configured endpoints until a deadline, an expired
+auth token (etcd forgets simple tokens when it restarts) is renewed, and what finally
+reaches the caller names the endpoints and the last error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import etcd3
+import etcd3.exceptions
+import grpc
+from etcd3 import etcdrpc
+from etcd3.utils import prefix_range_end
+
+from rendezvous.config import EtcdOptions
+from rendezvous.errors import EtcdUnavailableError, RendezvousError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Reconnect fast after an etcd restart (gRPC's default backoff grows to two minutes), notice
+# a dead connection within seconds, and never route loopback etcd through an HTTP proxy.
+GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.enable_http_proxy", 0),
+]
+
+_RETRYABLE = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.NoServerAvailableError,
+    etcd3.exceptions.InternalServerError,
+)
+_RETRYABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change from a watch: ``value`` is None for a delete."""
+
+    key: str
+    value: bytes | None
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+class Compacted(RendezvousError):
+    """The watch asked for history etcd has compacted away; read everything again."""
+
+    def __init__(self, revision: int) -> None:
+        super().__init__(f"etcd history compacted up to revision {revision}")
+        self.revision = revision
+
+
+def _kv(kv) -> KV:
+    return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+class EtcdClient:
+    """A connection to one etcd cluster, shared by everything in one process."""
+
+    def __init__(self, options: EtcdOptions) -> None:
+        self.options = options
+        self._lock = threading.Lock()
+        self._client: etcd3.MultiEndpointEtcd3Client | None = None
+
+    # -- connection ---------------------------------------------------------------------
+    def _make(self) -> etcd3.MultiEndpointEtcd3Client:
+        o = self.options
+        creds = None
+        if o.secure:
+            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(o.ca_cert, o.key, o.cert)
+        endpoints = []
+        for ep in o.endpoints:
+            host, _, port = ep.rpartition(":")
+            endpoints.append(
+                etcd3.Endpoint(host, int(port), secure=o.secure, creds=creds,
+                                      time_retry=1.0, opts=GRPC_OPTIONS)
+            )
+        return etcd3.MultiEndpointEtcd3Client(
+            endpoints=endpoints, timeout=o.request_timeout, user=o.user,
+            password=o.password, failover=True,
+        )
+
+    def raw(self) -> etcd3.MultiEndpointEtcd3Client:
+        with self._lock:
+            if self._client is None:
+                self._client = self._make()
+            return self._client
+
+    def _reset(self) -> None:
+        with self._lock:
+            old, self._client = self._client, None
+        if old is not None:
+            try:
+                old.close()
+            except Exception:
+                log.debug("closing old etcd client failed", exc_info=True)
+
+    def close(self) -> None:
+        self._reset()
+
+    def call(self, what: str, fn: Callable[[etcd3.MultiEndpointEtcd3Client], T],
+             timeout: float | None = None) -> T:
+        """Run ``fn(client)``, retrying across endpoints until ``timeout`` (connect_timeout)."""
+        deadline = time.monotonic() + (self.options.connect_timeout if timeout is None else timeout)
+        delay = 0.05
+        while True:
+            try:
+                return fn(self.raw())
+            except _RETRYABLE as e:
+                last = str(e) or type(e).__name__
+                if isinstance(e, etcd3.exceptions.NoServerAvailableError):
+                    self._reset()  # every endpoint marked failed: start over with fresh channels
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details() or ""
+                if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
+                    last = f"auth token expired ({details})"
+                    self._reset()
+                elif code in _RETRYABLE_CODES:
+                    last = details or code.name
+                    self._reset()
+                elif "authentication failed" in details:
+                    raise EtcdUnavailableError(
+                        f"etcd at {self.options.describe()} rejected user "
+                        f"{self.options.user!r}: {details}"
+                    ) from None
+                else:
+                    raise RendezvousError(
+                        f"etcd at {self.options.describe()} refused {what}: {code.name}: {details}"
+                    ) from None
+            except ValueError as e:  # python3-etcd3 raises this for unusable TLS settings
+                raise RendezvousError(f"etcd client setup failed: {e}") from None
+            if time.monotonic() + delay > deadline:
+                raise EtcdUnavailableError(
+                    f"etcd unreachable at {self.options.describe()} ({what}): {last}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    # -- key-value ------------------------------------------------------------------------
+    def get_prefix(self, prefix: str, timeout: float | None = None) -> tuple[int, list[KV]]:
+        """All keys under ``prefix`` and the revision they were read at."""
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, list[KV]]:
+            resp = c.get_prefix_response(prefix)
+            return resp.header.revision, [_kv(kv) for kv in resp.kvs]
+
+        return self.call(f"read {prefix}", run, timeout)
+
+    def get(self, key: str, timeout: float | None = None) -> KV | None:
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> KV | None:
+            resp = c.get_response(key)
+            return _kv(resp.kvs[0]) if resp.kvs else None
+
+        return self.call(f"read {key}", run, timeout)
+
+    def put(self, key: str, value: bytes, lease: int = 0, timeout: float | None = None) -> int:
+        """Write ``key``; returns the revision of the write."""
+        return self.call(
+            f"write {key}", lambda c: c.put(key, value, lease=lease).header.revision, timeout
+        )
+
+    def txn(self, compare: list, success: list, failure: list | None = None,
+            timeout: float | None = None) -> bool:
+        """An etcd transaction; True when every comparison held and ``success`` ran."""
+        return self.call(
+            "transaction", lambda c: c.transaction(compare, success, failure or [])[0], timeout
+        )
+
+    @property
+    def ops(self) -> etcd3.Transactions:
+        """Builders for ``txn``: ``ops.mod(key) == rev``, ``ops.put(key, value)``..."""
+        return etcd3.Transactions()
+
+    def delete_prefix(self, prefix: str, timeout: float | None = None) -> None:
+        self.call(f"delete {prefix}", lambda c: c.delete_prefix(prefix), timeout)
+
+    # -- leases ---------------------------------------------------------------------------
+    def grant(self, ttl: int, timeout: float | None = None) -> int:
+        return self.call("grant lease", lambda c: c.lease(ttl).id, timeout)
+
+    def refresh(self, lease_id: int, timeout: float | None = None) -> int:
+        """Keep the lease alive once; returns its remaining TTL (<= 0: it is gone)."""
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            for resp in c.refresh_lease(lease_id):
+                return resp.TTL
+            return 0
+
+        return self.call("keep lease alive", run, timeout)
+
+    def revoke(self, lease_id: int, timeout: float | None = None) -> None:
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> None:
+            try:
+                c.revoke_lease(lease_id)
+            except grpc.RpcError as e:
+                if "lease not found" not in (e.details() or ""):
+                    raise
+
+        self.call("revoke lease", run, timeout)
+
+    # -- watches --------------------------------------------------------------------------
+    def watch_prefix(self, prefix: str, start_revision: int) -> WatchStream:
+        return WatchStream(self, prefix, start_revision)
+
+
+class WatchStream:
+    """One gRPC watch stream over a key prefix, iterated as batches of events.
+
+    python3-etcd3's callback watcher loses its callbacks when the stream breaks; here a
+    broken stream simply ends the iteration with the error, and the caller resumes from
+    the last revision it saw.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str, start_revision: int) -> None:
+        self._client = client
+        key = prefix.encode()
+        create = etcdrpc.WatchCreateRequest(
+            key=key, range_end=prefix_range_end(key), start_revision=start_revision
+        )
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(etcdrpc.WatchRequest(create_request=create))
+        raw = client.call("open a watch", lambda c: c, timeout=2.0)
+        stub = etcdrpc.WatchStub(raw.channel)
+        self._call = stub.Watch(
+            self._request_iter(), credentials=raw.call_credentials, metadata=raw.metadata
+        )
+        self._cancelled = False
+
+    def _request_iter(self) -> Iterator:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._requests.put(None)
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[tuple[int, list[Event]]]:
+        """Yields (revision, events). Ends quietly on cancel; raises on a broken stream."""
+        try:
+            for resp in self._call:
+                if resp.compact_revision:
+                    raise Compacted(resp.compact_revision)
+                if resp.canceled:
+                    raise EtcdUnavailableError(f"etcd cancelled the watch: {resp.cancel_reason}")
+                events = [
+                    Event(
+                        ev.kv.key.decode(),
+                        None if ev.type == ev.DELETE else ev.kv.value,
+                        ev.kv.create_revision,
+                        ev.kv.mod_revision,
+                        ev.kv.lease,
+                    )
+                    for ev in resp.events
+                ]
+                yield resp.header.revision, events
+        except grpc.RpcError as e:
+            if self._cancelled:
+                return
+            raise EtcdUnavailableError(
+                f"etcd watch broke: {e.code().name}: {e.details()}"
+            ) from None
+        finally:
+            self._requests.put(None)

@@ -1,0 +1,240 @@
+"""Rendezvous options: ``--rdzv-endpoint`` and ``--rdzv-conf`` parsed and checked.
+
+Every bad value is a ``ConfigError`` whose message names the key and what was wrong,
+so the CLI can print it as one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+DEFAULT_PORT = 2379
+DEFAULT_PREFIX = "/elastic-run"
+PASSWORD_ENV = "ELASTIC_RUN_ETCD_PASSWORD"
+
+
+class ConfigError(ValueError):
+    """A rendezvous option has a bad value; the message is meant for the user as is."""
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """How to reach etcd: endpoints (failover between them), TLS and auth, timeouts."""
+
+    endpoints: tuple[str, ...]
+    secure: bool = False
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    request_timeout: float = 5.0
+    connect_timeout: float = 10.0
+
+    def describe(self) -> str:
+        scheme = "https" if self.secure else "http"
+        return ", ".join(f"{scheme}://{e}" for e in self.endpoints)
+
+
+@dataclass(frozen=True)
+class RendezvousOptions:
+    """What one job's rendezvous needs besides the etcd connection."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    prefix: str = DEFAULT_PREFIX
+    lease_ttl: int = 5
+    keep_alive_interval: float = 5 / 3
+    join_timeout: float = 600.0
+    last_call_timeout: float = 2.0
+    close_timeout: float = 30.0
+
+    @property
+    def job_prefix(self) -> str:
+        return f"{self.prefix.rstrip('/')}/{self.run_id}/"
+
+
+def _seconds(key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: expected a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: must be a positive number of seconds")
+    return value
+
+
+def _ttl(key: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: expected whole seconds") from None
+    if value < 2:
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: etcd leases need at least 2 seconds")
+    return value
+
+
+def _path(key: str, text: str) -> str:
+    if not os.path.isfile(text):
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: no such file")
+    return text
+
+
+def _text(key: str, text: str) -> str:
+    if not text:
+        raise ConfigError(f"--rdzv-conf {key}: empty value")
+    return text
+
+
+def _prefix(key: str, text: str) -> str:
+    if not text.startswith("/") or text == "/":
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: expected an absolute key prefix like /jobs")
+    return text.rstrip("/")
+
+
+def _protocol(key: str, text: str) -> str:
+    if text not in ("http", "https"):
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: expected http or https")
+    return text
+
+
+def _ignored(key: str, text: str) -> str:
+    return text
+
+
+# key -> (canonical name, parser, help). Canonical names are what the README documents.
+_Parser = Callable[[str, str], object]
+KEYS: dict[str, tuple[str, _Parser, str]] = {
+    "join_timeout": ("join_timeout", _seconds,
+                     "seconds to wait for MIN nodes before giving up (600)"),
+    "timeout": ("join_timeout", _seconds, "alias of join_timeout (torch's etcd backend)"),
+    "last_call_timeout": ("last_call_timeout", _seconds,
+                          "once MIN nodes are in, seconds to wait after the latest arrival "
+                          "for more before forming a round below MAX (2)"),
+    "lease_ttl": ("lease_ttl", _ttl,
+                  "whole seconds a silent agent keeps its place: its etcd lease TTL (5)"),
+    "heartbeat_timeout": ("lease_ttl", _ttl, "alias of lease_ttl (torch's c10d backend)"),
+    "keep_alive_interval": ("keep_alive_interval", _seconds,
+                            "seconds between lease keep-alives (lease_ttl / 3)"),
+    "read_timeout": ("request_timeout", _seconds, "seconds per etcd request (5)"),
+    "connect_timeout": ("connect_timeout", _seconds,
+                        "seconds to keep trying an unreachable etcd before failing (10)"),
+    "close_timeout": ("close_timeout", _seconds,
+                      "after this node's workers succeed, seconds to wait for the others (30)"),
+    "prefix": ("prefix", _prefix, "etcd key prefix of all jobs (/elastic-run)"),
+    "etcd_prefix": ("prefix", _prefix, "alias of prefix (torch's etcd backend)"),
+    "protocol": ("protocol", _protocol, "http or https; https:// in the endpoint does the same"),
+    "cacert": ("ca_cert", _path, "CA bundle that signed etcd's certificate; turns TLS on"),
+    "ca_cert": ("ca_cert", _path, "alias of cacert"),
+    "cert": ("cert", _path, "client certificate for mutual TLS"),
+    "key": ("key", _path, "client private key for mutual TLS"),
+    "user": ("user", _text, "etcd user name (auth)"),
+    "password": ("password", _text,
+                 f"etcd password; prefer password_file or ${PASSWORD_ENV}, which ps cannot show"),
+    "password_file": ("password_file", _path, "file whose first line is the etcd password"),
+    # torchrun keys that mean nothing here; accepted so existing command lines keep working
+    "is_host": ("is_host", _ignored, "accepted, ignored (the round writer is chosen in etcd)"),
+    "keep_alive_max_attempt": ("keep_alive_max_attempt", _ignored, "accepted, ignored"),
+}
+
+
+def parse_conf(text: str) -> dict[str, str]:
+    """``key=value,key2=value2`` (torchrun's --rdzv-conf syntax) into a dict."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--rdzv-conf {item!r}: expected key=value")
+        conf[key] = value.strip()
+    return conf
+
+
+_ENDPOINT = re.compile(r"^(?:(?P<scheme>https?)://)?(?P<host>\[[^\]]+\]|[^:/\[\]]+)(?::(?P<port>\d+))?/?$")
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, ...], str | None]:
+    """``host[:port][,host[:port]...]`` with optional http(s):// into (endpoints, scheme)."""
+    endpoints: list[str] = []
+    schemes: set[str] = set()
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        m = _ENDPOINT.match(item)
+        if not m:
+            raise ConfigError(f"--rdzv-endpoint {item!r}: expected host[:port]")
+        port = int(m["port"] or DEFAULT_PORT)
+        if not 0 < port < 65536:
+            raise ConfigError(f"--rdzv-endpoint {item!r}: port out of range")
+        if m["scheme"]:
+            schemes.add(m["scheme"])
+        endpoints.append(f"{m['host']}:{port}")
+    if not endpoints:
+        raise ConfigError("--rdzv-endpoint is empty: give host[:port] of etcd")
+    if len(schemes) > 1:
+        raise ConfigError(f"--rdzv-endpoint {text!r}: mixes http:// and https://")
+    return tuple(endpoints), (schemes.pop() if schemes else None)
+
+
+def build_options(
+    endpoint: str,
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    conf: Mapping[str, object],
+) -> tuple[EtcdOptions, RendezvousOptions]:
+    """Check everything a rendezvous needs and say clearly what is wrong if anything is."""
+    if not run_id or "/" in run_id:
+        raise ConfigError(f"--rdzv-id {run_id!r}: must be non-empty and contain no '/'")
+    if min_nodes < 1:
+        raise ConfigError(f"--nnodes: minimum {min_nodes} must be at least 1")
+    if max_nodes < min_nodes:
+        raise ConfigError(f"--nnodes {min_nodes}:{max_nodes}: maximum is below minimum")
+    values: dict[str, object] = {}
+    for key, raw in conf.items():
+        if key not in KEYS:
+            known = ", ".join(sorted(KEYS))
+            raise ConfigError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+        name, parser, _ = KEYS[key]
+        values[name] = parser(key, str(raw))
+    endpoints, scheme = parse_endpoints(endpoint)
+    protocol = values.pop("protocol", None)
+    if scheme and protocol and scheme != protocol:
+        raise ConfigError(f"--rdzv-endpoint says {scheme} but --rdzv-conf protocol={protocol}")
+    secure = (scheme or protocol) == "https" or "ca_cert" in values
+    if secure and "ca_cert" not in values:
+        raise ConfigError("--rdzv-conf: https needs cacert=<CA bundle file>")
+    if ("cert" in values) != ("key" in values):
+        raise ConfigError("--rdzv-conf: cert and key must be given together")
+    password = values.pop("password", None) or os.environ.get(PASSWORD_ENV) or None
+    password_file = values.pop("password_file", None)
+    if password_file:
+        with open(str(password_file)) as f:
+            password = f.readline().rstrip("\r\n")
+    if ("user" in values) != (password is not None):
+        raise ConfigError("--rdzv-conf: user and password must be given together")
+    values.pop("is_host", None)
+    values.pop("keep_alive_max_attempt", None)
+    etcd = EtcdOptions(
+        endpoints=endpoints,
+        secure=secure,
+        ca_cert=values.pop("ca_cert", None),  # type: ignore[arg-type]
+        cert=values.pop("cert", None),  # type: ignore[arg-type]
+        key=values.pop("key", None),  # type: ignore[arg-type]
+        user=values.pop("user", None),  # type: ignore[arg-type]
+        password=password,  # type: ignore[arg-type]
+        request_timeout=values.pop("request_timeout", 5.0),  # type: ignore[arg-type]
+        connect_timeout=values.pop("connect_timeout", 10.0),  # type: ignore[arg-type]
+    )
+    ttl = values.get("lease_ttl", RendezvousOptions.lease_ttl)
+    values.setdefault("keep_alive_interval", ttl / 3)  # type: ignore[operator]
+    if values["keep_alive_interval"] >= ttl:  # type: ignore[operator]
+        raise ConfigError(
+            f"--rdzv-conf keep_alive_interval={values['keep_alive_interval']}: "
+            f"must be shorter than lease_ttl={ttl}"
+        )
+    rdzv = RendezvousOptions(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
+                             **values)  # type: ignore[arg-type]
+    return etcd, rdzv

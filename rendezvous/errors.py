@@ -1,0 +1,32 @@
+"""Rendezvous errors. Messages are complete sentences for the user; no torch import here."""
+
+from __future__ import annotations
+
+
+class RendezvousError(Exception):
+    """Base of everything the rendezvous raises on purpose."""
+
+
+class EtcdUnavailableError(RendezvousError):
+    """etcd could not be reached (or refused us) within the configured time."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job is finished; ``state`` is ``succeeded`` or ``failed``."""
+
+    def __init__(self, message: str, state: str = "succeeded", reason: str = "") -> None:
+        super().__init__(message)
+        self.state = state
+        self.reason = reason
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Not enough nodes arrived within join_timeout."""
+
+
+class MalformedRecordError(RendezvousError):
+    """A value under the job's prefix is not what elastic-run wrote; names the key."""
+
+
+class LeaseLostError(RendezvousError):
+    """etcd says this node's lease is gone: the others have already moved on without it."""

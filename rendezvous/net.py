@@ -1,0 +1,26 @@
+"""Small network helpers: free ports and the address other nodes reach this one at."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
+    """A port the kernel says is free on ``host`` now (bind to 0, read it back, release)."""
+    for _ in range(64):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if not avoid or port not in avoid:
+            return port
+    raise OSError(f"no free port found on {host}")
+
+
+def default_local_addr() -> str:
+    """torchrun's default for --local-addr: this host's fully qualified domain name."""
+    return socket.getfqdn()
+
+
+def format_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,346 @@
+"""One node's part in a job's rendezvous on etcd v3.
+
+Knows nothing about processes: the agent (or torch's agent through the handler) asks it
+for the next round, tells it when this node is done with a round, and asks it whether
+anything happened that should end the current one (``check``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, replace
+
+from etcd3.utils import prefix_range_end
+
+from rendezvous import records
+from rendezvous.client import EtcdClient
+from rendezvous.config import RendezvousOptions
+from rendezvous.errors import (
+    LeaseLostError,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from rendezvous.lease import LeaseKeeper
+from rendezvous.mirror import JobMirror, JobView
+from rendezvous.net import free_port
+from rendezvous.planner import Plan, plan
+from rendezvous.records import ClosedRecord, FailureRecord, NodeRecord, RoundRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What this node tells the others about itself."""
+
+    id: str
+    addr: str
+    nproc: int
+    host: str = socket.gethostname()
+    pid: int = 0
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class Change:
+    """Something that ends the current round for this node.
+
+    ``urgent`` changes (a member lost or gone, a failure elsewhere, this node fenced, the
+    job closed) mean: stop the workers now. ``drain`` means: let them save at their next
+    step boundary and stop, so the job can resize without losing a step.
+    """
+
+    kind: str  # closed | fenced | superseded | lost | left | failed | drain
+    detail: str
+    nodes: tuple[str, ...] = ()
+
+    @property
+    def urgent(self) -> bool:
+        return self.kind != "drain"
+
+
+class Rendezvous:
+    def __init__(self, client: EtcdClient, options: RendezvousOptions, me: NodeSpec,
+                 max_restarts: int = 0) -> None:
+        self.client = client
+        self.options = options
+        self.me = me
+        self.max_restarts = max_restarts
+        self.mirror = JobMirror(client, options.job_prefix)
+        self.lease = LeaseKeeper(client, options.lease_ttl, options.keep_alive_interval,
+                                 on_change=self.mirror.poke)
+        self.rev = 0  # create revision of this node's record: its incarnation
+        self.round: RoundRecord | None = None  # the round this node is (or was last) in
+        self._registered_at = 0  # etcd revision of the registration
+        self._record: NodeRecord | None = None
+
+    # -- keys -----------------------------------------------------------------------------
+    def key(self, rel: str) -> str:
+        return self.options.job_prefix + rel
+
+    @property
+    def node_key(self) -> str:
+        return self.key(records.NODES + self.me.id)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect, refuse to join a closed job, and register this node."""
+        self.mirror.start(timeout=self.client.options.connect_timeout)
+        self._raise_if_closed(self.mirror.view())
+        self._register()
+
+    def shutdown(self, leave: bool = True) -> None:
+        """Stop the background threads; with ``leave`` the others see this node go at once."""
+        if leave:
+            if self._record is not None and self.lease.lease_id and not self.lease.lost:
+                self._put_record(state="leaving")
+            self.lease.revoke()
+        self.lease.stop()
+        self.mirror.stop()
+
+    def _register(self) -> None:
+        """Join as a new incarnation: new lease, record created (never overwritten)."""
+        view = self.mirror.view()
+        number = view.round.number if view.round else 0
+        lease_id = self.lease.grant()
+        rec = NodeRecord(id=self.me.id, addr=self.me.addr, nproc=self.me.nproc,
+                         host=self.me.host, pid=self.me.pid, version=self.me.version,
+                         done=number, state="waiting")
+        ops = self.client.ops
+        created = self.client.txn(
+            [ops.create(self.node_key) == 0],
+            [ops.put(self.node_key, rec.encode(), lease=lease_id)],
+        )
+        kv = self.client.get(self.node_key)
+        if not created or kv is None or kv.lease != lease_id:
+            self.lease.revoke()
+            other = ""
+            if kv is not None:
+                with_node = NodeRecord.decode(kv.key, kv.value)
+                other = f" (pid {with_node.pid} on {with_node.host})"
+            raise RendezvousError(
+                f"node id {self.me.id!r} is already taken in job {self.options.run_id!r}"
+                f"{other}; every agent needs its own id"
+            )
+        self.rev = kv.create_revision
+        self._registered_at = kv.mod_revision
+        self._record = rec
+        self.round = None
+        log.info("registered as %s in job %s (lease %x, ttl %ss)", self.me.id,
+                 self.options.run_id, lease_id, self.options.lease_ttl)
+
+    def _put_record(self, **changes: object) -> None:
+        assert self._record is not None
+        rec = replace(self._record, **changes)
+        try:
+            self.client.put(self.node_key, rec.encode(), lease=self.lease.lease_id)
+        except RendezvousError as e:
+            if "lease not found" in str(e):
+                self.lease.lost = True
+                raise LeaseLostError("etcd dropped this node's lease") from None
+            raise
+        self._record = rec
+
+    # -- rounds ---------------------------------------------------------------------------
+    def _raise_if_closed(self, view: JobView) -> None:
+        closed = view.closed
+        if closed is not None:
+            verb = "finished" if closed.state == "succeeded" else "failed"
+            why = f": {closed.reason}" if closed.reason else ""
+            raise RendezvousClosedError(
+                f"job {self.options.run_id!r} has {verb}{why}", closed.state, closed.reason
+            )
+
+    def _fenced(self, view: JobView) -> bool:
+        """etcd has dropped this incarnation (lease expired while frozen or cut off)."""
+        if self.lease.lost:
+            return True
+        if not self.mirror.connected or view.revision < self._registered_at:
+            return False
+        node = view.nodes.get(self.me.id)
+        return node is None or node.rev != self.rev
+
+    def _member_of(self, r: RoundRecord) -> bool:
+        return any(m.id == self.me.id and m.rev == self.rev for m in r.members)
+
+    def next_round(self, timeout: float | None = None) -> RoundRecord:
+        """Block until a new round that includes this node has formed; return it.
+
+        Leaves the current round first (marks this node done with it). Takes part in
+        forming the round when this node is the writer. Raises RendezvousClosedError
+        when the job is over, RendezvousTimeoutError when fewer than MIN nodes are
+        present for ``timeout`` (join_timeout) seconds.
+        """
+        if not self._fenced(self.mirror.view()):
+            with contextlib.suppress(LeaseLostError):  # then it registers again below
+                self.finish_round()
+        timeout = self.options.join_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            version = self.mirror.version
+            view = self.mirror.view()
+            self._raise_if_closed(view)
+            if self._fenced(view):
+                log.warning("this node's lease is gone; joining again as a new node")
+                self.lease.revoke()
+                self._register()
+                continue
+            r = view.round
+            newer = r is not None and (self.round is None or r.number > self.round.number)
+            if newer and self._member_of(r):
+                self.round = r
+                self._put_record(state="running")
+                return r
+            p = plan(view, self.options.min_nodes, self.options.max_nodes,
+                     self.options.last_call_timeout, self.max_restarts, time.monotonic())
+            if p.form and p.writer == self.me.id:
+                if p.budget_spent:
+                    self._close_failed(view, p)
+                elif self._write_round(view, p):
+                    log.debug("wrote %s", p.reason)
+                self.mirror.wait(version, 0.5)
+                continue
+            now = time.monotonic()
+            if not p.enough_nodes and now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"job {self.options.run_id!r}: {p.reason} after join_timeout={timeout:g}s"
+                )
+            wait = 1.0
+            if p.wake_at is not None:
+                wait = min(wait, max(p.wake_at - now, 0.01))
+            if not p.enough_nodes:
+                wait = min(wait, max(deadline - now, 0.01))
+            self.mirror.wait(version, wait)
+
+    def _write_round(self, view: JobView, p: Plan) -> bool:
+        current = view.round
+        used = {current.master_port, current.store_port} if current else set()
+        master_port = free_port("", avoid=used)
+        store_port = free_port("", avoid=used | {master_port})
+        rec = RoundRecord(
+            number=(current.number if current else 0) + 1,
+            members=p.members,
+            master_addr=self.me.addr,
+            master_port=master_port,
+            store_port=store_port,
+            restarts=p.restarts,
+            cause=p.cause,
+            joined=p.joined,
+            left=p.left,
+            lost=p.lost,
+            root_cause=p.root_cause,
+            formed_at=time.time(),
+        )
+        ops = self.client.ops
+        failures = self.key(records.FAILURES).encode()
+        compare = [ops.mod(self.key(records.ROUND)) == view.round_mod_revision,
+                   ops.create(self.key(records.CLOSED)) == 0]
+        compare += [ops.create(self.key(records.NODES + m.id)) == m.rev for m in p.members]
+        return self.client.txn(compare, [
+            ops.put(self.key(records.ROUND), rec.encode()),
+            ops.delete(failures, range_end=prefix_range_end(failures)),
+        ])
+
+    def _close_failed(self, view: JobView, p: Plan) -> None:
+        root = p.root_cause
+        where = f" on {root.get('node')}" if root.get("node") else ""
+        reason = (f"restart budget spent ({p.restarts - 1} of max {self.max_restarts} used); "
+                  f"last failure{where}: {root.get('summary', 'workers failed')}")
+        number = view.round.number if view.round else 0
+        self.close("failed", reason, root_cause=root, round_number=number)
+
+    def close(self, state: str, reason: str = "", root_cause: dict | None = None,
+              round_number: int | None = None) -> bool:
+        """Mark the job over; the first to close wins. Late joiners see it and stop."""
+        if round_number is None:
+            round_number = self.round.number if self.round else 0
+        rec = ClosedRecord(state=state, reason=reason, by=self.me.id, round=round_number,
+                           at=time.time(), root_cause=root_cause or {})
+        ops = self.client.ops
+        key = self.key(records.CLOSED)
+        return self.client.txn([ops.create(key) == 0], [ops.put(key, rec.encode())])
+
+    def finish_round(self, state: str = "waiting") -> None:
+        """Tell the others this node has stopped the workers of its current round."""
+        if self.round is None or self._record is None:
+            return
+        if self._record.done >= self.round.number and self._record.state == state:
+            return
+        self._put_record(done=max(self._record.done, self.round.number), state=state)
+
+    def report_failure(self, detail: dict) -> None:
+        """Record this node's worker failure for the current round and leave the round."""
+        if self.round is None:
+            return
+        rec = FailureRecord(node=self.me.id, round=self.round.number, time=time.time(),
+                            detail=detail)
+        self.client.put(self.key(f"{records.FAILURES}{self.round.number}/{self.me.id}"),
+                        rec.encode())
+        self.finish_round()
+
+    def announce_leaving(self) -> None:
+        """Say this node is about to leave, so the others drain for a resize."""
+        if self._record is not None and self._record.state != "leaving":
+            self._put_record(state="leaving")
+
+    # -- watching a running round ---------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.mirror.version
+
+    def wait(self, version: int, timeout: float | None) -> int:
+        """Block until anything in the job changes (or ``timeout``); returns the new version."""
+        return self.mirror.wait(version, timeout)
+
+    def check(self) -> Change | None:
+        """What, if anything, should end this node's current round."""
+        view = self.mirror.view()
+        closed = view.closed
+        if closed is not None:
+            return Change("closed", f"job {closed.state}: {closed.reason}".rstrip(": "))
+        if self._fenced(view):
+            return Change("fenced", "etcd dropped this node's lease; the job moved on without it")
+        mine = self.round
+        r = view.round
+        if mine is None or r is None:
+            return None
+        if r.number > mine.number:
+            if self._member_of(r):
+                return Change("superseded", f"round {r.number} formed")
+            return Change("fenced", f"round {r.number} formed without this node")
+        gone = [m for m in mine.members if not view.is_live(m)]
+        lost = tuple(m.id for m in gone if not view.was_leaving(m))
+        if lost:
+            return Change("lost", f"lost {', '.join(lost)}", lost)
+        failed = tuple(sorted(n for n in view.failures.get(mine.number, {}) if n != self.me.id))
+        if failed:
+            return Change("failed", f"workers failed on {', '.join(failed)}", failed)
+        if gone:
+            left = tuple(m.id for m in gone)
+            return Change("left", f"{', '.join(left)} left", left)
+        others = [view.nodes[m.id].record for m in mine.members
+                  if m.id != self.me.id]
+        leaving = tuple(o.id for o in others if o.state == "leaving")
+        if leaving:
+            return Change("drain", f"{', '.join(leaving)} leaving", leaving)
+        stopping = tuple(o.id for o in others if o.done >= mine.number)
+        if stopping:
+            return Change("drain", f"{', '.join(stopping)} stopping", stopping)
+        members = {m.id for m in mine.members}
+        waiting = tuple(n.record.id for n in sorted(view.nodes.values(), key=lambda n: n.rev)
+                        if n.record.id not in members and n.record.state != "leaving")
+        if waiting and len(mine.members) < self.options.max_nodes:
+            return Change("drain", f"{', '.join(waiting)} waiting to join", waiting)
+        return None
+
+    def waiting_nodes(self) -> int:
+        """Live nodes outside the current round (standbys, newcomers)."""
+        view = self.mirror.view()
+        members = {m.id for m in self.round.members} if self.round else set()
+        return sum(1 for i in view.nodes if i not in members)
+
+

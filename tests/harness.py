@@ -1,0 +1,155 @@
+"""Child processes for tests: JSON events read from stdout, bounded waits, sure cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+TAG_VAR = "ELASTIC_RUN_TEST_TAG"
+
+
+class Proc:
+    """A process whose stdout lines are collected (JSON lines become events)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None,
+                 cwd: str | None = None, name: str = "") -> None:
+        self.name = name or Path(cmd[1] if len(cmd) > 1 else cmd[0]).name
+        self.cmd = cmd
+        self.p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, bufsize=1, env={**os.environ, **(env or {})}, cwd=cwd or str(ROOT),
+            start_new_session=True,
+        )
+        self.pid = self.p.pid
+        self.events: queue.Queue[dict] = queue.Queue()
+        self.seen: list[dict] = []  # events expect() has returned
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._read, args=(self.p.stdout, self.out, True), daemon=True),
+            threading.Thread(target=self._read, args=(self.p.stderr, self.err, False), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, stream, sink: list[str], parse: bool) -> None:
+        for line in stream:
+            sink.append(line.rstrip("\n"))
+            if parse and line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.events.put(json.loads(line))
+
+    def send(self, line: str) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def expect(self, event: str, timeout: float = 15.0,
+               where: Callable[[dict], bool] | None = None, **match: object) -> dict:
+        """The next event named ``event`` (matching ``match``); fails with the output."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.name}: no {event} {match} within {timeout}s\n"
+                                     f"{self.transcript()}")
+            try:
+                ev = self.events.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()) \
+                    and (where is None or where(ev)):
+                self.seen.append(ev)
+                return ev
+
+    def has_seen(self, event: str) -> bool:
+        return any(ev.get("event") == event for ev in self.seen)
+
+    def wait_output(self, text: str, timeout: float = 30.0, stream: str = "any") -> str:
+        """Wait until a line containing ``text`` was printed; returns the line."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sinks = {"out": [self.out], "err": [self.err], "any": [self.out, self.err]}[stream]
+            for sink in sinks:
+                for line in list(sink):
+                    if text in line:
+                        return line
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: {text!r} not printed within {timeout}s\n"
+                             f"{self.transcript()}")
+
+    def transcript(self) -> str:
+        return ("--- stdout\n" + "\n".join(self.out[-80:]) + "\n--- stderr\n"
+                + "\n".join(self.err[-80:]))
+
+    def wait(self, timeout: float = 30.0) -> int:
+        try:
+            rc = self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} still running after {timeout}s\n"
+                                 f"{self.transcript()}") from None
+        for t in self._threads:
+            t.join(timeout=5)
+        return rc
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the process and every descendant (resumed first if frozen)."""
+        try:
+            procs = [psutil.Process(self.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.p.wait(10)
+
+    @property
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+
+def python(script: str | Path, *args: str, **kw: object) -> list[str]:
+    return [sys.executable, str(script), *map(str, args)]
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Every process (but this one) started under ``tag``, whoever its parent is now."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(TAG_VAR) == tag:
+                found.append(p)
+    return found
+
+
+def wait_until(cond: Callable[[], object], timeout: float, what: str,
+               interval: float = 0.05) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

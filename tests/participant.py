@@ -1,0 +1,103 @@
+"""A rendezvous participant in its own process, driven line by line over stdin.
+
+Tests start several of these as "nodes". Each prints JSON events on stdout:
+``ready`` once registered, ``round`` when it is in a new round, ``change`` when
+``check()`` reports something, ``error`` with the message of a rendezvous error.
+
+Commands: next | finish | fail | announce | close | leave | exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options, parse_conf
+from rendezvous.errors import RendezvousError
+from rendezvous.protocol import NodeSpec, Rendezvous
+
+_out = threading.Lock()
+
+
+def emit(event: str, **fields: object) -> None:
+    with _out:
+        print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--nnodes", default="1:4")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--conf", default="")
+    ap.add_argument("--max-restarts", type=int, default=0)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"{a.id} %(levelname)s %(message)s")
+    lo, _, hi = a.nnodes.partition(":")
+    try:
+        etcd_opts, opts = build_options(a.endpoint, a.run_id, int(lo), int(hi or lo),
+                                        parse_conf(a.conf))
+        rdzv = Rendezvous(EtcdClient(etcd_opts), opts,
+                          NodeSpec(id=a.id, addr="127.0.0.1", nproc=a.nproc, pid=os.getpid()),
+                          max_restarts=a.max_restarts)
+        rdzv.start()
+    except (RendezvousError, ValueError) as e:
+        emit("error", kind=type(e).__name__, message=str(e))
+        sys.exit(3)
+    emit("ready", rev=rdzv.rev)
+
+    def watch() -> None:
+        last = None
+        version = rdzv.version
+        while True:
+            change = rdzv.check()
+            key = (change.kind, change.detail) if change else None
+            if change is not None and key != last:
+                emit("change", kind=change.kind, detail=change.detail, nodes=list(change.nodes))
+            last = key
+            version = rdzv.wait(version, 1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    for line in sys.stdin:
+        cmd = line.strip()
+        try:
+            if cmd == "next":
+                r = rdzv.next_round()
+                emit("round", number=r.number, rank=r.rank_of(a.id),
+                     members=[m.id for m in r.members], world_size=r.world_size,
+                     master_addr=r.master_addr, master_port=r.master_port,
+                     cause=r.cause, restarts=r.restarts, joined=list(r.joined),
+                     left=list(r.left), lost=list(r.lost), rev=rdzv.rev)
+            elif cmd == "finish":
+                rdzv.finish_round()
+                emit("finished")
+            elif cmd == "fail":
+                rdzv.report_failure({"summary": f"worker failed on {a.id}"})
+                emit("failed")
+            elif cmd == "announce":
+                rdzv.announce_leaving()
+                emit("announced")
+            elif cmd == "close":
+                emit("closed", wrote=rdzv.close("succeeded", "done"))
+            elif cmd == "leave":
+                rdzv.shutdown(leave=True)
+                emit("left")
+                return
+            elif cmd == "exit":
+                return
+        except RendezvousError as e:
+            emit("error", kind=type(e).__name__, message=str(e))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The etcd v3 rendezvous against a real etcd, each participant its own OS process."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from harness import ROOT, Proc, python
+
+from elastic.etcd_server import EtcdServer
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options
+
+PARTICIPANT = ROOT / "tests" / "participant.py"
+TTL = 3
+
+
+def join(procs: list[Proc], endpoint: str, run_id: str, node: str, nnodes: str = "1:4",
+         conf: str = "", max_restarts: int = 0) -> Proc:
+    conf = ",".join(filter(None, [f"lease_ttl={TTL}", "last_call_timeout=0.5", conf]))
+    p = Proc(python(PARTICIPANT, "--endpoint", endpoint, "--run-id", run_id, "--id", node,
+                    "--nnodes", nnodes, "--conf", conf, "--max-restarts", str(max_restarts)),
+             name=node)
+    procs.append(p)
+    return p
+
+
+def join_in_order(procs: list[Proc], endpoint: str, run_id: str, names: str,
+                  **kw: object) -> list[Proc]:
+    """Start nodes one after another, so join order (and rank order) is ``names``."""
+    started = []
+    for name in names:
+        started.append(join(procs, endpoint, run_id, name, **kw))
+        started[-1].expect("ready")
+    return started
+
+
+def start_round(nodes: list[Proc], timeout: float = 15.0, **match: object) -> list[dict]:
+    for n in nodes:
+        if not n.has_seen("ready"):
+            n.expect("ready")
+    for n in nodes:
+        n.send("next")
+    return [n.expect("round", timeout, **match) for n in nodes]
+
+
+def test_round_forms_with_join_order_ranks(etcd: EtcdServer, run_id: str,
+                                           procs: list[Proc]) -> None:
+    nodes = []
+    for name in ("a", "b", "c"):
+        nodes.append(join(procs, etcd.endpoint, run_id, name, nnodes="3"))
+        nodes[-1].expect("ready")  # registration order is join order
+    rounds = start_round(nodes)
+    assert [r["rank"] for r in rounds] == [0, 1, 2]
+    assert {tuple(r["members"]) for r in rounds} == {("a", "b", "c")}
+    assert {r["master_port"] for r in rounds} == {rounds[0]["master_port"]}
+    assert rounds[0]["cause"] == "start" and rounds[0]["world_size"] == 3
+
+
+def test_min_max_last_call(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
+    a = join(procs, etcd.endpoint, run_id, "a", nnodes="2:3", conf="last_call_timeout=2")
+    a.expect("ready")
+    a.send("next")
+    time.sleep(0.5)
+    assert a.events.empty(), "a round formed below MIN"
+    b = join(procs, etcd.endpoint, run_id, "b", nnodes="2:3", conf="last_call_timeout=2")
+    b.expect("ready")
+    started = time.monotonic()
+    b.send("next")
+    a.expect("round", members=["a", "b"])
+    b.expect("round", members=["a", "b"])
+    # below MAX the round waits out the last call after the latest arrival
+    assert 1.5 <= time.monotonic() - started < 5
+
+
+def test_sigkill_noticed_within_ttl(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="2:3")
+    before = start_round([a, b, c])[0]
+    killed = time.monotonic()
+    c.signal(signal.SIGKILL)
+    ev = a.expect("change", kind="lost", timeout=TTL + 3)
+    assert time.monotonic() - killed <= TTL + 1
+    assert ev["nodes"] == ["c"]
+    b.expect("change", kind="lost")
+    # survivors keep their relative order, no restart is charged, a fresh port is used
+    after = start_round([a, b])
+    survivors = [m for m in before["members"] if m != "c"]
+    assert [r["members"] for r in after] == [survivors, survivors]
+    assert after[0]["cause"] == "lost" and after[0]["lost"] == ["c"]
+    assert after[0]["restarts"] == 0
+    assert after[0]["master_port"] != before["master_port"]
+
+
+def test_sigstop_noticed_and_frozen_node_fences_itself(etcd: EtcdServer, run_id: str,
+                                                       procs: list[Proc]) -> None:
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="2:3")
+    rounds = start_round([a, b, c])
+    old_port = rounds[0]["master_port"]
+    stopped = time.monotonic()
+    b.signal(signal.SIGSTOP)
+    a.expect("change", kind="lost", nodes=["b"], timeout=TTL + 3)
+    assert time.monotonic() - stopped <= TTL + 1
+    c.expect("change", kind="lost", nodes=["b"])
+    a.send("next")
+    c.send("next")
+    r = a.expect("round", members=["a", "c"])
+    assert r["master_port"] != old_port
+    c.expect("round", members=["a", "c"])
+    b.signal(signal.SIGCONT)
+    b.expect("change", kind="fenced", timeout=10)
+    # it comes back as a new node: the others see a newcomer waiting, drain, and admit it
+    b.send("next")
+    a.expect("change", kind="drain", nodes=["b"], timeout=10)
+    a.send("next")
+    c.send("next")
+    back = b.expect("round", timeout=15)
+    assert back["members"] == ["a", "c", "b"] and back["cause"] == "resize"
+    assert back["rev"] > 0
+
+
+def test_graceful_leave_noticed_at_once(etcd: EtcdServer, run_id: str,
+                                        procs: list[Proc]) -> None:
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
+    start_round([a, b])
+    left = time.monotonic()
+    b.send("leave")
+    a.expect("change", kind="left", nodes=["b"], timeout=5)
+    assert time.monotonic() - left < 1.0
+    b.expect("left")
+    a.send("next")
+    r = a.expect("round")
+    assert r["members"] == ["a"] and r["cause"] == "left" and r["left"] == ["b"]
+
+
+def test_standby_admitted_when_member_dies(etcd: EtcdServer, run_id: str,
+                                           procs: list[Proc]) -> None:
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
+    start_round([a, b])
+    s = join(procs, etcd.endpoint, run_id, "s", nnodes="1:2")
+    s.expect("ready")
+    s.send("next")
+    time.sleep(1.0)
+    assert a.events.empty() and s.events.empty(), "no room: the standby must only wait"
+    a.signal(signal.SIGKILL)  # the rank-0 node dies: b becomes rank 0, s is admitted
+    b.expect("change", kind="lost", nodes=["a"], timeout=TTL + 3)
+    b.send("next")
+    rb = b.expect("round")
+    rs = s.expect("round")
+    assert rb["members"] == rs["members"] == ["b", "s"]
+    assert (rb["rank"], rs["rank"]) == (0, 1)
+    assert rs["joined"] == ["s"]
+
+
+def test_rank0_stays_rank0_while_alive(etcd: EtcdServer, run_id: str,
+                                       procs: list[Proc]) -> None:
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3")
+    start_round([a, b, c])
+    b.signal(signal.SIGKILL)
+    a.expect("change", kind="lost", timeout=TTL + 3)
+    c.expect("change", kind="lost", timeout=TTL + 3)
+    ra, rc = start_round([a, c])
+    assert (ra["rank"], rc["rank"]) == (0, 1)
+    d = join(procs, etcd.endpoint, run_id, "d", nnodes="1:3")
+    d.expect("ready")
+    d.send("next")
+    a.expect("change", kind="drain", nodes=["d"], timeout=5)
+    c.expect("change", kind="drain", nodes=["d"], timeout=5)
+    a.send("next")
+    c.send("next")
+    assert a.expect("round")["members"] == ["a", "c", "d"]
+    assert d.expect("round")["rank"] == 2
+
+
+def test_worker_failure_charges_one_restart_then_closes(etcd: EtcdServer, run_id: str,
+                                                        procs: list[Proc]) -> None:
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="2", max_restarts=1)
+    start_round([a, b])
+    b.send("fail")
+    a.expect("change", kind="failed", nodes=["b"])
+    a.send("fail")  # the cascade on the other node is the same failure: charged once
+    b.send("next")
+    a.send("next")
+    r = a.expect("round")
+    assert r["cause"] == "failure" and r["restarts"] == 1
+    b.expect("round")
+    a.send("fail")
+    b.expect("change", kind="failed")
+    b.send("next")
+    a.send("next")
+    err = a.expect("error", kind="RendezvousClosedError")
+    assert "restart budget spent" in err["message"] and "worker failed on a" in err["message"]
+    b.expect("error", kind="RendezvousClosedError")
+
+
+def test_closed_job_refuses_late_joiners(etcd: EtcdServer, run_id: str,
+                                         procs: list[Proc]) -> None:
+    a = join(procs, etcd.endpoint, run_id, "a", nnodes="1")
+    start_round([a])
+    a.send("close")
+    assert a.expect("closed")["wrote"] is True
+    late = join(procs, etcd.endpoint, run_id, "late", nnodes="1")
+    err = late.expect("error")
+    assert err["kind"] == "RendezvousClosedError" and "has finished" in err["message"]
+    assert late.wait(10) == 3
+
+
+def test_run_ids_are_isolated(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
+    x = join_in_order(procs, etcd.endpoint, run_id + "-x", "pq", nnodes="2")
+    y = join_in_order(procs, etcd.endpoint, run_id + "-y", "pq", nnodes="2")
+    rx, ry = start_round(x), start_round(y)
+    assert rx[0]["members"] == ry[0]["members"] == ["p", "q"]  # same node ids, two jobs
+    x[1].signal(signal.SIGKILL)
+    x[0].expect("change", kind="lost", timeout=TTL + 3)
+    time.sleep(0.5)
+    assert all(ev["event"] != "change" for ev in list(y[0].events.queue))
+
+
+def test_custom_prefix(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
+    a = join(procs, etcd.endpoint, run_id, "a", nnodes="1", conf="prefix=/teams/ml")
+    start_round([a])
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    client = EtcdClient(e)
+    try:
+        _, kvs = client.get_prefix(f"/teams/ml/{run_id}/")
+        assert {kv.key.rsplit("/", 1)[-1] for kv in kvs} >= {"a", "round"}
+        assert client.get_prefix(f"/elastic-run/{run_id}/")[1] == []
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("value", [b"\x80\x04\x95pickle", b"[1, 2]", b'{"number": "one"}'])
+def test_malformed_round_is_a_clear_error(etcd: EtcdServer, run_id: str, procs: list[Proc],
+                                          value: bytes) -> None:
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    client = EtcdClient(e)
+    key = f"/elastic-run/{run_id}/round"
+    try:
+        client.put(key, value)
+        a = join(procs, etcd.endpoint, run_id, "a", nnodes="1")
+        err = a.expect("error")  # refused before registering: the job state is unreadable
+        assert err["kind"] == "MalformedRecordError" and key in err["message"]
+        assert a.wait(10) == 3
+        assert "Traceback" not in "\n".join(a.err)
+    finally:
+        client.close()
+
+
+def test_malformed_node_record_is_ignored_by_name(etcd: EtcdServer, run_id: str,
+                                                  procs: list[Proc]) -> None:
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    client = EtcdClient(e)
+    try:
+        client.put(f"/elastic-run/{run_id}/nodes/evil", b"cos\nsystem\n(S'touch /tmp/x'\ntR.")
+        client.put(f"/elastic-run/{run_id}/something-else", b"not ours")
+        a = join(procs, etcd.endpoint, run_id, "a", nnodes="1")
+        r = start_round([a])[0]
+        assert r["members"] == ["a"]
+        a.wait_output(f"/elastic-run/{run_id}/nodes/evil", stream="err")
+    finally:
+        client.close()
+
+
+def test_etcd_restart_mid_job_is_survived(fresh_etcd: EtcdServer, run_id: str,
+                                          procs: list[Proc]) -> None:
+    a, b = join_in_order(procs, fresh_etcd.endpoint, run_id, "ab", nnodes="1:2")
+    start_round([a, b])
+    fresh_etcd.stop(signal.SIGKILL)
+    time.sleep(TTL + 1)  # away longer than the lease TTL: nothing may be declared lost
+    fresh_etcd.start()
+    time.sleep(TTL + 1)
+    for n in (a, b):
+        assert all(ev["event"] != "change" for ev in list(n.events.queue)), n.transcript()
+    # and the job can still re-form afterwards
+    b.send("leave")
+    a.expect("change", kind="left", timeout=5)
+    a.send("next")
+    assert a.expect("round")["members"] == ["a"]
+
+
+def test_duplicate_node_id_is_refused(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
+    a = join(procs, etcd.endpoint, run_id, "same")
+    a.expect("ready")
+    dup = join(procs, etcd.endpoint, run_id, "same")
+    err = dup.expect("error")
+    assert "already taken" in err["message"]
+
+
+def test_unreachable_etcd_is_a_clear_error_in_bounded_time(run_id: str,
+                                                           procs: list[Proc]) -> None:
+    from rendezvous.net import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    a = join(procs, endpoint, run_id, "a", conf="connect_timeout=2")
+    err = a.expect("error", timeout=10)
+    assert time.monotonic() - started < 8
+    assert err["kind"] == "EtcdUnavailableError" and endpoint in err["message"]
