@@ -106,10 +106,15 @@ class EtcdClient:
                 etcd3.Endpoint(host, int(port), secure=o.secure, creds=creds,
                                       time_retry=1.0, opts=GRPC_OPTIONS)
             )
-        return etcd3.MultiEndpointEtcd3Client(
+        client = etcd3.MultiEndpointEtcd3Client(
             endpoints=endpoints, timeout=o.request_timeout, user=o.user,
             password=o.password, failover=True,
         )
+        if not o.secure:
+            # gRPC refuses call credentials on a plaintext channel; the auth token still
+            # travels as request metadata, which python3-etcd3 sends alongside.
+            client.call_credentials = None
+        return client
 
     def raw(self) -> etcd3.MultiEndpointEtcd3Client:
         with self._lock:
@@ -149,6 +154,8 @@ class EtcdClient:
                 elif code in _RETRYABLE_CODES:
                     last = details or code.name
                     self._reset()
+                elif code == grpc.StatusCode.CANCELLED:
+                    last = details or code.name  # another thread replaced the channel
                 elif "authentication failed" in details:
                     raise EtcdUnavailableError(
                         f"etcd at {self.options.describe()} rejected user "

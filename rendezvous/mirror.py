@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from rendezvous import records
 from rendezvous.client import KV, Compacted, EtcdClient, Event, WatchStream
-from rendezvous.errors import EtcdUnavailableError, MalformedRecordError
+from rendezvous.errors import EtcdUnavailableError, MalformedRecordError, RendezvousError
 from rendezvous.records import ClosedRecord, FailureRecord, Member, NodeRecord, RoundRecord
 
 log = logging.getLogger(__name__)
@@ -212,8 +212,12 @@ class JobMirror:
 
     def _run(self) -> None:
         backoff = 0.1
+        stale = False  # after any break, read everything again before watching on
         while not self._stopped.is_set():
             try:
+                if stale:
+                    self._load(timeout=2.0)
+                    stale = False
                 self._stream = self._client.watch_prefix(self._prefix, self._revision + 1)
                 if self._stopped.is_set():
                     self._stream.cancel()
@@ -227,25 +231,17 @@ class JobMirror:
                 raise EtcdUnavailableError("watch stream ended")
             except Compacted:
                 log.info("etcd compacted the job's history; reading it again")
-                self._reload()
-            except (EtcdUnavailableError, ValueError) as e:
+                stale = True
+            except RendezvousError as e:
                 if self._stopped.is_set():
                     return
                 if self.connected:
                     log.debug("watch on %s interrupted: %s", self._prefix, e)
                 self.connected = False
+                stale = True
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 1.0)
-                self._reload()
-            except Exception:
+            except Exception:  # the watch thread must never die silently
                 log.exception("watch on %s failed; retrying", self._prefix)
+                stale = True
                 self._stopped.wait(1.0)
-
-    def _reload(self) -> None:
-        """Catch up after a break by reading everything (cheap: one job's keys)."""
-        if self._stopped.is_set():
-            return
-        try:
-            self._load(timeout=2.0)
-        except EtcdUnavailableError:
-            self.connected = False

@@ -153,3 +153,21 @@ def wait_until(cond: Callable[[], object], timeout: float, what: str,
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def etcdctl(server, *args: str, user: str | None = None) -> str:
+    """Run etcdctl (next to the etcd binary) against ``server``; returns stdout."""
+    from elastic.etcd_server import etcd_binary
+
+    cmd = [str(Path(etcd_binary()).with_name("etcdctl")), f"--endpoints={server.client_url}"]
+    if server.tls:
+        cmd += [f"--cacert={server.tls.ca}"]
+        if server.tls.client_cert:
+            cmd += [f"--cert={server.tls.client_cert}", f"--key={server.tls.client_key}"]
+    if user:
+        cmd += [f"--user={user}"]
+    done = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "ETCDCTL_API": "3"})
+    if done.returncode:
+        raise AssertionError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout

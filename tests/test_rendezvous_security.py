@@ -1,0 +1,75 @@
+"""TLS-only etcd, user/password auth, and a three-member cluster with a member down."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from certs import make_tls
+from harness import Proc, etcdctl
+from test_rendezvous import TTL, join, join_in_order, start_round
+
+from elastic.etcd_server import EtcdCluster, EtcdServer
+
+
+def test_tls_only_etcd_with_client_certificates(tmp_path: Path, run_id: str,
+                                                procs: list[Proc]) -> None:
+    tls = make_tls(tmp_path / "pki")
+    with EtcdServer(tls=tls) as server:
+        conf = f"cacert={tls.ca},cert={tls.client_cert},key={tls.client_key}"
+        a = join(procs, f"https://{server.endpoint}", run_id, "a", nnodes="2", conf=conf)
+        a.expect("ready")
+        b = join(procs, server.endpoint, run_id, "b", nnodes="2", conf=conf)  # cacert => TLS
+        rounds = start_round([a, b])
+        assert rounds[0]["members"] == ["a", "b"]
+        # plain HTTP to a TLS-only etcd: a clear error naming the endpoint, in bounded time
+        plain = join(procs, server.endpoint, run_id, "plain", conf="connect_timeout=2")
+        err = plain.expect("error", timeout=10)
+        assert err["kind"] == "EtcdUnavailableError" and server.endpoint in err["message"]
+        # a client certificate from another CA is refused too
+        other = make_tls(tmp_path / "other", ca_cn="someone else")
+        bad = join(procs, server.endpoint, run_id, "bad", conf=(
+            f"cacert={tls.ca},cert={other.client_cert},key={other.client_key},connect_timeout=2"))
+        assert bad.expect("error", timeout=10)["kind"] == "EtcdUnavailableError"
+
+
+def test_user_password_auth_survives_etcd_restart(tmp_path: Path, run_id: str,
+                                                  procs: list[Proc]) -> None:
+    with EtcdServer() as server:
+        etcdctl(server, "user", "add", "root", "--new-user-password=s3cret")
+        etcdctl(server, "auth", "enable")
+        secret = tmp_path / "password"
+        secret.write_text("s3cret\n")
+        conf = f"user=root,password_file={secret}"
+        a, b = join_in_order(procs, server.endpoint, run_id, "ab", nnodes="1:2", conf=conf)
+        start_round([a, b])
+        # etcd forgets its auth tokens when it restarts; clients must log in again
+        server.stop()
+        server.start()
+        time.sleep(TTL)
+        b.send("leave")
+        a.expect("change", kind="left", timeout=10)
+        a.send("next")
+        assert a.expect("round", timeout=15)["members"] == ["a"]
+        wrong = join(procs, server.endpoint, run_id, "w", conf="user=root,password=nope")
+        err = wrong.expect("error", timeout=15)
+        assert "rejected user 'root'" in err["message"]
+
+
+def test_cluster_with_one_member_stopped(run_id: str, procs: list[Proc]) -> None:
+    with EtcdCluster(3) as cluster:
+        a, b, c = join_in_order(procs, cluster.endpoints, run_id, "abc", nnodes="1:3")
+        start_round([a, b, c])
+        for member in cluster.members[:1]:
+            member.stop(signal.SIGKILL)
+        time.sleep(TTL + 2)  # longer than a lease: keep-alives must have failed over
+        for n in (a, b, c):
+            assert all(ev["event"] != "change" for ev in list(n.events.queue)), n.transcript()
+        c.signal(signal.SIGKILL)
+        a.expect("change", kind="lost", nodes=["c"], timeout=TTL + 3)
+        start_round([a, b])
+        # and a node that only knows the stopped member plus a live one still joins
+        d = join(procs, f"{cluster.members[0].endpoint},{cluster.members[2].endpoint}", run_id,
+                 "d", nnodes="1:3")
+        d.expect("ready", timeout=15)
