@@ -40,6 +40,8 @@ _TORCH_ERRORS: dict[type[Exception], type[Exception]] = {
 
 
 def _to_torch(e: RendezvousError) -> Exception:
+    # A late joiner gets RendezvousClosedError, as with torch's c10d backend: torch 2.13's
+    # launcher crashes on RendezvousGracefulExitError outside a standby list.
     for ours, theirs in _TORCH_ERRORS.items():
         if isinstance(e, ours):
             return theirs(str(e))

@@ -1,0 +1,96 @@
+"""--rdzv-endpoint and --rdzv-conf parsing: every bad value is one clear sentence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rendezvous.config import (
+    PASSWORD_ENV,
+    ConfigError,
+    build_options,
+    parse_conf,
+    parse_endpoints,
+)
+
+
+def test_endpoints() -> None:
+    assert parse_endpoints("etcd") == (("etcd:2379",), None)
+    assert parse_endpoints("a:1, b:2 ,c") == (("a:1", "b:2", "c:2379"), None)
+    assert parse_endpoints("https://a:1,https://b") == (("a:1", "b:2379"), "https")
+    assert parse_endpoints("[::1]:2379") == (("[::1]:2379",), None)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "empty"),
+    ("a:b", r"expected host\[:port\]"),
+    ("a:70000", "port out of range"),
+    ("http://a,https://b", "mixes"),
+])
+def test_bad_endpoints(text: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        parse_endpoints(text)
+
+
+def test_conf_syntax() -> None:
+    assert parse_conf("a=1, b = x=y ,") == {"a": "1", "b": "x=y"}
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_conf("novalue")
+
+
+def test_defaults_and_aliases() -> None:
+    etcd, rdzv = build_options("h", "job", 1, 4, {})
+    assert etcd.endpoints == ("h:2379",) and not etcd.secure
+    assert (rdzv.lease_ttl, rdzv.last_call_timeout, rdzv.join_timeout) == (5, 2.0, 600.0)
+    assert rdzv.keep_alive_interval == pytest.approx(5 / 3)
+    assert rdzv.job_prefix == "/elastic-run/job/"
+    _, rdzv = build_options("h", "job", 1, 4, {"heartbeat_timeout": "9", "timeout": 900,
+                                               "etcd_prefix": "/x/", "is_host": "1"})
+    assert (rdzv.lease_ttl, rdzv.join_timeout, rdzv.job_prefix) == (9, 900.0, "/x/job/")
+
+
+@pytest.mark.parametrize("conf,needle", [
+    ({"lease_tll": "5"}, "unknown key 'lease_tll'"),
+    ({"lease_ttl": "1"}, "at least 2 seconds"),
+    ({"lease_ttl": "2.5"}, "whole seconds"),
+    ({"join_timeout": "-3"}, "positive"),
+    ({"last_call_timeout": "soon"}, "number of seconds"),
+    ({"keep_alive_interval": "6"}, "shorter than lease_ttl"),
+    ({"prefix": "relative"}, "absolute key prefix"),
+    ({"protocol": "https"}, "cacert"),
+    ({"protocol": "ftp"}, "http or https"),
+    ({"cacert": "/nonexistent/ca.pem"}, "no such file"),
+    ({"user": "root"}, "user and password"),
+])
+def test_bad_conf_names_the_key(conf: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle) as e:
+        build_options("h", "job", 1, 4, conf)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_nodes_and_run_id() -> None:
+    with pytest.raises(ConfigError, match="maximum is below minimum"):
+        build_options("h", "job", 4, 1, {})
+    with pytest.raises(ConfigError, match="at least 1"):
+        build_options("h", "job", 0, 1, {})
+    with pytest.raises(ConfigError, match="--rdzv-id"):
+        build_options("h", "a/b", 1, 1, {})
+
+
+def test_tls_and_password_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    etcd, _ = build_options("h", "job", 1, 1, {"cacert": str(ca)})
+    assert etcd.secure and etcd.ca_cert == str(ca)
+    with pytest.raises(ConfigError, match="cert and key"):
+        build_options("h", "job", 1, 1, {"cacert": str(ca), "cert": str(ca)})
+    with pytest.raises(ConfigError, match="says http but"):
+        build_options("http://h", "job", 1, 1, {"protocol": "https", "cacert": str(ca)})
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\nignored\n")
+    etcd, _ = build_options("h", "job", 1, 1, {"user": "u", "password_file": str(secret)})
+    assert (etcd.user, etcd.password) == ("u", "from-file")
+    monkeypatch.setenv(PASSWORD_ENV, "from-env")
+    etcd, _ = build_options("h", "job", 1, 1, {"user": "u"})
+    assert etcd.password == "from-env"

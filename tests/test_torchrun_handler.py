@@ -1,0 +1,45 @@
+"""Stock torchrun trains with ``--rdzv-backend etcd-v3`` once this project is installed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from importlib.metadata import entry_points
+
+import pytest
+from conftest import need
+from harness import ROOT, Proc
+
+from elastic.etcd_server import EtcdServer
+
+SCRIPT = ROOT / "tests" / "scripts" / "ddp_min.py"
+
+
+def torchrun(endpoint: str, run_id: str, nnodes: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "etcd-v3",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--nnodes", nnodes,
+            "--nproc-per-node", "2", "--local-addr", "127.0.0.1",
+            "--rdzv-conf", "last_call_timeout=1,lease_ttl=3", str(SCRIPT), "6"]
+
+
+@pytest.mark.slow
+def test_two_stock_torchrun_agents_train_to_completion(etcd: EtcdServer, run_id: str,
+                                                       procs: list[Proc], tmp_path: Path) -> None:
+    need(any(ep.name == "etcd-v3" for ep in entry_points(group="torchrun.handlers")),
+         "the project is not installed (pip install -e .): no torchrun.handlers entry point")
+    agents = [Proc(torchrun(etcd.endpoint, run_id, "2"), env={"RESULT_DIR": str(tmp_path)},
+                   name=f"torchrun{i}") for i in range(2)]
+    procs.extend(agents)
+    for a in agents:
+        assert a.wait(120) == 0, a.transcript()
+    done = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
+    assert {d["world"] for d in done} == {4}
+    assert len({round(d["checksum"], 6) for d in done}) == 1  # DDP kept replicas in sync
+    assert {d["env"]["TORCHELASTIC_RUN_ID"] for d in done} == {run_id}
+    # a late joiner finds the job closed and stops at once, as with torch's c10d backend
+    late = Proc(torchrun(etcd.endpoint, run_id, "1:2"), name="late")
+    procs.append(late)
+    assert late.wait(60) != 0
+    assert "has finished" in "\n".join(late.err)
