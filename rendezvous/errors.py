@@ -30,3 +30,7 @@ class MalformedRecordError(RendezvousError):
 
 class LeaseLostError(RendezvousError):
     """etcd says this node's lease is gone: the others have already moved on without it."""
+
+
+class RendezvousCancelled(RendezvousError):
+    """The caller asked the wait to end (the agent got a signal)."""

@@ -67,37 +67,57 @@ class JobView:
 
     @classmethod
     def build(cls, revision: int, kvs: dict[str, KV], departed: dict[str, LiveNode],
-              last_join: float) -> JobView:
+              last_join: float, cache: dict[str, tuple[int, object]] | None = None) -> JobView:
+        """Decode every record (reusing ``cache`` entries whose mod revision still holds)."""
+        cache = {} if cache is None else cache
         nodes: dict[str, LiveNode] = {}
         failures: dict[int, dict[str, FailureRecord]] = {}
         problems: list[str] = []
         rnd = closed = None
         round_rev = 0
         round_err = closed_err = None
+        for rel in [k for k in cache if k not in kvs]:
+            del cache[rel]
         for rel, kv in kvs.items():
-            key = kv.key
-            try:
-                if rel.startswith(records.NODES):
-                    rec = NodeRecord.decode(key, kv.value)
-                    nodes[rec.id] = LiveNode(rec, kv.create_revision)
-                elif rel == records.ROUND:
-                    round_rev = kv.mod_revision
-                    try:
-                        rnd = RoundRecord.decode(key, kv.value)
-                    except MalformedRecordError as e:
-                        round_err = str(e)
+            hit = cache.get(rel)
+            if hit is not None and hit[0] == kv.mod_revision:
+                value = hit[1]
+            else:
+                value = _decode(rel, kv)
+                cache[rel] = (kv.mod_revision, value)
+            if isinstance(value, MalformedRecordError):
+                if rel == records.ROUND:
+                    round_rev, round_err = kv.mod_revision, str(value)
                 elif rel == records.CLOSED:
-                    try:
-                        closed = ClosedRecord.decode(key, kv.value)
-                    except MalformedRecordError as e:
-                        closed_err = str(e)
-                elif rel.startswith(records.FAILURES):
-                    f = FailureRecord.decode(key, kv.value)
-                    failures.setdefault(f.round, {})[f.node] = f
-            except MalformedRecordError as e:
-                problems.append(str(e))
+                    closed_err = str(value)
+                else:
+                    problems.append(str(value))
+            elif isinstance(value, NodeRecord):
+                nodes[value.id] = LiveNode(value, kv.create_revision)
+            elif isinstance(value, RoundRecord):
+                rnd, round_rev = value, kv.mod_revision
+            elif isinstance(value, ClosedRecord):
+                closed = value
+            elif isinstance(value, FailureRecord):
+                failures.setdefault(value.round, {})[value.node] = value
         return cls(revision, nodes, dict(departed), rnd, round_rev, round_err, closed,
                    closed_err, failures, tuple(problems), last_join)
+
+
+def _decode(rel: str, kv: KV) -> object:
+    """The record at ``rel``, the MalformedRecordError it raised, or None if not ours."""
+    try:
+        if rel.startswith(records.NODES):
+            return NodeRecord.decode(kv.key, kv.value)
+        if rel == records.ROUND:
+            return RoundRecord.decode(kv.key, kv.value)
+        if rel == records.CLOSED:
+            return ClosedRecord.decode(kv.key, kv.value)
+        if rel.startswith(records.FAILURES):
+            return FailureRecord.decode(kv.key, kv.value)
+    except MalformedRecordError as e:
+        return e
+    return None
 
 
 class JobMirror:
@@ -110,6 +130,8 @@ class JobMirror:
         self._kvs: dict[str, KV] = {}
         self._departed: dict[str, LiveNode] = {}
         self._view = JobView()
+        self._dirty = False
+        self._decoded: dict[str, tuple[int, object]] = {}  # rel key -> (mod rev, record)
         self._version = 0
         self._revision = 0
         self._last_join = time.monotonic()
@@ -136,7 +158,16 @@ class JobMirror:
 
     # -- reading -----------------------------------------------------------------------
     def view(self) -> JobView:
+        """The current view, built on demand: bursts of events cost one build, not many."""
         with self._cond:
+            if self._dirty:
+                self._view = JobView.build(self._revision, self._kvs, self._departed,
+                                           self._last_join, self._decoded)
+                self._dirty = False
+                for problem in self._view.problems:
+                    if problem not in self._warned:
+                        self._warned.add(problem)
+                        log.warning("ignoring %s", problem)
             return self._view
 
     @property
@@ -178,7 +209,11 @@ class JobMirror:
 
     def _note_departed(self, rel: str) -> None:
         node_id = rel[len(records.NODES):]
-        gone = self._view.nodes.get(node_id)
+        kv = self._kvs.get(rel)
+        decoded = self._decoded.get(rel)
+        gone = None
+        if kv is not None and decoded is not None and isinstance(decoded[1], NodeRecord):
+            gone = LiveNode(decoded[1], kv.create_revision)
         if gone is not None:
             self._departed[node_id] = gone
             while len(self._departed) > _DEPARTED_KEEP:
@@ -201,12 +236,7 @@ class JobMirror:
             self._publish()
 
     def _publish(self) -> None:
-        view = JobView.build(self._revision, self._kvs, self._departed, self._last_join)
-        for problem in view.problems:
-            if problem not in self._warned:
-                self._warned.add(problem)
-                log.warning("ignoring %s", problem)
-        self._view = view
+        self._dirty = True
         self._version += 1
         self._cond.notify_all()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -20,6 +21,7 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import (
     LeaseLostError,
+    RendezvousCancelled,
     RendezvousClosedError,
     RendezvousError,
     RendezvousTimeoutError,
@@ -77,6 +79,7 @@ class Rendezvous:
         self.round: RoundRecord | None = None  # the round this node is (or was last) in
         self._registered_at = 0  # etcd revision of the registration
         self._record: NodeRecord | None = None
+        self._shut = False
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, rel: str) -> str:
@@ -95,9 +98,15 @@ class Rendezvous:
 
     def shutdown(self, leave: bool = True) -> None:
         """Stop the background threads; with ``leave`` the others see this node go at once."""
+        if self._shut:
+            return
+        self._shut = True
         if leave:
             if self._record is not None and self.lease.lease_id and not self.lease.lost:
-                self._put_record(state="leaving")
+                try:
+                    self._put_record(state="leaving")
+                except RendezvousError as e:
+                    log.warning("could not mark this node as leaving: %s", e)
             self.lease.revoke()
         self.lease.stop()
         self.mirror.stop()
@@ -167,13 +176,15 @@ class Rendezvous:
     def _member_of(self, r: RoundRecord) -> bool:
         return any(m.id == self.me.id and m.rev == self.rev for m in r.members)
 
-    def next_round(self, timeout: float | None = None) -> RoundRecord:
+    def next_round(self, timeout: float | None = None,
+                   cancel: threading.Event | None = None) -> RoundRecord:
         """Block until a new round that includes this node has formed; return it.
 
         Leaves the current round first (marks this node done with it). Takes part in
         forming the round when this node is the writer. Raises RendezvousClosedError
         when the job is over, RendezvousTimeoutError when fewer than MIN nodes are
-        present for ``timeout`` (join_timeout) seconds.
+        present for ``timeout`` (join_timeout) seconds, RendezvousCancelled once ``cancel``
+        is set (wake the wait with ``mirror.poke()``).
         """
         if not self._fenced(self.mirror.view()):
             with contextlib.suppress(LeaseLostError):  # then it registers again below
@@ -181,6 +192,8 @@ class Rendezvous:
         timeout = self.options.join_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
+            if cancel is not None and cancel.is_set():
+                raise RendezvousCancelled("cancelled while waiting for the next round")
             version = self.mirror.version
             view = self.mirror.view()
             self._raise_if_closed(view)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 from conftest import need

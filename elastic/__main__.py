@@ -1,0 +1,3 @@
+from elastic.cli import main
+
+main()

@@ -1,0 +1,267 @@
+"""The agent: a small state machine that joins rounds, runs workers and reacts.
+
+    JOINING -> RUNNING -> (RESIZING | RESTARTING) -> RUNNING ... -> SUCCEEDED | FAILED
+
+| event                                   | reaction                                          |
+|-----------------------------------------|---------------------------------------------------|
+| round formed, this node a member        | start workers with torchrun's environment         |
+| a member lost (crash, freeze, cut off)  | stop local workers now, re-form; no restart       |
+| a node waiting and room, a peer leaving | stop workers gracefully, re-form                  |
+| a local worker failed                   | stop the rest, report it (the job charges one     |
+|                                         | restart), re-form; budget spent: exit 1 w/ cause  |
+| all local workers exited 0              | close the job, leave, exit 0                      |
+| job closed by another node              | let local workers finish, exit 0 (or 1 if failed) |
+| this node fenced (lease gone)           | kill stale workers at once, join as a newcomer    |
+| SIGTERM/SIGINT/...                      | say we leave, forward, grace, kill, revoke, exit  |
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic.failures import WorkerFailure, format_report, summarize
+from elastic.worker_env import Placement
+from elastic.workers import GroupState, WorkerGroup
+from rendezvous.errors import RendezvousCancelled, RendezvousClosedError, RendezvousError
+from rendezvous.protocol import Change, Rendezvous
+from rendezvous.records import RoundRecord
+
+log = logging.getLogger("elastic.agent")
+
+URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
+
+
+class State(enum.Enum):
+    JOINING = "joining"
+    RUNNING = "running"
+    RESIZING = "resizing"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Why the monitor loop stopped watching the current round."""
+
+    kind: str  # succeeded | failed | change | signal
+    failures: tuple[WorkerFailure, ...] = ()
+    change: Change | None = None
+
+
+class Agent:
+    def __init__(self, rdzv: Rendezvous, workers: WorkerGroup, *, monitor_interval: float,
+                 shutdown_timeout: float, close_timeout: float, host: str) -> None:
+        self.rdzv = rdzv
+        self.workers = workers
+        self.monitor_interval = monitor_interval
+        self.shutdown_timeout = shutdown_timeout
+        self.close_timeout = close_timeout
+        self.host = host
+        self.state = State.JOINING
+        self.signal: int | None = None
+        self._cancel = threading.Event()
+        self._change_at = time.monotonic()
+        self._change_why = "start"
+
+    @property
+    def node_id(self) -> str:
+        return self.rdzv.me.id
+
+    # -- signals --------------------------------------------------------------------------
+    def on_signal(self, signum: int) -> None:
+        """From the signal handler: remember the first signal and wake the main loop."""
+        if self.signal is None:
+            self.signal = signum
+        self._cancel.set()
+        self.rdzv.mirror.poke()
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job ends for this node; returns the process exit code."""
+        try:
+            self.rdzv.start()
+        except RendezvousClosedError as e:
+            return self._closed_on_arrival(e)
+        previous: RoundRecord | None = None
+        while True:
+            if self.signal is not None:
+                return self._leave()
+            self.state = State.JOINING
+            try:
+                r = self.rdzv.next_round(cancel=self._cancel)
+            except RendezvousCancelled:
+                return self._leave()
+            except RendezvousClosedError as e:
+                return self._closed(e)
+            self._start(r, previous)
+            previous = r
+            outcome = self._monitor()
+            code = self._react(outcome)
+            if code is not None:
+                return code
+
+    def _start(self, r: RoundRecord, previous: RoundRecord | None) -> None:
+        group_rank = r.rank_of(self.node_id)
+        nproc = r.members[group_rank].nproc
+        base = r.base_rank(group_rank)
+        placements = [
+            Placement(local_rank=lr, rank=base + lr, group_rank=group_rank,
+                      local_world_size=nproc, world_size=r.world_size,
+                      group_world_size=len(r.members), master_addr=r.master_addr,
+                      master_port=r.master_port, restart_count=r.restarts)
+            for lr in range(nproc)
+        ]
+        self.workers.start(placements)
+        self.state = State.RUNNING
+        took = time.monotonic() - self._change_at
+        log.info("%s", membership_line(r, previous, took, self._change_why))
+        log.info("node %s: group rank %d, ranks %d-%d, master %s:%d, restarts %d",
+                 self.node_id, group_rank, base, base + nproc - 1, r.master_addr,
+                 r.master_port, r.restarts)
+
+    def _monitor(self) -> Outcome:
+        while True:
+            version = self.rdzv.version
+            if self.signal is not None:
+                return Outcome("signal")
+            state, failures = self.workers.poll()
+            if state is GroupState.SUCCEEDED:
+                return Outcome("succeeded")
+            if state is GroupState.FAILED:
+                return Outcome("failed", tuple(failures))
+            change = self.rdzv.check()
+            if change is not None:
+                return Outcome("change", change=change)
+            self.rdzv.wait(version, self.monitor_interval)
+
+    def _react(self, o: Outcome) -> int | None:
+        """Act on an outcome; an int is the exit code, None means join the next round."""
+        self._change_at = time.monotonic()
+        if o.kind == "signal":
+            return self._leave()
+        if o.kind == "succeeded":
+            return self._succeeded()
+        if o.kind == "failed":
+            self.state = State.RESTARTING
+            self.workers.stop(URGENT_GRACE)
+            detail = summarize(list(o.failures), self.node_id, self.host)
+            log.error("workers failed: %s", detail["summary"])
+            self._change_why = f"workers failed on {self.node_id}"
+            try:
+                self.rdzv.report_failure(detail)
+            except RendezvousError as e:
+                log.warning("could not report the failure to etcd: %s", e)
+            return None
+        change = o.change
+        assert change is not None
+        self._change_why = change.detail
+        if change.kind == "closed":
+            return self._finish_after_close()
+        if change.kind == "fenced":
+            log.warning("fenced: %s; killing stale workers and joining again", change.detail)
+            self.workers.stop(0)
+            return None
+        if change.urgent:
+            log.warning("%s: stopping workers now", change.detail)
+            self.state = State.RESTARTING
+            self.workers.stop(URGENT_GRACE)
+        else:
+            log.info("%s: resizing", change.detail)
+            self.state = State.RESIZING
+            self.workers.stop(self.shutdown_timeout)
+        return None
+
+    # -- endings --------------------------------------------------------------------------
+    def _succeeded(self) -> int:
+        self.state = State.SUCCEEDED
+        try:
+            if self.rdzv.close("succeeded", f"all workers succeeded ({self.node_id} first)"):
+                log.info("all workers succeeded; job closed")
+            else:
+                log.info("all workers succeeded")
+        except RendezvousError as e:
+            log.warning("could not mark the job closed in etcd: %s", e)
+        self.rdzv.shutdown(leave=True)
+        return 0
+
+    def _finish_after_close(self) -> int:
+        """Another node closed the job: let local workers finish, then leave."""
+        view = self.rdzv.mirror.view()
+        closed = view.closed_record
+        if closed is not None and closed.state == "failed":
+            self.workers.stop(URGENT_GRACE)
+            self.rdzv.shutdown(leave=True)
+            return self._report_failed(closed.reason, closed.root_cause)
+        if not self.workers.wait(self.close_timeout):
+            log.warning("job closed as succeeded but local workers still run after "
+                        "close_timeout=%gs; stopping them", self.close_timeout)
+            self.workers.stop(self.shutdown_timeout)
+        state, failures = self.workers.poll()
+        self.rdzv.shutdown(leave=True)
+        if state is GroupState.FAILED:
+            detail = {**summarize(failures, self.node_id, self.host), "node": self.node_id}
+            return self._report_failed("workers failed after the job was closed", detail)
+        self.state = State.SUCCEEDED
+        log.info("job finished")
+        return 0
+
+    def _closed(self, e: RendezvousClosedError) -> int:
+        self.rdzv.shutdown(leave=True)
+        if e.state == "failed":
+            closed = self.rdzv.mirror.view().closed_record
+            return self._report_failed(e.reason, closed.root_cause if closed else {})
+        self.state = State.SUCCEEDED
+        log.info("%s", e)
+        return 0
+
+    def _closed_on_arrival(self, e: RendezvousClosedError) -> int:
+        if e.state == "failed":
+            return self._report_failed(e.reason, {})
+        log.info("%s; nothing to do", e)
+        return 0
+
+    def _report_failed(self, reason: str, root: dict) -> int:
+        self.state = State.FAILED
+        log.error("%s", format_report(f"job {self.rdzv.options.run_id} FAILED: {reason}", root))
+        return 1
+
+    def _leave(self) -> int:
+        """Leave on a signal: others drain, our workers get the signal, then we go."""
+        sig = self.signal or signal.SIGTERM
+        name = signal.Signals(sig).name
+        log.warning("received %s: leaving the job", name)
+        try:
+            self.rdzv.announce_leaving()
+        except RendezvousError as e:
+            log.warning("could not announce leaving: %s", e)
+        self.workers.signal(sig)
+        if not self.workers.wait(self.shutdown_timeout):
+            log.warning("workers still running %gs after %s; killing them",
+                        self.shutdown_timeout, name)
+        self.workers.stop(0)
+        self.rdzv.shutdown(leave=True)
+        return 128 + int(sig)
+
+
+def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float,
+                    why: str) -> str:
+    """One line per membership change: who left or joined, the new size, how long it took."""
+    nodes = ", ".join(m.id for m in r.members)
+    parts = [f"round {r.number}: world size {r.world_size} on {len(r.members)} node(s) "
+             f"[{nodes}]"]
+    if r.lost:
+        parts.append(f"lost {', '.join(r.lost)}")
+    if r.left:
+        parts.append(f"left {', '.join(r.left)}")
+    if previous is not None and r.joined:
+        parts.append(f"joined {', '.join(r.joined)}")
+    if r.cause == "failure":
+        parts.append(f"restart {r.restarts} after a worker failure")
+    parts.append(f"{took:.2f}s after {why}")
+    return "; ".join(parts)

@@ -1,0 +1,87 @@
+"""Wire one node together: embedded etcd if needed, rendezvous, workers, agent, signals."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterator
+
+from elastic.agent import Agent
+from elastic.etcd_server import EtcdServer
+from elastic.logs import LogRouter
+from elastic.spec import RunConfig
+from elastic.workers import WorkerGroup
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options
+from rendezvous.net import default_local_addr
+from rendezvous.protocol import NodeSpec, Rendezvous
+
+log = logging.getLogger("elastic.launch")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as v
+
+    try:
+        return v("elastic-run")
+    except PackageNotFoundError:
+        return "dev"
+
+
+@contextlib.contextmanager
+def embedded_etcd(cfg: RunConfig) -> Iterator[str]:
+    """The endpoint to use: the given one, or that of an etcd started for this agent."""
+    if not cfg.embedded_etcd:
+        yield cfg.rdzv_endpoint
+        return
+    with EtcdServer(name="embedded") as server:
+        log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
+        if cfg.max_nodes > 1:
+            log.info("other nodes on this machine join with --rdzv-endpoint %s --rdzv-id %s",
+                     server.endpoint, cfg.rdzv_id)
+        yield server.endpoint
+
+
+@contextlib.contextmanager
+def handled_signals(signals: tuple[int, ...], handler) -> Iterator[None]:
+    previous = {s: signal.signal(s, lambda n, _f: handler(n)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def launch(cfg: RunConfig) -> int:
+    """Run this node's agent to the end; returns the exit code."""
+    with embedded_etcd(cfg) as endpoint:
+        etcd_opts, rdzv_opts = build_options(endpoint, cfg.rdzv_id, cfg.min_nodes,
+                                             cfg.max_nodes, cfg.rdzv_conf)
+        client = EtcdClient(etcd_opts)
+        me = NodeSpec(id=cfg.node_id, addr=cfg.local_addr or default_local_addr(),
+                      nproc=cfg.nproc_per_node, host=socket.gethostname(), pid=os.getpid(),
+                      version=version())
+        rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
+        router = LogRouter(cfg.log_dir, cfg.rdzv_id, cfg.node_id, cfg.redirects, cfg.tee,
+                           cfg.local_ranks_filter, cfg.role, cfg.stdout_filters,
+                           cfg.stderr_filters)
+        workers = WorkerGroup(cfg.command, router, role=cfg.role, run_id=cfg.rdzv_id,
+                              max_restarts=cfg.max_restarts,
+                              virtual_local_rank=cfg.virtual_local_rank, extra_env=cfg.env)
+        agent = Agent(rdzv, workers, monitor_interval=cfg.monitor_interval,
+                      shutdown_timeout=cfg.shutdown_timeout,
+                      close_timeout=rdzv_opts.close_timeout, host=me.host)
+        log.info("node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
+                 cfg.node_id, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node,
+                 router.run_dir)
+        try:
+            with handled_signals(cfg.signals, agent.on_signal):
+                return agent.run()
+        finally:
+            workers.stop(0)
+            rdzv.shutdown(leave=True)
+            client.close()

@@ -1,0 +1,84 @@
+"""Start elastic-run agents as separate processes ("nodes") and read what their workers did."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from harness import ROOT, Proc
+
+TRAIN_LOOP = ROOT / "tests" / "scripts" / "train_loop.py"
+TTL = 3
+FAST_CONF = f"lease_ttl={TTL},last_call_timeout=1"
+
+
+def start_agent(procs: list[Proc], endpoint: str, run_id: str, node: str, script: Path,
+                *script_args: str, nnodes: str = "1:3", nproc: int = 1,
+                conf: str = FAST_CONF, extra: tuple[str, ...] = (),
+                env: dict[str, str] | None = None) -> Proc:
+    cmd = [sys.executable, "-m", "elastic", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+           "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf,
+           "--node-id", node, "--local-addr", "127.0.0.1", "--monitor-interval", "0.05",
+           *extra, str(script), *script_args]
+    p = Proc(cmd, env=env, name=node)
+    procs.append(p)
+    return p
+
+
+def steps(result_dir: Path) -> list[dict]:
+    """Every step every worker logged (train_loop.py's JSON lines), in time order."""
+    out = []
+    for f in result_dir.glob("w*.jsonl"):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                with contextlib.suppress(json.JSONDecodeError):  # a line being written now
+                    out.append(json.loads(line))
+    return sorted(out, key=lambda s: s["t"])
+
+
+def wait_world(result_dir: Path, world: int, after: float = 0.0, timeout: float = 60.0,
+               ranks: int | None = None) -> float:
+    """Time of the first step at ``world`` (after ``after``) once ``ranks`` ranks trained."""
+    need = world if ranks is None else ranks
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        at = [s for s in steps(result_dir) if s["world"] == world and s["t"] > after]
+        if len({s["rank"] for s in at}) >= need:
+            return at[0]["t"]
+        time.sleep(0.1)
+    seen = sorted({(s["world"], s["rank"]) for s in steps(result_dir)})
+    raise AssertionError(f"no training at world size {world} within {timeout}s; seen {seen}")
+
+
+def worker_pids(agent: Proc) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(agent.pid).children()
+                if "etcd" not in " ".join(c.cmdline())]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_workers(agent: Proc, n: int, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = worker_pids(agent)
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"{agent.name}: {n} workers not started within {timeout}s\n"
+                         f"{agent.transcript()}")
+
+
+def gone(pids: list[int]) -> bool:
+    """True once none of ``pids`` runs (zombies awaiting their reaper count as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
