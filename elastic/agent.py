@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from elastic import store
 from elastic.failures import WorkerFailure, format_report, summarize
 from elastic.worker_env import Placement
 from elastic.workers import GroupState, WorkerGroup
@@ -68,6 +69,7 @@ class Agent:
         self._cancel = threading.Event()
         self._change_at = time.monotonic()
         self._change_why = "start"
+        self._store: object | None = None  # the round's TCPStore, on the rank-0 node only
 
     @property
     def node_id(self) -> str:
@@ -99,10 +101,17 @@ class Agent:
                 return self._leave()
             except RendezvousClosedError as e:
                 return self._closed(e)
-            self._start(r, previous)
+            try:
+                self._start(r, previous)
+            except store.StoreError as e:
+                log.error("%s; leaving this round", e)
+                self._change_why = str(e)
+                self.rdzv.finish_round()
+                continue
             previous = r
             outcome = self._monitor()
             code = self._react(outcome)
+            self._store = None  # the round's store goes with the round
             if code is not None:
                 return code
 
@@ -117,6 +126,8 @@ class Agent:
                       master_port=r.master_port, restart_count=r.restarts)
             for lr in range(nproc)
         ]
+        if group_rank == 0:
+            self._store = store.host(r.master_addr, r.master_port)
         self.workers.start(placements)
         self.state = State.RUNNING
         took = time.monotonic() - self._change_at

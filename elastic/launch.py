@@ -9,6 +9,7 @@ import signal
 import socket
 from collections.abc import Iterator
 
+from elastic import store
 from elastic.agent import Agent
 from elastic.etcd_server import EtcdServer
 from elastic.logs import LogRouter
@@ -58,6 +59,7 @@ def handled_signals(signals: tuple[int, ...], handler) -> Iterator[None]:
 
 def launch(cfg: RunConfig) -> int:
     """Run this node's agent to the end; returns the exit code."""
+    store.prefetch()
     with embedded_etcd(cfg) as endpoint:
         etcd_opts, rdzv_opts = build_options(endpoint, cfg.rdzv_id, cfg.min_nodes,
                                              cfg.max_nodes, cfg.rdzv_conf)

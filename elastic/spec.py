@@ -178,7 +178,8 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     _check_script(ns)
-    env = {}
+    # torchrun sets this in its own environment, which its workers inherit
+    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": str(ns.signals_to_handle)}
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
                     "machine; tune it for your workload")

@@ -43,9 +43,9 @@ def worker_env(p: Placement, *, role: str, run_id: str, max_restarts: int, error
         "TORCHELASTIC_RESTART_COUNT": str(p.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
-        # rank 0 hosts the store on a port fresh to this round (as with torchrun's etcd and
-        # static backends), so no stale worker of an older round can reach it
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # the rank-0 agent hosts the store (as torchrun's c10d backend), on a port fresh to
+        # this round, so no stale worker of an older round can reach it
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": parent.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_ERROR_FILE": error_file,
         "LOCAL_RANK": str(p.local_rank),
