@@ -132,9 +132,9 @@ class Agent:
         self.state = State.RUNNING
         took = time.monotonic() - self._change_at
         log.info("%s", membership_line(r, previous, took, self._change_why))
-        log.info("node %s: group rank %d, ranks %d-%d, master %s:%d, restarts %d",
-                 self.node_id, group_rank, base, base + nproc - 1, r.master_addr,
-                 r.master_port, r.restarts)
+        ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
+        log.info("node %s: group rank %d, %s, master %s:%d, restarts %d", self.node_id,
+                 group_rank, ranks, r.master_addr, r.master_port, r.restarts)
 
     def _monitor(self) -> Outcome:
         while True:

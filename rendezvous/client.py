@@ -20,6 +20,7 @@ import etcd3
 import etcd3.exceptions
 import grpc
 from etcd3 import etcdrpc
+from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
 from rendezvous.config import EtcdOptions
@@ -27,6 +28,7 @@ from rendezvous.errors import EtcdUnavailableError, RendezvousError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_DELETE = kv_pb2.Event.DELETE
 
 # Reconnect fast after an etcd restart (gRPC's default backoff grows to two minutes), notice
 # a dead connection within seconds, and never route loopback etcd through an HTTP proxy.
@@ -204,6 +206,43 @@ class EtcdClient:
             "transaction", lambda c: c.transaction(compare, success, failure or [])[0], timeout
         )
 
+    def create_and_read(self, key: str, value: bytes, lease: int, prefix: str,
+                        unless: str, timeout: float | None = None) -> tuple[int, list[KV]]:
+        """In one transaction: unless ``key`` or ``unless`` exists, write ``key``; either
+        way read all of ``prefix``. Returns (revision of the write or 0, what was read)."""
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, list[KV]]:
+            t = c.transactions
+            end = prefix_range_end(prefix.encode())
+            ok, resp = c.transaction(
+                [t.create(key) == 0, t.create(unless) == 0],
+                [t.put(key, value, lease=lease), t.get(prefix, end)], [t.get(prefix, end)])
+            found = resp[-1] if resp else []
+            kvs = [KV(m.key.decode(), raw, m.create_revision, m.mod_revision, m.lease_id)
+                   for raw, m in found]
+            return (resp[0].response_put.header.revision if ok else 0), kvs
+
+        return self.call(f"join under {prefix}", run, timeout)
+
+    def create(self, key: str, value: bytes, lease: int = 0,
+               timeout: float | None = None) -> tuple[int, KV | None]:
+        """Write ``key`` only if absent, in one round trip: (revision, None) when written,
+        (0, the existing KV) when the key was there already."""
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, KV | None]:
+            t = c.transactions
+            ok, resp = c.transaction([t.create(key) == 0], [t.put(key, value, lease=lease)],
+                                     [t.get(key)])
+            if ok:
+                return resp[0].response_put.header.revision, None
+            found = resp[0] if resp and resp[0] else []
+            if not found:
+                return 0, None
+            raw, meta = found[0]
+            return 0, KV(key, raw, meta.create_revision, meta.mod_revision, meta.lease_id)
+
+        return self.call(f"create {key}", run, timeout)
+
     @property
     def ops(self) -> etcd3.Transactions:
         """Builders for ``txn``: ``ops.mod(key) == rev``, ``ops.put(key, value)``..."""
@@ -237,26 +276,41 @@ class EtcdClient:
         self.call("revoke lease", run, timeout)
 
     # -- watches --------------------------------------------------------------------------
-    def watch_prefix(self, prefix: str, start_revision: int) -> WatchStream:
-        return WatchStream(self, prefix, start_revision)
+    def watch(self, specs: list[WatchSpec], start_revision: int) -> WatchStream:
+        return WatchStream(self, specs, start_revision)
+
+
+@dataclass(frozen=True)
+class WatchSpec:
+    """One watch on a stream: a key, or a prefix when ``prefix``; deletes only if ``no_put``."""
+
+    key: str
+    prefix: bool = False
+    no_put: bool = False
+
+    def request(self, start_revision: int) -> etcdrpc.WatchRequest:
+        key = self.key.encode()
+        create = etcdrpc.WatchCreateRequest(key=key, start_revision=start_revision)
+        if self.prefix:
+            create.range_end = prefix_range_end(key)
+        if self.no_put:
+            create.filters.append(etcdrpc.WatchCreateRequest.NOPUT)
+        return etcdrpc.WatchRequest(create_request=create)
 
 
 class WatchStream:
-    """One gRPC watch stream over a key prefix, iterated as batches of events.
+    """One gRPC watch stream carrying one or more watches, iterated as batches of events.
 
     python3-etcd3's callback watcher loses its callbacks when the stream breaks; here a
     broken stream simply ends the iteration with the error, and the caller resumes from
     the last revision it saw.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, start_revision: int) -> None:
+    def __init__(self, client: EtcdClient, specs: list[WatchSpec], start_revision: int) -> None:
         self._client = client
-        key = prefix.encode()
-        create = etcdrpc.WatchCreateRequest(
-            key=key, range_end=prefix_range_end(key), start_revision=start_revision
-        )
         self._requests: queue.Queue = queue.Queue()
-        self._requests.put(etcdrpc.WatchRequest(create_request=create))
+        for spec in specs:
+            self._requests.put(spec.request(start_revision))
         raw = client.call("open a watch", lambda c: c, timeout=2.0)
         stub = etcdrpc.WatchStub(raw.channel)
         self._call = stub.Watch(
@@ -276,25 +330,20 @@ class WatchStream:
         self._requests.put(None)
         self._call.cancel()
 
-    def __iter__(self) -> Iterator[tuple[int, list[Event]]]:
-        """Yields (revision, events). Ends quietly on cancel; raises on a broken stream."""
+    def __iter__(self) -> Iterator[list[Event]]:
+        """Yields lists of events. Ends quietly on cancel; raises on a broken stream."""
         try:
             for resp in self._call:
                 if resp.compact_revision:
                     raise Compacted(resp.compact_revision)
                 if resp.canceled:
                     raise EtcdUnavailableError(f"etcd cancelled the watch: {resp.cancel_reason}")
-                events = [
-                    Event(
-                        ev.kv.key.decode(),
-                        None if ev.type == ev.DELETE else ev.kv.value,
-                        ev.kv.create_revision,
-                        ev.kv.mod_revision,
-                        ev.kv.lease,
-                    )
-                    for ev in resp.events
-                ]
-                yield resp.header.revision, events
+                if resp.events:
+                    yield [
+                        Event(ev.kv.key.decode(), None if ev.type == _DELETE else ev.kv.value,
+                              ev.kv.create_revision, ev.kv.mod_revision, ev.kv.lease)
+                        for ev in resp.events
+                    ]
         except grpc.RpcError as e:
             if self._cancelled:
                 return

@@ -1,9 +1,14 @@
 """A live, watch-fed copy of one job's keys, and the immutable views taken of it.
 
-One watch stream over the job prefix feeds the mirror; every change wakes whoever waits
-on it. Nothing polls etcd. When the stream breaks (etcd restarted, a member died) the
-mirror resumes from the last revision it saw, or re-reads everything if etcd compacted
-that history away.
+One watch stream feeds the mirror; every change wakes whoever waits on it. Nothing polls
+etcd. When the stream breaks (etcd restarted, a member died) the mirror reads the job
+again and watches on from there.
+
+Two modes. *Full*: every change under the job prefix, as a running member (it must see
+arrivals, departures, failures) or the round's writer needs. *Lean*: only departures
+(etcd's NOPUT filter), the round and ``closed``, which is all a node waiting for someone
+else to write the round needs. With N nodes forming a round, full watching costs N
+events at each of N nodes; lean watching costs next to nothing at the N-1 that wait.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from rendezvous import records
-from rendezvous.client import KV, Compacted, EtcdClient, Event, WatchStream
+from rendezvous.client import KV, Compacted, EtcdClient, Event, WatchSpec, WatchStream
 from rendezvous.errors import EtcdUnavailableError, MalformedRecordError, RendezvousError
 from rendezvous.records import ClosedRecord, FailureRecord, Member, NodeRecord, RoundRecord
 
@@ -27,6 +32,7 @@ _DEPARTED_KEEP = 256
 class LiveNode:
     record: NodeRecord
     rev: int  # create revision: join order, and the incarnation
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,59 +71,67 @@ class JobView:
         gone = self.departed.get(m.id)
         return gone is not None and gone.rev == m.rev and gone.record.state == "leaving"
 
-    @classmethod
-    def build(cls, revision: int, kvs: dict[str, KV], departed: dict[str, LiveNode],
-              last_join: float, cache: dict[str, tuple[int, object]] | None = None) -> JobView:
-        """Decode every record (reusing ``cache`` entries whose mod revision still holds)."""
-        cache = {} if cache is None else cache
-        nodes: dict[str, LiveNode] = {}
-        failures: dict[int, dict[str, FailureRecord]] = {}
-        problems: list[str] = []
-        rnd = closed = None
-        round_rev = 0
-        round_err = closed_err = None
-        for rel in [k for k in cache if k not in kvs]:
-            del cache[rel]
-        for rel, kv in kvs.items():
-            hit = cache.get(rel)
-            if hit is not None and hit[0] == kv.mod_revision:
-                value = hit[1]
+
+class _Decoded:
+    """The job's records, decoded once per change and updated event by event."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, LiveNode] = {}
+        self.round: RoundRecord | None = None
+        self.round_rev = 0
+        self.round_err: str | None = None
+        self.closed: ClosedRecord | None = None
+        self.closed_err: str | None = None
+        self.failures: dict[int, dict[str, FailureRecord]] = {}
+        self.problems: dict[str, str] = {}  # rel key -> why it was ignored
+        self._where: dict[str, tuple[str, object]] = {}  # rel key -> (kind, index)
+
+    def put(self, rel: str, kv: KV) -> None:
+        self.delete(rel)
+        try:
+            if rel.startswith(records.NODES):
+                rec = NodeRecord.decode(kv.key, kv.value)
+                self.nodes[rec.id] = LiveNode(rec, kv.create_revision, kv.lease)
+                self._where[rel] = ("node", rec.id)
+            elif rel == records.ROUND:
+                self.round_rev = kv.mod_revision
+                self._where[rel] = ("round", None)
+                self.round = RoundRecord.decode(kv.key, kv.value)
+            elif rel == records.CLOSED:
+                self._where[rel] = ("closed", None)
+                self.closed = ClosedRecord.decode(kv.key, kv.value)
+            elif rel.startswith(records.FAILURES):
+                f = FailureRecord.decode(kv.key, kv.value)
+                self.failures.setdefault(f.round, {})[f.node] = f
+                self._where[rel] = ("failure", (f.round, f.node))
+        except MalformedRecordError as e:
+            if rel == records.ROUND:
+                self.round_err = str(e)
+            elif rel == records.CLOSED:
+                self.closed_err = str(e)
             else:
-                value = _decode(rel, kv)
-                cache[rel] = (kv.mod_revision, value)
-            if isinstance(value, MalformedRecordError):
-                if rel == records.ROUND:
-                    round_rev, round_err = kv.mod_revision, str(value)
-                elif rel == records.CLOSED:
-                    closed_err = str(value)
-                else:
-                    problems.append(str(value))
-            elif isinstance(value, NodeRecord):
-                nodes[value.id] = LiveNode(value, kv.create_revision)
-            elif isinstance(value, RoundRecord):
-                rnd, round_rev = value, kv.mod_revision
-            elif isinstance(value, ClosedRecord):
-                closed = value
-            elif isinstance(value, FailureRecord):
-                failures.setdefault(value.round, {})[value.node] = value
-        return cls(revision, nodes, dict(departed), rnd, round_rev, round_err, closed,
-                   closed_err, failures, tuple(problems), last_join)
+                self.problems[rel] = str(e)
 
+    def delete(self, rel: str) -> LiveNode | None:
+        """Forget ``rel``; returns the node it held, if it was a node record."""
+        self.problems.pop(rel, None)
+        kind, index = self._where.pop(rel, (None, None))
+        if kind == "node":
+            return self.nodes.pop(index, None)  # type: ignore[arg-type]
+        if kind == "failure":
+            number, node = index  # type: ignore[misc]
+            self.failures.get(number, {}).pop(node, None)
+        elif rel == records.ROUND:
+            self.round, self.round_rev, self.round_err = None, 0, None
+        elif rel == records.CLOSED:
+            self.closed, self.closed_err = None, None
+        return None
 
-def _decode(rel: str, kv: KV) -> object:
-    """The record at ``rel``, the MalformedRecordError it raised, or None if not ours."""
-    try:
-        if rel.startswith(records.NODES):
-            return NodeRecord.decode(kv.key, kv.value)
-        if rel == records.ROUND:
-            return RoundRecord.decode(kv.key, kv.value)
-        if rel == records.CLOSED:
-            return ClosedRecord.decode(kv.key, kv.value)
-        if rel.startswith(records.FAILURES):
-            return FailureRecord.decode(kv.key, kv.value)
-    except MalformedRecordError as e:
-        return e
-    return None
+    def view(self, revision: int, departed: dict[str, LiveNode], last_join: float) -> JobView:
+        return JobView(revision, dict(self.nodes), dict(departed), self.round, self.round_rev,
+                       self.round_err, self.closed, self.closed_err,
+                       {n: dict(f) for n, f in self.failures.items() if f},
+                       tuple(self.problems.values()), last_join)
 
 
 class JobMirror:
@@ -128,23 +142,33 @@ class JobMirror:
         self._prefix = prefix
         self._cond = threading.Condition()
         self._kvs: dict[str, KV] = {}
+        self._key_rev: dict[str, int] = {}  # newest revision applied per key (tombstones too)
+        self._decoded = _Decoded()
         self._departed: dict[str, LiveNode] = {}
         self._view = JobView()
         self._dirty = False
-        self._decoded: dict[str, tuple[int, object]] = {}  # rel key -> (mod rev, record)
         self._version = 0
+        self._major = 0
         self._revision = 0
         self._last_join = time.monotonic()
+        self._full = True
+        self._catching_up = False
         self._stream: WatchStream | None = None
+        self._reopen = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
         self.connected = False
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self, timeout: float | None = None) -> None:
-        """Read the job once (raises if etcd is unreachable), then follow it by watch."""
-        self._load(timeout)
+    def start(self, timeout: float | None = None,
+              initial: tuple[int, list[KV]] | None = None) -> None:
+        """Read the job once (or take ``initial``: a revision and everything under the
+        prefix at it), then follow it by watch. Raises if etcd is unreachable."""
+        if initial is None:
+            self._load(timeout)
+        else:
+            self._load_from(*initial)
         self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
         self._thread.start()
 
@@ -156,13 +180,38 @@ class JobMirror:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    @property
+    def full(self) -> bool:
+        """In full mode (the view may still be catching up: see ``complete``)."""
+        return self._full
+
+    @property
+    def complete(self) -> bool:
+        """The view holds everything: full mode, and the catch-up read is done."""
+        return self._full and not self._catching_up
+
+    def set_full(self, full: bool, wait: bool = True) -> None:
+        """Switch modes. Going full reads the job again: here when ``wait`` (the view is
+        complete on return), else in the watch thread (``complete`` says when)."""
+        if full == self._full:
+            return
+        with self._cond:
+            self._full = full
+            self._catching_up = full and not wait
+        self._reopen.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        if full and wait:
+            self._load()
+
     # -- reading -----------------------------------------------------------------------
     def view(self) -> JobView:
         """The current view, built on demand: bursts of events cost one build, not many."""
         with self._cond:
             if self._dirty:
-                self._view = JobView.build(self._revision, self._kvs, self._departed,
-                                           self._last_join, self._decoded)
+                self._view = self._decoded.view(self._revision, self._departed,
+                                                self._last_join)
                 self._dirty = False
                 for problem in self._view.problems:
                     if problem not in self._warned:
@@ -175,9 +224,19 @@ class JobMirror:
         with self._cond:
             return self._version
 
-    def wait(self, version: int, timeout: float | None) -> int:
-        """Block until the view changes past ``version`` or ``timeout``; returns the version."""
+    @property
+    def major_version(self) -> int:
+        """Counts only changes that can end a wait for someone else's round: the round,
+        closed, a node leaving or gone. Arrivals and 'done' updates do not count."""
         with self._cond:
+            return self._major
+
+    def wait(self, version: int, timeout: float | None, major: bool = False) -> int:
+        """Block until the (major) version moves past ``version`` or ``timeout``."""
+        with self._cond:
+            if major:
+                self._cond.wait_for(lambda: self._major != version, timeout)
+                return self._major
             self._cond.wait_for(lambda: self._version != version, timeout)
             return self._version
 
@@ -185,54 +244,70 @@ class JobMirror:
         """Wake waiters without a change (a lease was lost, a deadline moved)."""
         with self._cond:
             self._version += 1
+            self._major += 1
             self._cond.notify_all()
 
     # -- feeding -----------------------------------------------------------------------
-    def _rel(self, key: str) -> str:
-        return key[len(self._prefix):]
+    def record_own(self, kv: KV) -> None:
+        """Apply a write of this process at once (a lean watch never shows it one)."""
+        with self._cond:
+            self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+            self._publish()
+
+    def _specs(self) -> list[WatchSpec]:
+        if self._full:
+            return [WatchSpec(self._prefix, prefix=True)]
+        return [WatchSpec(self._prefix, prefix=True, no_put=True),
+                WatchSpec(self._prefix + records.ROUND),
+                WatchSpec(self._prefix + records.CLOSED)]
 
     def _load(self, timeout: float | None = None) -> None:
-        revision, kvs = self._client.get_prefix(self._prefix, timeout)
+        """Read everything (at start, going full, and to catch up after a broken watch)."""
+        self._load_from(*self._client.get_prefix(self._prefix, timeout))
+
+    def _load_from(self, revision: int, kvs: list[KV]) -> None:
+        fresh = {kv.key: kv for kv in kvs}
         with self._cond:
-            old = {(k, kv.create_revision) for k, kv in self._kvs.items()
-                   if k.startswith(records.NODES)}
-            self._kvs = {self._rel(kv.key): kv for kv in kvs}
-            new = {(k, kv.create_revision) for k, kv in self._kvs.items()
-                   if k.startswith(records.NODES)}
-            if new - old and self._version:
-                self._last_join = time.monotonic()
-            for rel, _ in old - new:
-                self._note_departed(rel)
-            self._revision = revision
+            for key in [k for k in self._kvs if k not in fresh]:
+                self._apply_one(key, None, 0, revision, 0)
+            for kv in fresh.values():
+                self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+            self._revision = max(self._revision, revision)
             self._publish()
         self.connected = True
 
-    def _note_departed(self, rel: str) -> None:
-        node_id = rel[len(records.NODES):]
-        kv = self._kvs.get(rel)
-        decoded = self._decoded.get(rel)
-        gone = None
-        if kv is not None and decoded is not None and isinstance(decoded[1], NodeRecord):
-            gone = LiveNode(decoded[1], kv.create_revision)
-        if gone is not None:
-            self._departed[node_id] = gone
-            while len(self._departed) > _DEPARTED_KEEP:
-                self._departed.pop(next(iter(self._departed)))
+    def _apply_one(self, key: str, value: bytes | None, create_rev: int, mod_rev: int,
+                   lease: int) -> None:
+        """One change, unless a newer one for the same key was applied already."""
+        if mod_rev <= self._key_rev.get(key, 0):
+            return
+        self._key_rev[key] = mod_rev
+        self._revision = max(self._revision, mod_rev)
+        rel = key[len(self._prefix):]
+        old = self._kvs.get(key)
+        if old is not None and (value is None or old.create_revision != create_rev):
+            self._kvs.pop(key)
+            self._major += 1
+            gone = self._decoded.delete(rel)
+            if gone is not None:
+                self._departed.pop(gone.record.id, None)
+                self._departed[gone.record.id] = gone
+                while len(self._departed) > _DEPARTED_KEEP:
+                    self._departed.pop(next(iter(self._departed)))
+        if value is None:
+            return
+        kv = KV(key, value, create_rev, mod_rev, lease)
+        if rel.startswith(records.NODES) and key not in self._kvs and self._version:
+            self._last_join = time.monotonic()
+        self._kvs[key] = kv
+        self._decoded.put(rel, kv)
+        if rel in (records.ROUND, records.CLOSED) or b'"leaving"' in value:
+            self._major += 1
 
     def _apply(self, events: list[Event]) -> None:
         with self._cond:
             for ev in events:
-                rel = self._rel(ev.key)
-                if ev.value is None:
-                    if rel.startswith(records.NODES):
-                        self._note_departed(rel)
-                    self._kvs.pop(rel, None)
-                else:
-                    if rel.startswith(records.NODES) and ev.create_revision == ev.mod_revision:
-                        self._last_join = time.monotonic()
-                    self._kvs[rel] = KV(ev.key, ev.value, ev.create_revision, ev.mod_revision,
-                                        ev.lease)
-                self._revision = max(self._revision, ev.mod_revision)
+                self._apply_one(ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease)
             self._publish()
 
     def _publish(self) -> None:
@@ -242,22 +317,25 @@ class JobMirror:
 
     def _run(self) -> None:
         backoff = 0.1
-        stale = False  # after any break, read everything again before watching on
+        stale = False  # after a break, read everything again before watching on
         while not self._stopped.is_set():
             try:
-                if stale:
+                if stale or self._catching_up:
                     self._load(timeout=2.0)
-                    stale = False
-                self._stream = self._client.watch_prefix(self._prefix, self._revision + 1)
-                if self._stopped.is_set():
+                    stale = self._catching_up = False
+                    self.poke()
+                self._reopen.clear()
+                self._stream = self._client.watch(self._specs(), self._revision + 1)
+                if self._stopped.is_set() or self._reopen.is_set():
                     self._stream.cancel()
-                for _, events in self._stream:
+                for events in self._stream:
                     self.connected = True
                     backoff = 0.1
-                    if events:
-                        self._apply(events)
+                    self._apply(events)
                 if self._stopped.is_set():
                     return
+                if self._reopen.is_set():
+                    continue  # the mode changed: watch again, differently
                 raise EtcdUnavailableError("watch stream ended")
             except Compacted:
                 log.info("etcd compacted the job's history; reading it again")

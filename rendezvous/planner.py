@@ -43,6 +43,7 @@ class Plan:
     budget_spent: bool = False
     wake_at: float | None = None  # monotonic time the plan may change without an event
     enough_nodes: bool = True
+    busy: tuple[str, ...] = ()  # live members the round waits on
 
 
 def _member(node: LiveNode) -> Member:
@@ -57,35 +58,45 @@ def earliest_failure(failures: dict[str, FailureRecord]) -> dict:
 
 
 def plan(view: JobView, min_nodes: int, max_nodes: int, last_call: float,
-         max_restarts: int, now: float) -> Plan:
+         max_restarts: int, now: float, me: str | None = None) -> Plan:
+    """The plan as node ``me`` needs it (all of it when ``me`` is None or the writer).
+
+    A node that is not the writer learns who is, and nothing more: its view may be lean
+    (see mirror.py), and with many nodes waiting every event would wake every one.
+    """
     current: RoundRecord | None = view.round
     number = current.number if current else 0
     previous = current.members if current else ()
     live_members = [m for m in previous if view.is_live(m)]
+    in_round = {m.id for m in live_members}
+    staying = [m for m in live_members if view.nodes[m.id].record.state != "leaving"]
+    newcomers = [n for i, n in view.nodes.items()
+                 if i not in in_round and n.record.state != "leaving"]
+    count = len(staying) + len(newcomers)
+    writer = staying[0].id if staying else (
+        min(newcomers, key=lambda n: n.rev).record.id if newcomers else None)
+    if me is not None and me != writer:
+        return Plan(False, f"waiting for {writer} to form round {number + 1}", writer=writer)
+
     gone = [m for m in previous if not view.is_live(m)]
     left = tuple(m.id for m in gone if view.was_leaving(m))
     lost = tuple(m.id for m in gone if m.id not in left)
     done = [m for m in live_members if view.nodes[m.id].record.done >= number]
-
     if current is not None and not gone and not done:
-        return Plan(False, f"round {number} is running")
+        return Plan(False, f"round {number} is running", writer=writer)
     if len(done) < len(live_members):
-        busy = ", ".join(m.id for m in live_members if m not in done)
-        return Plan(False, f"waiting for {busy} to stop the workers of round {number}")
-
-    in_round = {m.id for m in live_members}
-    newcomers = sorted((n for i, n in view.nodes.items() if i not in in_round),
-                       key=lambda n: n.rev)
-    candidates = [m for m in live_members if view.nodes[m.id].record.state != "leaving"]
-    candidates += [_member(n) for n in newcomers if n.record.state != "leaving"]
-    if len(candidates) < min_nodes:
-        return Plan(False, f"{len(candidates)} of at least {min_nodes} nodes present",
+        busy = tuple(m.id for m in live_members if m not in done)
+        return Plan(False, f"waiting for {', '.join(busy)} to stop the workers of round "
+                           f"{number}", writer=writer, busy=busy)
+    if count < min_nodes:
+        return Plan(False, f"{count} of at least {min_nodes} nodes present", writer=writer,
                     enough_nodes=False)
-    if len(candidates) < max_nodes and now < view.last_join + last_call:
-        return Plan(False, f"{len(candidates)} of up to {max_nodes} nodes present; last call",
-                    wake_at=view.last_join + last_call)
+    if count < max_nodes and now < view.last_join + last_call:
+        return Plan(False, f"{count} of up to {max_nodes} nodes present; last call",
+                    writer=writer, wake_at=view.last_join + last_call)
 
-    chosen = tuple(candidates[:max_nodes])
+    newcomers.sort(key=lambda n: n.rev)
+    chosen = tuple([*staying, *map(_member, newcomers)][:max_nodes])
     failures = view.failures.get(number, {}) if current else {}
     if current is None:
         cause = "start"
@@ -103,7 +114,7 @@ def plan(view: JobView, min_nodes: int, max_nodes: int, last_call: float,
         True,
         f"forming round {number + 1} ({cause})",
         members=chosen,
-        writer=chosen[0].id,
+        writer=writer,
         cause=cause,
         restarts=restarts,
         joined=tuple(m.id for m in chosen if (m.id, m.rev) not in before),

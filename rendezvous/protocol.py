@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from etcd3.utils import prefix_range_end
 
 from rendezvous import records
-from rendezvous.client import EtcdClient
+from rendezvous.client import KV, EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import (
     LeaseLostError,
@@ -30,6 +30,7 @@ from rendezvous.lease import LeaseKeeper
 from rendezvous.mirror import JobMirror, JobView
 from rendezvous.net import free_port
 from rendezvous.planner import Plan, plan
+from rendezvous.probe import ProbeListener, process_gone
 from rendezvous.records import ClosedRecord, FailureRecord, NodeRecord, RoundRecord
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class Rendezvous:
         self._registered_at = 0  # etcd revision of the registration
         self._record: NodeRecord | None = None
         self._shut = False
+        self._probe: ProbeListener | None = None
+        self._probed: dict[str, float] = {}  # node id -> monotonic time last probed
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, rel: str) -> str:
@@ -91,10 +94,57 @@ class Rendezvous:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Connect, refuse to join a closed job, and register this node."""
-        self.mirror.start(timeout=self.client.options.connect_timeout)
-        self._raise_if_closed(self.mirror.view())
-        self._register()
+        """Register this node and read the job, in one transaction; refuse a closed job."""
+        self._probe = ProbeListener()
+        lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
+        rec = self._new_record()
+        value = rec.encode()
+        revision, kvs = self.client.create_and_read(self.node_key, value, lease_id,
+                                                    self.options.job_prefix,
+                                                    self.key(records.CLOSED))
+        try:
+            if not revision:
+                self._refused(kvs)
+            self.mirror.start(initial=(revision, kvs))
+            self._raise_if_closed(self.mirror.view())
+            _ = self.mirror.view().round  # a malformed round fails here, not later
+        except RendezvousError:
+            self.lease.revoke()
+            raise
+        self._registered(rec, revision, lease_id)
+
+    def _new_record(self) -> NodeRecord:
+        return NodeRecord(id=self.me.id, addr=self.me.addr, nproc=self.me.nproc,
+                          host=self.me.host, pid=self.me.pid, version=self.me.version,
+                          done=0, state="waiting", probe=self._probe.port if self._probe else 0)
+
+    def _refused(self, kvs: list[KV]) -> None:
+        """Explain why registration found the job closed or this node's id taken."""
+        found = {kv.key: kv for kv in kvs}
+        closed = found.get(self.key(records.CLOSED))
+        if closed is not None:
+            rec = ClosedRecord.decode(closed.key, closed.value)
+            verb = "finished" if rec.state == "succeeded" else "failed"
+            why = f": {rec.reason}" if rec.reason else ""
+            raise RendezvousClosedError(f"job {self.options.run_id!r} has {verb}{why}",
+                                        rec.state, rec.reason)
+        other = ""
+        holder_kv = found.get(self.node_key)
+        if holder_kv is not None:
+            with contextlib.suppress(RendezvousError):
+                holder = NodeRecord.decode(holder_kv.key, holder_kv.value)
+                other = f" (pid {holder.pid} on {holder.host})"
+        raise RendezvousError(f"node id {self.me.id!r} is already taken in job "
+                              f"{self.options.run_id!r}{other}; every agent needs its own id")
+
+    def _registered(self, rec: NodeRecord, revision: int, lease_id: int) -> None:
+        self.rev = revision
+        self._registered_at = revision
+        self._record = rec
+        self.round = None
+        self.mirror.record_own(KV(self.node_key, rec.encode(), revision, revision, lease_id))
+        log.info("registered as %s in job %s (lease %x, ttl %ss)", self.me.id,
+                 self.options.run_id, lease_id, self.options.lease_ttl)
 
     def shutdown(self, leave: bool = True) -> None:
         """Stop the background threads; with ``leave`` the others see this node go at once."""
@@ -110,49 +160,33 @@ class Rendezvous:
             self.lease.revoke()
         self.lease.stop()
         self.mirror.stop()
+        if self._probe is not None:
+            self._probe.close()
 
     def _register(self) -> None:
-        """Join as a new incarnation: new lease, record created (never overwritten)."""
-        view = self.mirror.view()
-        number = view.round.number if view.round else 0
+        """Join again as a new incarnation (the old lease is gone): new lease, new record."""
         lease_id = self.lease.grant()
-        rec = NodeRecord(id=self.me.id, addr=self.me.addr, nproc=self.me.nproc,
-                         host=self.me.host, pid=self.me.pid, version=self.me.version,
-                         done=number, state="waiting")
-        ops = self.client.ops
-        created = self.client.txn(
-            [ops.create(self.node_key) == 0],
-            [ops.put(self.node_key, rec.encode(), lease=lease_id)],
-        )
-        kv = self.client.get(self.node_key)
-        if not created or kv is None or kv.lease != lease_id:
+        rec = self._new_record()
+        revision, existing = self.client.create(self.node_key, rec.encode(), lease=lease_id)
+        if not revision:
             self.lease.revoke()
-            other = ""
-            if kv is not None:
-                with_node = NodeRecord.decode(kv.key, kv.value)
-                other = f" (pid {with_node.pid} on {with_node.host})"
-            raise RendezvousError(
-                f"node id {self.me.id!r} is already taken in job {self.options.run_id!r}"
-                f"{other}; every agent needs its own id"
-            )
-        self.rev = kv.create_revision
-        self._registered_at = kv.mod_revision
-        self._record = rec
-        self.round = None
-        log.info("registered as %s in job %s (lease %x, ttl %ss)", self.me.id,
-                 self.options.run_id, lease_id, self.options.lease_ttl)
+            self._refused([existing] if existing is not None else [])
+        self._registered(rec, revision, lease_id)
 
     def _put_record(self, **changes: object) -> None:
         assert self._record is not None
         rec = replace(self._record, **changes)
+        value = rec.encode()
         try:
-            self.client.put(self.node_key, rec.encode(), lease=self.lease.lease_id)
+            revision = self.client.put(self.node_key, value, lease=self.lease.lease_id)
         except RendezvousError as e:
             if "lease not found" in str(e):
                 self.lease.lost = True
                 raise LeaseLostError("etcd dropped this node's lease") from None
             raise
         self._record = rec
+        self.mirror.record_own(KV(self.node_key, value, self.rev, revision,
+                                  self.lease.lease_id))
 
     # -- rounds ---------------------------------------------------------------------------
     def _raise_if_closed(self, view: JobView) -> None:
@@ -194,29 +228,44 @@ class Rendezvous:
         while True:
             if cancel is not None and cancel.is_set():
                 raise RendezvousCancelled("cancelled while waiting for the next round")
-            version = self.mirror.version
+            version, major = self.mirror.version, self.mirror.major_version
             view = self.mirror.view()
             self._raise_if_closed(view)
             if self._fenced(view):
                 log.warning("this node's lease is gone; joining again as a new node")
                 self.lease.revoke()
+                self.mirror.set_full(True)
                 self._register()
                 continue
             r = view.round
             newer = r is not None and (self.round is None or r.number > self.round.number)
             if newer and self._member_of(r):
+                # a running member must see everything; its workers need not wait for that
+                self.mirror.set_full(True, wait=False)
                 self.round = r
-                self._put_record(state="running")
                 return r
             p = plan(view, self.options.min_nodes, self.options.max_nodes,
-                     self.options.last_call_timeout, self.max_restarts, time.monotonic())
-            if p.form and p.writer == self.me.id:
+                     self.options.last_call_timeout, self.max_restarts, time.monotonic(),
+                     self.me.id)
+            writing = p.writer == self.me.id
+            if writing != self.mirror.full:
+                self.mirror.set_full(writing)
+                continue  # plan again on a view of the right kind
+            if not writing:
+                # someone else forms the round: only its writing, or a departure, matters
+                if p.writer is not None:
+                    self._probe_gone(view, (p.writer,))
+                self.mirror.wait(major, 1.0, major=True)
+                continue
+            if p.form:
                 if p.budget_spent:
                     self._close_failed(view, p)
                 elif self._write_round(view, p):
                     log.debug("wrote %s", p.reason)
                 self.mirror.wait(version, 0.5)
                 continue
+            if p.busy:
+                self._probe_gone(view, p.busy)
             now = time.monotonic()
             if not p.enough_nodes and now >= deadline:
                 raise RendezvousTimeoutError(
@@ -228,6 +277,24 @@ class Rendezvous:
             if not p.enough_nodes:
                 wait = min(wait, max(deadline - now, 0.01))
             self.mirror.wait(version, wait)
+
+    def _probe_gone(self, view: JobView, nodes: tuple[str, ...]) -> None:
+        """Revoke the lease of a node whose agent is provably gone (see probe.py)."""
+        now = time.monotonic()
+        for node_id in nodes:
+            node = view.nodes.get(node_id)
+            if node is None or node.record.id == self.me.id:
+                continue
+            if now - self._probed.get(node_id, 0.0) < 0.5:
+                continue
+            self._probed[node_id] = now
+            if process_gone(node.record.addr, node.record.probe):
+                log.warning("%s refuses its probe port: its agent is gone; revoking its lease",
+                            node_id)
+                try:
+                    self.client.revoke(node.lease, timeout=2.0)
+                except RendezvousError as e:
+                    log.warning("could not revoke %s's lease: %s", node_id, e)
 
     def _write_round(self, view: JobView, p: Plan) -> bool:
         current = view.round
@@ -250,9 +317,11 @@ class Rendezvous:
         )
         ops = self.client.ops
         failures = self.key(records.FAILURES).encode()
+        # Guarded by the round's revision only: a per-member liveness compare would cap
+        # jobs at etcd's --max-txn-ops (128). A member that died since the view was taken
+        # is seen as lost by everyone right after, and the round re-forms without it.
         compare = [ops.mod(self.key(records.ROUND)) == view.round_mod_revision,
                    ops.create(self.key(records.CLOSED)) == 0]
-        compare += [ops.create(self.key(records.NODES + m.id)) == m.rev for m in p.members]
         return self.client.txn(compare, [
             ops.put(self.key(records.ROUND), rec.encode()),
             ops.delete(failures, range_end=prefix_range_end(failures)),
@@ -312,6 +381,8 @@ class Rendezvous:
     def check(self) -> Change | None:
         """What, if anything, should end this node's current round."""
         view = self.mirror.view()
+        if not self.mirror.complete:
+            return None  # right after joining: the full view is a moment away
         closed = view.closed
         if closed is not None:
             return Change("closed", f"job {closed.state}: {closed.reason}".rstrip(": "))

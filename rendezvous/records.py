@@ -68,6 +68,7 @@ class NodeRecord:
     version: str = ""
     done: int = 0
     state: str = "waiting"  # waiting | running | leaving
+    probe: int = 0  # TCP port that refuses connections once this agent is gone
 
     def encode(self) -> bytes:
         return dumps(asdict(self))
@@ -84,6 +85,7 @@ class NodeRecord:
             version=str(obj.get("version", "")),
             done=_field(key, obj, "done", int),
             state=str(obj.get("state", "waiting")),
+            probe=obj["probe"] if isinstance(obj.get("probe"), int) else 0,
         )
         if rec.nproc < 1:
             raise MalformedRecordError(f"malformed value at etcd key {key}: nproc must be >= 1")

@@ -296,3 +296,30 @@ def test_unreachable_etcd_is_a_clear_error_in_bounded_time(run_id: str,
     err = a.expect("error", timeout=10)
     assert time.monotonic() - started < 8
     assert err["kind"] == "EtcdUnavailableError" and endpoint in err["message"]
+
+
+def test_a_killed_member_is_revoked_by_probe_before_its_ttl(etcd: EtcdServer, run_id: str,
+                                                            procs: list[Proc]) -> None:
+    # a long TTL: only the probe can explain a fast re-form
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3",
+                            conf="lease_ttl=30")
+    start_round([a, b, c])
+    c.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    a.send("next")  # as if their workers had failed on the dead peer
+    b.send("next")
+    r = a.expect("round", timeout=10)
+    assert time.monotonic() - killed < 5
+    assert r["members"] == ["a", "b"] and r["lost"] == ["c"] and r["restarts"] == 0
+
+
+def test_a_frozen_member_is_not_mistaken_for_dead(etcd: EtcdServer, run_id: str,
+                                                  procs: list[Proc]) -> None:
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
+    start_round([a, b])
+    b.signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    a.send("next")
+    r = a.expect("round", timeout=TTL + 5)
+    assert time.monotonic() - frozen >= TTL - 0.5, "a stopped process still holds its port"
+    assert r["lost"] == ["b"]
