@@ -6,7 +6,10 @@
 |-----------------------------------------|---------------------------------------------------|
 | round formed, this node a member        | start workers with torchrun's environment         |
 | a member lost (crash, freeze, cut off)  | stop local workers now, re-form; no restart       |
-| a node waiting and room, a peer leaving | stop workers gracefully, re-form                  |
+| a node waiting and room, a peer leaving | drain: State users save at their next step and    |
+|                                         | exit 75; others get SIGTERM. Then re-form         |
+| workers exited 75 (saved for a resize)  | re-form; not a failure                            |
+| a worker hung (no progress reported)    | as a failure (--worker-hang-timeout)              |
 | a local worker failed                   | stop the rest, report it (the job charges one     |
 |                                         | restart), re-form; budget spent: exit 1 w/ cause  |
 | all local workers exited 0              | close the job, leave, exit 0                      |
@@ -57,12 +60,14 @@ class Outcome:
 
 class Agent:
     def __init__(self, rdzv: Rendezvous, workers: WorkerGroup, *, monitor_interval: float,
-                 shutdown_timeout: float, close_timeout: float, host: str) -> None:
+                 shutdown_timeout: float, close_timeout: float, host: str,
+                 hang_timeout: float = 0.0) -> None:
         self.rdzv = rdzv
         self.workers = workers
         self.monitor_interval = monitor_interval
         self.shutdown_timeout = shutdown_timeout
         self.close_timeout = close_timeout
+        self.hang_timeout = hang_timeout
         self.host = host
         self.state = State.JOINING
         self.signal: int | None = None
@@ -146,6 +151,12 @@ class Agent:
                 return Outcome("succeeded")
             if state is GroupState.FAILED:
                 return Outcome("failed", tuple(failures))
+            if state is GroupState.STOPPED:
+                return Outcome("stopped")
+            if self.hang_timeout > 0:
+                hung = self.workers.hung(self.hang_timeout)
+                if hung:
+                    return Outcome("failed", tuple(hung))
             change = self.rdzv.check()
             if change is not None:
                 return Outcome("change", change=change)
@@ -158,6 +169,11 @@ class Agent:
             return self._leave()
         if o.kind == "succeeded":
             return self._succeeded()
+        if o.kind == "stopped":
+            log.info("workers saved their state and stopped for a resize")
+            self._change_why = "workers stopped for a resize"
+            self.state = State.RESIZING
+            return None
         if o.kind == "failed":
             self.state = State.RESTARTING
             self.workers.stop(URGENT_GRACE)
@@ -185,8 +201,20 @@ class Agent:
         else:
             log.info("%s: resizing", change.detail)
             self.state = State.RESIZING
-            self.workers.stop(self.shutdown_timeout)
+            self._drain(signal.SIGTERM)
         return None
+
+    def _drain(self, sig: int) -> None:
+        """Stop workers without losing a step: State users save at their next commit and
+        exit EXIT_RESIZE; other scripts get ``sig``. SIGKILL after --shutdown-timeout."""
+        if self.workers.use_state:
+            self.workers.request_stop()
+        else:
+            self.workers.signal(sig)
+        if not self.workers.wait(self.shutdown_timeout):
+            log.warning("workers still running %gs after being asked to stop; killing them",
+                        self.shutdown_timeout)
+        self.workers.stop(0)
 
     # -- endings --------------------------------------------------------------------------
     def _succeeded(self) -> int:
@@ -251,11 +279,7 @@ class Agent:
             self.rdzv.announce_leaving()
         except RendezvousError as e:
             log.warning("could not announce leaving: %s", e)
-        self.workers.signal(sig)
-        if not self.workers.wait(self.shutdown_timeout):
-            log.warning("workers still running %gs after %s; killing them",
-                        self.shutdown_timeout, name)
-        self.workers.stop(0)
+        self._drain(sig)
         self.rdzv.shutdown(leave=True)
         return 128 + int(sig)
 

@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(p, "virtual_local_rank", "each worker sees only its GPU, as device 0")
     # -- elastic-run ----------------------------------------------------------------------
     _value(p, "node_id", None, "this node's id in the job (default: HOSTNAME-PID)")
+    _value(p, "checkpoint_dir", None, "where elastic.State writes durable checkpoints "
+           "(shared or per node); none: shared-memory snapshots only")
+    _value(p, "snapshot_every", 1, "elastic.State snapshots every N steps (0: only to resize)",
+           type=int)
+    _value(p, "checkpoint_every", 100, "every N-th snapshot also goes to --checkpoint-dir",
+           type=int)
+    _value(p, "checkpoint_keep", 3, "checkpoints kept in --checkpoint-dir", type=int)
+    _value(p, "worker_hang_timeout", 0.0, "a worker that reported progress (State.commit, "
+           "elastic.heartbeat) and then none for this many seconds has failed (0: off)",
+           type=float)
     p.add_argument("training_script", help="the training script (or module, or program)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p

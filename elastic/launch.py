@@ -9,7 +9,7 @@ import signal
 import socket
 from collections.abc import Iterator
 
-from elastic import store
+from elastic import nodedir, store
 from elastic.agent import Agent
 from elastic.etcd_server import EtcdServer
 from elastic.logs import LogRouter
@@ -71,12 +71,14 @@ def launch(cfg: RunConfig) -> int:
         router = LogRouter(cfg.log_dir, cfg.rdzv_id, cfg.node_id, cfg.redirects, cfg.tee,
                            cfg.local_ranks_filter, cfg.role, cfg.stdout_filters,
                            cfg.stderr_filters)
-        workers = WorkerGroup(cfg.command, router, role=cfg.role, run_id=cfg.rdzv_id,
+        node_dir = nodedir.create(cfg.rdzv_id, cfg.node_id)
+        workers = WorkerGroup(cfg.command, router, node_dir, role=cfg.role, run_id=cfg.rdzv_id,
                               max_restarts=cfg.max_restarts,
                               virtual_local_rank=cfg.virtual_local_rank, extra_env=cfg.env)
         agent = Agent(rdzv, workers, monitor_interval=cfg.monitor_interval,
                       shutdown_timeout=cfg.shutdown_timeout,
-                      close_timeout=rdzv_opts.close_timeout, host=me.host)
+                      close_timeout=rdzv_opts.close_timeout, host=me.host,
+                      hang_timeout=cfg.worker_hang_timeout)
         log.info("node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
                  cfg.node_id, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node,
                  router.run_dir)
@@ -87,3 +89,4 @@ def launch(cfg: RunConfig) -> int:
             workers.stop(0)
             rdzv.shutdown(leave=True)
             client.close()
+            nodedir.remove(node_dir)

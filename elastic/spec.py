@@ -95,6 +95,7 @@ class RunConfig:
     shutdown_timeout: float
     virtual_local_rank: bool
     node_id: str
+    worker_hang_timeout: float = 0.0
     stdout_filters: tuple[str, ...] = ()
     stderr_filters: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
@@ -126,6 +127,32 @@ def _check_script(ns: argparse.Namespace) -> None:
         return
     if not Path(script).is_file():
         raise UsageError(f"training script {script!r}: no such file")
+
+
+def _state_env(ns: argparse.Namespace) -> dict[str, str]:
+    """elastic.State's settings, handed to workers through their environment."""
+    try:
+        every, ckpt_every, keep = (int(ns.snapshot_every), int(ns.checkpoint_every),
+                                   int(ns.checkpoint_keep))
+    except ValueError as e:
+        raise UsageError(f"bad number: {e}") from None
+    if every < 0:
+        raise UsageError(f"--snapshot-every {every}: must be >= 0")
+    if ckpt_every < 1:
+        raise UsageError(f"--checkpoint-every {ckpt_every}: must be at least 1")
+    if keep < 1:
+        raise UsageError(f"--checkpoint-keep {keep}: must be at least 1")
+    env = {"ELASTIC_RUN_SNAPSHOT_EVERY": str(every),
+           "ELASTIC_RUN_CHECKPOINT_EVERY": str(ckpt_every),
+           "ELASTIC_RUN_CHECKPOINT_KEEP": str(keep)}
+    if ns.checkpoint_dir:
+        path = Path(ns.checkpoint_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--checkpoint-dir {ns.checkpoint_dir}: {e.strerror}") from None
+        env["ELASTIC_RUN_CHECKPOINT_DIR"] = str(path.resolve())
+    return env
 
 
 def build_config(ns: argparse.Namespace) -> RunConfig:
@@ -180,6 +207,7 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     _check_script(ns)
     # torchrun sets this in its own environment, which its workers inherit
     env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": str(ns.signals_to_handle)}
+    env.update(_state_env(ns))
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
                     "machine; tune it for your workload")
@@ -193,6 +221,8 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         tee=parse_std("--tee", ns.tee, nproc), local_ranks_filter=filt,
         local_addr=ns.local_addr, signals=parse_signals(ns.signals_to_handle),
         shutdown_timeout=shutdown_timeout, virtual_local_rank=bool(ns.virtual_local_rank),
+        worker_hang_timeout=_positive("--worker-hang-timeout", float(ns.worker_hang_timeout),
+                                      allow_zero=True),
         node_id=ns.node_id or f"{socket.gethostname()}-{os.getpid()}",
         stdout_filters=tuple(filter(None, str(ns.duplicate_stdout_filters).split(","))),
         stderr_filters=tuple(filter(None, str(ns.duplicate_stderr_filters).split(","))),

@@ -11,8 +11,11 @@ import enum
 import subprocess
 import time
 from dataclasses import dataclass
-from signal import SIGTERM
+from pathlib import Path
+from signal import SIGKILL, SIGTERM
 
+from elastic import control
+from elastic.control import EXIT_RESIZE, ControlBlock
 from elastic.failures import WorkerFailure, collect
 from elastic.logs import LogRouter, WorkerStreams
 from elastic.procs import die_with_parent, signal_group, stop_group
@@ -23,6 +26,7 @@ class GroupState(enum.Enum):
     IDLE = "idle"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
+    STOPPED = "stopped"  # they saved and exited for a resize (EXIT_RESIZE)
     FAILED = "failed"
 
 
@@ -31,6 +35,7 @@ class Worker:
     placement: Placement
     proc: subprocess.Popen
     streams: WorkerStreams
+    control: ControlBlock
     exited_at: float | None = None
 
     @property
@@ -39,11 +44,12 @@ class Worker:
 
 
 class WorkerGroup:
-    def __init__(self, command: tuple[str, ...], router: LogRouter, *, role: str, run_id: str,
-                 max_restarts: int, virtual_local_rank: bool = False,
+    def __init__(self, command: tuple[str, ...], router: LogRouter, node_dir: Path, *,
+                 role: str, run_id: str, max_restarts: int, virtual_local_rank: bool = False,
                  extra_env: dict[str, str] | None = None) -> None:
         self.command = command
         self.router = router
+        self.node_dir = node_dir
         self.role = role
         self.run_id = run_id
         self.max_restarts = max_restarts
@@ -59,16 +65,20 @@ class WorkerGroup:
         try:
             for p in placements:
                 streams, plan = self.router.streams(p.local_rank)
+                block_path = self.node_dir / f"control-{p.local_rank}"
+                block = ControlBlock(block_path, create=True)
                 env = worker_env(p, role=self.role, run_id=self.run_id,
                                  max_restarts=self.max_restarts, error_file=streams.error_file,
                                  virtual_local_rank=self.virtual_local_rank,
-                                 extra={**self.extra_env, **(extra_env or {})})
+                                 extra={**self.extra_env, **(extra_env or {}),
+                                        control.ENV: str(block_path),
+                                        control.SNAPSHOT_DIR_ENV: str(self.node_dir)})
                 proc = subprocess.Popen(
                     self.command, env=env, stdin=subprocess.DEVNULL, stdout=streams.stdout,
                     stderr=streams.stderr, start_new_session=True, preexec_fn=die_with_parent(),
                 )
                 streams.attach(proc, self.router.prefix(p.rank, p.local_rank), plan)
-                self.workers.append(Worker(p, proc, streams))
+                self.workers.append(Worker(p, proc, streams, block))
         except BaseException:
             self.stop(grace=0)
             raise
@@ -82,12 +92,13 @@ class WorkerGroup:
         return [w.proc.pid for w in self.workers]
 
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
-        """SUCCEEDED once all exited 0; FAILED as soon as one exited otherwise."""
+        """SUCCEEDED once all exited 0, STOPPED once all exited and some for a resize,
+        FAILED as soon as one exited otherwise."""
         if not self.workers:
             return GroupState.IDLE, []
         now = time.time()
         failures = []
-        done = 0
+        done = resized = 0
         for w in self.workers:
             rc = w.proc.poll()
             if rc is None:
@@ -96,14 +107,42 @@ class WorkerGroup:
                 w.exited_at = now
             if rc == 0:
                 done += 1
+            elif rc == EXIT_RESIZE:
+                resized += 1
             else:
                 failures.append(collect(w.placement.rank, w.local_rank, w.proc.pid, rc,
                                         w.streams.error_file, w.exited_at))
         if failures:
             return GroupState.FAILED, failures
-        if done == len(self.workers):
-            return GroupState.SUCCEEDED, []
+        if done + resized == len(self.workers):
+            return (GroupState.STOPPED if resized else GroupState.SUCCEEDED), []
         return GroupState.RUNNING, []
+
+    @property
+    def use_state(self) -> bool:
+        """Every worker runs elastic.State: they can save and stop when asked."""
+        return bool(self.workers) and all(w.control.uses_state for w in self.workers)
+
+    def request_stop(self) -> None:
+        """Ask State-using workers to snapshot at their next step and exit EXIT_RESIZE."""
+        for w in self.workers:
+            w.control.request_stop()
+
+    def hung(self, timeout: float) -> list[WorkerFailure]:
+        """Running workers that reported progress, then none for ``timeout`` seconds."""
+        now = time.time()
+        out = []
+        for w in self.workers:
+            beat = w.control.heartbeat
+            if w.proc.poll() is None and w.control.reports and beat and now - beat > timeout:
+                out.append(WorkerFailure(
+                    w.placement.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now,
+                    f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout "
+                    f"{timeout:g}) after step {w.control.step}"))
+        return out
+
+    def progress(self) -> list[tuple[Placement, ControlBlock]]:
+        return [(w.placement, w.control) for w in self.workers]
 
     def signal(self, sig: int) -> None:
         for w in self.workers:
@@ -122,3 +161,4 @@ class WorkerGroup:
         stop_group([w.proc for w in self.workers], grace, sig)
         for w in self.workers:
             w.streams.close()
+            w.control.close()
