@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from elastic import checkpoint, control, snapshot
+from elastic import checkpoint, control, sharded, snapshot
 from elastic.sampler import ElasticSampler
 
 log = logging.getLogger("elastic.state")
@@ -167,7 +167,12 @@ class State:
                 log.warning("no shared-memory snapshots (%s): %s", dirname, e)
         for opt in self._optimizers():
             self._hooks.append(opt.register_step_pre_hook(lambda *_: self._wait_copy()))
-        if self.policy.checkpoint_dir:
+        object.__setattr__(self, "_sharded", sharded.is_sharded(self._objects))
+        if self._sharded and not self.policy.checkpoint_dir:
+            raise ValueError("sharded state (FSDP2/DTensor) is saved with "
+                             "torch.distributed.checkpoint: give --checkpoint-dir on a "
+                             "filesystem every node can read")
+        if self.policy.checkpoint_dir and not self._sharded:
             target = checkpoint.CheckpointDir(self.policy.checkpoint_dir, self.policy.keep)
             object.__setattr__(self, "_writer",
                                checkpoint.BackgroundWriter(target, self._checkpoint_done))
@@ -275,8 +280,11 @@ class State:
         return ptrs
 
     def snapshot(self, wait: bool = False) -> None:
-        """Take a snapshot now (commit() does this by policy)."""
+        """Take a snapshot now (commit() does this by policy). Collective when sharded."""
         self._save_rng()
+        if self._sharded:
+            self._save_sharded()
+            return
         if self._store is None:
             return
         self._wait_copy()
@@ -314,6 +322,42 @@ class State:
             finish()
         self.stats["snapshot_seconds"] = time.perf_counter() - started
         object.__setattr__(self, "_last_snapshot", time.monotonic())
+
+    def _save_sharded(self) -> None:
+        started = time.perf_counter()
+        step = self._values["step"]
+        try:
+            sharded.save(Path(self.policy.checkpoint_dir), step, self._objects, self._values,
+                         self.policy.keep)
+        except Exception as e:  # DCP raises its own exception types, on every rank
+            self.stats["checkpoint_failures"] += 1
+            log.error("sharded checkpoint of step %d failed; training goes on: %s", step, e)
+            return
+        self.stats["checkpoints"] += 1
+        self.stats["snapshots"] += 1
+        self.stats["snapshot_seconds"] = self.stats["checkpoint_seconds"] = \
+            time.perf_counter() - started
+        if self._ctl is not None:
+            self._ctl.snapshot_taken(step)
+
+    def _restore_sharded(self) -> bool:
+        directory = Path(self.policy.checkpoint_dir)
+        mine = sharded.complete_steps(directory)[:1] if self._rank() == 0 else []
+        best = self._all_reduce([mine[0] if mine else -1], "MAX")[0]
+        if best < 0:
+            self._apply_policy()
+            return False
+        try:
+            values = sharded.load(directory, best, self._objects, self._values)
+        except Exception as e:  # DCP's own errors: missing keys, wrong shapes
+            raise CheckpointMismatchError(f"sharded checkpoint of step {best} does not fit: "
+                                          f"{e}") from None
+        self._values.update(values)
+        self._values["step"] = best
+        self._restore_rng(best)
+        self._apply_policy()
+        self.stats["restored_step"] = best
+        return True
 
     def _wait_copy(self) -> None:
         copy = self._copy
@@ -398,6 +442,10 @@ class State:
         """Load the newest state in the job; False (nothing loaded) on a fresh start.
         Every rank must call it, at the same point of the script."""
         started = time.perf_counter()
+        if self._sharded:
+            done = self._restore_sharded()
+            self.stats["restore_seconds"] = time.perf_counter() - started
+            return done
         step, source = self._local_candidate()
         rank, world = self._rank(), self._world()
         best, everyone = self._all_reduce([step, -step], "MAX")

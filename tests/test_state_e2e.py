@@ -115,3 +115,35 @@ def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_i
     assert d_rows and d_rows[0]["step"] == first[2] > 1
     # global rank 0 (node a throughout) wrote durable checkpoints, the newest three kept
     assert len(list((tmp_path / "ckpt-a").glob("step-*.elr"))) == 3
+
+
+def test_fsdp_state_is_resharded_when_a_node_joins(etcd: EtcdServer, run_id: str,
+                                                   procs: list[Proc], tmp_path: Path) -> None:
+    out, shared = tmp_path / "steps", tmp_path / "shared-ckpt"
+    out.mkdir()
+    script = ROOT / "tests" / "scripts" / "fsdp_train.py"
+
+    def node(name: str) -> Proc:
+        return start_agent(procs, etcd.endpoint, run_id, name, script, "--steps", "40",
+                           nnodes="2:3", extra=("--checkpoint-dir", str(shared),
+                                                "--snapshot-every", "5"),
+                           env={"RESULT_DIR": str(out)})
+
+    first = [node("a"), node("b")]
+    wait_world(out, 2, timeout=60)
+    joined = time.time()
+    first.append(node("c"))
+    wait_world(out, 3, after=joined, timeout=60)
+    for n in first:
+        assert n.wait(120) == 0, n.transcript()
+    history = rows(out)
+    steps2 = [r for r in history if r["event"] == "step" and r["world"] == 2]
+    restored = [r for r in history if r["event"] == "restored" and r["world"] == 3]
+    assert restored and {r["rank"] for r in restored} == {0, 1, 2}
+    last2 = max(steps2, key=lambda r: r["step"])
+    # the graceful stop saved the last step; three ranks loaded two ranks' shards
+    assert {r["step"] for r in restored} == {last2["step"]}
+    assert all(r["checksum"] == pytest.approx(last2["checksum"], rel=1e-12) for r in restored)
+    steps3 = [r for r in history if r["event"] == "step" and r["world"] == 3]
+    assert min(r["step"] for r in steps3) == last2["step"] + 1
+    assert max(r["step"] for r in steps3) == 40
