@@ -14,12 +14,15 @@ training path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import io
 import mmap
 import os
 import struct
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +110,8 @@ def write_into(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
 
 def copy_tensors(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
                  which: range | list[int]) -> None:
-    """The memory copy itself: tensor bytes into their places in ``buf``."""
+    """The memory copy itself: tensor bytes into their places in ``buf`` (torch's copy,
+    with all intra-op threads: the fastest way when the training thread waits for it)."""
     base = packed.data_start
     for i in which:
         t = packed.tensors[i]
@@ -119,6 +123,50 @@ def copy_tensors(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
         src = t if t.is_contiguous() else t.contiguous()
         dst.copy_(src.reshape(-1).view(torch.uint8))
         del dst
+
+
+_PIECE = 32 << 20
+
+
+def copy_tensors_background(buf: mmap.mmap, packed: Packed, which: list[int],
+                            threads: int, setup: Callable[[], None] = lambda: None) -> None:
+    """The same copy while the training thread computes. torch's copy would start an
+    OpenMP team that fights the training's own for the cores; here CPU tensors go in
+    32 MiB pieces of plain memmove (no GIL held) over ``threads`` threads, each calling
+    ``setup`` first (the caller lowers their priority)."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    start = ctypes.addressof(anchor)
+    pieces: list[tuple[int, int, int]] = []
+    rest = []
+    for i in which:
+        t = packed.tensors[i]
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            rest.append(i)
+            continue
+        dst, src = start + packed.data_start + packed.offsets[i], t.data_ptr()
+        pieces += [(dst + o, src + o, min(_PIECE, nbytes - o)) for o in range(0, nbytes, _PIECE)]
+    lock = threading.Lock()
+
+    def work() -> None:
+        setup()
+        while True:
+            with lock:
+                if not pieces:
+                    return
+                dst, src, n = pieces.pop()
+            ctypes.memmove(dst, src, n)
+
+    helpers = [threading.Thread(target=work, daemon=True) for _ in range(max(threads, 1) - 1)]
+    for h in helpers:
+        h.start()
+    try:
+        work()
+        for h in helpers:
+            h.join()
+        copy_tensors(buf, packed, rest)  # GPU or strided: torch's copy, rare
+    finally:
+        del anchor
 
 
 def parse(buf: bytes | memoryview | mmap.mmap, verify: bool = False) -> Any:

@@ -98,6 +98,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
 
+def _idle_priority() -> None:
+    """Run this (the copy) thread only on otherwise idle CPU: training threads keep their
+    cores, and optimizer.step() waits for whatever copy is left."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def _numpy() -> Any:
     import sys
 
@@ -156,7 +163,8 @@ class State:
         set_(self, "stats", {"snapshots": 0, "snapshot_seconds": 0.0, "snapshot_bytes": 0,
                              "checkpoints": 0, "checkpoint_failures": 0,
                              "checkpoint_seconds": 0.0, "restore_seconds": 0.0,
-                             "restore_bytes": 0, "restored_step": -1})
+                             "restore_bytes": 0, "restored_step": -1,
+                             "blocked_seconds": 0.0})
         if self._ctl is not None:
             self._ctl.mark(control.USES_STATE)
         dirname = os.environ.get(SNAPSHOT_DIR_ENV)
@@ -306,7 +314,9 @@ class State:
         step = self._values["step"]
 
         def finish() -> None:
-            snapshot.copy_tensors(buf, packed, later)
+            _idle_priority()
+            snapshot.copy_tensors_background(buf, packed, later, torch.get_num_threads(),
+                                             setup=_idle_priority)
             self._store.commit(slot, step, packed.size)
             self.stats["snapshots"] += 1
             self.stats["snapshot_bytes"] = packed.size
@@ -321,6 +331,7 @@ class State:
         else:
             finish()
         self.stats["snapshot_seconds"] = time.perf_counter() - started
+        self.stats["blocked_seconds"] += self.stats["snapshot_seconds"]
         object.__setattr__(self, "_last_snapshot", time.monotonic())
 
     def _save_sharded(self) -> None:
@@ -362,8 +373,10 @@ class State:
     def _wait_copy(self) -> None:
         copy = self._copy
         if copy is not None:
+            started = time.perf_counter()
             copy.join()
             object.__setattr__(self, "_copy", None)
+            self.stats["blocked_seconds"] += time.perf_counter() - started
 
     def _save_rng(self) -> None:
         """Each rank's RNG, next to the node's snapshot (ranks differ; state does not)."""
