@@ -5,7 +5,7 @@ pay for torch):
 
     elastic.State, elastic.SnapshotPolicy, elastic.CheckpointMismatchError
     elastic.ElasticSampler, elastic.BatchPolicy
-    elastic.heartbeat()
+    elastic.report(), elastic.heartbeat()
 """
 
 from __future__ import annotations
@@ -20,21 +20,25 @@ _LAZY = {
     "BatchPolicy": "elastic.sampler",
 }
 
-__all__ = [*_LAZY, "heartbeat"]
+__all__ = [*_LAZY, "heartbeat", "report"]
+
+
+def report(step: int | None = None, loss: float | None = None,
+           samples: int | None = None) -> None:
+    """Training progress for the agent's /metrics (State.commit() does this itself):
+    the step, the loss, and the samples this worker trained on since the last call.
+
+    It is also a heartbeat: a worker that reported once and then not for
+    --worker-hang-timeout seconds is treated as failed. Outside elastic-run: no-op.
+    """
+    from elastic import progress
+
+    progress.report(step, loss, samples)
 
 
 def heartbeat(step: int | None = None) -> None:
-    """Tell the agent this worker makes progress (for scripts that do not use State).
-
-    A worker that has sent one heartbeat and then none for --worker-hang-timeout
-    seconds is treated as failed. Outside elastic-run this does nothing.
-    """
-    from elastic.control import REPORTS, worker_block
-
-    block = worker_block()
-    if block is not None:
-        block.mark(REPORTS)
-        block.beat(step)
+    """Only the heartbeat of ``report``: for long phases without steps (evaluation)."""
+    report(step)
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from elastic import store
 from elastic.failures import WorkerFailure, format_report, summarize
+from elastic.metrics import AgentMetrics
 from elastic.worker_env import Placement
 from elastic.workers import GroupState, WorkerGroup
 from rendezvous.errors import RendezvousCancelled, RendezvousClosedError, RendezvousError
@@ -53,7 +54,7 @@ class State(enum.Enum):
 class Outcome:
     """Why the monitor loop stopped watching the current round."""
 
-    kind: str  # succeeded | failed | change | signal
+    kind: str  # succeeded | failed | hung | stopped | change | signal
     failures: tuple[WorkerFailure, ...] = ()
     change: Change | None = None
 
@@ -61,7 +62,7 @@ class Outcome:
 class Agent:
     def __init__(self, rdzv: Rendezvous, workers: WorkerGroup, *, monitor_interval: float,
                  shutdown_timeout: float, close_timeout: float, host: str,
-                 hang_timeout: float = 0.0) -> None:
+                 hang_timeout: float = 0.0, metrics: AgentMetrics | None = None) -> None:
         self.rdzv = rdzv
         self.workers = workers
         self.monitor_interval = monitor_interval
@@ -69,12 +70,32 @@ class Agent:
         self.close_timeout = close_timeout
         self.hang_timeout = hang_timeout
         self.host = host
-        self.state = State.JOINING
+        self.metrics = metrics
+        self._state = State.JOINING
         self.signal: int | None = None
+        self.round: RoundRecord | None = None
         self._cancel = threading.Event()
         self._change_at = time.monotonic()
         self._change_why = "start"
+        self._lost_cause: str | None = None  # failure | resize, for the time it costs
         self._store: object | None = None  # the round's TCPStore, on the rank-0 node only
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._state = value
+        if self.metrics is not None:
+            self.metrics.set_state(value.value)
+
+    def health(self) -> dict:
+        """What /healthz says: this agent's state and round."""
+        r = self.round
+        return {"node": self.node_id, "job": self.rdzv.options.run_id, "state": self.state.value,
+                "round": r.number if r else 0, "world_size": r.world_size if r else 0,
+                "workers": sum(1 for _ in self.workers.pids)}
 
     @property
     def node_id(self) -> str:
@@ -100,6 +121,7 @@ class Agent:
             if self.signal is not None:
                 return self._leave()
             self.state = State.JOINING
+            asked = time.monotonic()
             try:
                 r = self.rdzv.next_round(cancel=self._cancel)
             except RendezvousCancelled:
@@ -107,7 +129,7 @@ class Agent:
             except RendezvousClosedError as e:
                 return self._closed(e)
             try:
-                self._start(r, previous)
+                self._start(r, previous, time.monotonic() - asked)
             except store.StoreError as e:
                 log.error("%s; leaving this round", e)
                 self._change_why = str(e)
@@ -120,7 +142,7 @@ class Agent:
             if code is not None:
                 return code
 
-    def _start(self, r: RoundRecord, previous: RoundRecord | None) -> None:
+    def _start(self, r: RoundRecord, previous: RoundRecord | None, waited: float) -> None:
         group_rank = r.rank_of(self.node_id)
         nproc = r.members[group_rank].nproc
         base = r.base_rank(group_rank)
@@ -134,8 +156,16 @@ class Agent:
         if group_rank == 0:
             self._store = store.host(r.master_addr, r.master_port)
         self.workers.start(placements)
-        self.state = State.RUNNING
+        self.round = r
         took = time.monotonic() - self._change_at
+        if self.metrics is not None:
+            if self._lost_cause is not None:
+                self.metrics.lost(self._lost_cause, took)
+            self.metrics.round_started(
+                r.number, r.world_size, len(r.members), group_rank, r.restarts,
+                joined=len(r.joined) if previous is not None else 0, left=len(r.left),
+                lost=len(r.lost), waited=waited, workers=nproc)
+        self.state = State.RUNNING
         log.info("%s", membership_line(r, previous, took, self._change_why))
         ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
         log.info("node %s: group rank %d, %s, master %s:%d, restarts %d", self.node_id,
@@ -156,15 +186,28 @@ class Agent:
             if self.hang_timeout > 0:
                 hung = self.workers.hung(self.hang_timeout)
                 if hung:
-                    return Outcome("failed", tuple(hung))
+                    return Outcome("hung", tuple(hung))
             change = self.rdzv.check()
             if change is not None:
                 return Outcome("change", change=change)
+            if self.metrics is not None:
+                self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
 
     def _react(self, o: Outcome) -> int | None:
         """Act on an outcome; an int is the exit code, None means join the next round."""
         self._change_at = time.monotonic()
+        pids = self.workers.pids
+        code = self._respond(o)
+        cause = _restart_cause(o) if code is None else None
+        self._lost_cause = _LOST.get(cause) if cause else None
+        if self.metrics is not None:
+            self.metrics.workers_stopped(cause)
+            for pid in pids:
+                self.metrics.worker_exited(pid)
+        return code
+
+    def _respond(self, o: Outcome) -> int | None:
         if o.kind == "signal":
             return self._leave()
         if o.kind == "succeeded":
@@ -174,7 +217,7 @@ class Agent:
             self._change_why = "workers stopped for a resize"
             self.state = State.RESIZING
             return None
-        if o.kind == "failed":
+        if o.kind in ("failed", "hung"):
             self.state = State.RESTARTING
             self.workers.stop(URGENT_GRACE)
             detail = summarize(list(o.failures), self.node_id, self.host)
@@ -282,6 +325,20 @@ class Agent:
         self._drain(sig)
         self.rdzv.shutdown(leave=True)
         return 128 + int(sig)
+
+
+_LOST = {"failure": "failure", "hang": "failure", "member_lost": "failure",
+         "fenced": "failure", "member_left": "resize", "resize": "resize"}
+
+
+def _restart_cause(o: Outcome) -> str:
+    """The metrics' restart cause for an outcome that leads to a new round."""
+    if o.kind in ("failed", "hung"):
+        return "failure" if o.kind == "failed" else "hang"
+    if o.kind == "stopped" or o.change is None:
+        return "resize"
+    return {"lost": "member_lost", "left": "member_left", "fenced": "fenced",
+            "failed": "failure"}.get(o.change.kind, "resize")
 
 
 def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float,

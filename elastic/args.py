@@ -16,7 +16,9 @@ class UsageError(ValueError):
     """Bad command-line input; the message names the flag and the problem."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors raised as UsageError instead of printed."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
 
@@ -67,7 +69,7 @@ def _switch(p: argparse.ArgumentParser, name: str, help: str, short: str | None 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="elastic-run",
         description="Elastic, fault-tolerant PyTorch launcher: torchrun's flags, etcd v3 "
                     "rendezvous. Subcommands: 'elastic-run status' (a job's state), "
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(p, "virtual_local_rank", "each worker sees only its GPU, as device 0")
     # -- elastic-run ----------------------------------------------------------------------
     _value(p, "node_id", None, "this node's id in the job (default: HOSTNAME-PID)")
+    _value(p, "metrics_addr", "0.0.0.0", "address of the /metrics and /healthz endpoint")
+    _value(p, "metrics_port", None, "port of /metrics and /healthz: N, 0 for any free one, "
+           "-1 for none (default 9400, or any free one if another agent has it)", type=int)
     _value(p, "checkpoint_dir", None, "where elastic.State writes durable checkpoints "
            "(shared or per node); none: shared-memory snapshots only")
     _value(p, "snapshot_every", 1, "elastic.State snapshots every N steps (0: only to resize)",

@@ -12,7 +12,7 @@ from elastic.etcd_server import EtcdServerError
 from rendezvous.config import ConfigError
 from rendezvous.errors import RendezvousError
 
-SUBCOMMANDS: tuple[str, ...] = ()
+SUBCOMMANDS = ("status",)
 
 
 def setup_logging(node: str = "") -> None:
@@ -34,6 +34,7 @@ def fail(message: str, code: int = 1) -> int:
 
 def run(argv: Sequence[str]) -> int:
     from elastic.launch import launch
+    from elastic.metrics import MetricsError
     from elastic.spec import build_config
 
     try:
@@ -43,12 +44,15 @@ def run(argv: Sequence[str]) -> int:
     setup_logging(cfg.node_id)
     try:
         return launch(cfg)
-    except (RendezvousError, ConfigError, EtcdServerError) as e:
+    except (RendezvousError, ConfigError, EtcdServerError, MetricsError) as e:
         return fail(str(e))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    # before prometheus-client loads: the agent's own metrics live in memory; only its
+    # workers write multiprocess files, to a directory the agent gives them
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     setup_logging()
     if args and args[0] in SUBCOMMANDS:
         from elastic import status

@@ -13,6 +13,8 @@ from elastic import nodedir, store
 from elastic.agent import Agent
 from elastic.etcd_server import EtcdServer
 from elastic.logs import LogRouter
+from elastic.metrics import AgentMetrics, MetricsError, MetricsServer
+from elastic.progress import MULTIPROC_ENV
 from elastic.spec import RunConfig
 from elastic.workers import WorkerGroup
 from rendezvous.client import EtcdClient
@@ -57,36 +59,74 @@ def handled_signals(signals: tuple[int, ...], handler) -> Iterator[None]:
             signal.signal(s, h)
 
 
+DEFAULT_METRICS_PORT = 9400
+
+
+def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
+    """Start /metrics; returns the port. The default port, if another agent on this
+    machine has it, falls back to a free one (logged); an explicit one must be free."""
+    if cfg.metrics_port is None:
+        try:
+            port = server.start(cfg.metrics_addr, DEFAULT_METRICS_PORT)
+        except MetricsError:
+            port = server.start(cfg.metrics_addr, 0)
+            log.info("port %d is taken: /metrics on port %d instead", DEFAULT_METRICS_PORT,
+                     port)
+            return port
+    else:
+        port = server.start(cfg.metrics_addr, cfg.metrics_port)
+    log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, port)
+    return port
+
+
 def launch(cfg: RunConfig) -> int:
     """Run this node's agent to the end; returns the exit code."""
     store.prefetch()
-    with embedded_etcd(cfg) as endpoint:
-        etcd_opts, rdzv_opts = build_options(endpoint, cfg.rdzv_id, cfg.min_nodes,
-                                             cfg.max_nodes, cfg.rdzv_conf)
-        client = EtcdClient(etcd_opts)
-        me = NodeSpec(id=cfg.node_id, addr=cfg.local_addr or default_local_addr(),
-                      nproc=cfg.nproc_per_node, host=socket.gethostname(), pid=os.getpid(),
-                      version=version())
-        rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
-        router = LogRouter(cfg.log_dir, cfg.rdzv_id, cfg.node_id, cfg.redirects, cfg.tee,
-                           cfg.local_ranks_filter, cfg.role, cfg.stdout_filters,
-                           cfg.stderr_filters)
-        node_dir = nodedir.create(cfg.rdzv_id, cfg.node_id)
-        workers = WorkerGroup(cfg.command, router, node_dir, role=cfg.role, run_id=cfg.rdzv_id,
-                              max_restarts=cfg.max_restarts,
-                              virtual_local_rank=cfg.virtual_local_rank, extra_env=cfg.env)
-        agent = Agent(rdzv, workers, monitor_interval=cfg.monitor_interval,
-                      shutdown_timeout=cfg.shutdown_timeout,
-                      close_timeout=rdzv_opts.close_timeout, host=me.host,
-                      hang_timeout=cfg.worker_hang_timeout)
-        log.info("node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
-                 cfg.node_id, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node,
-                 router.run_dir)
-        try:
-            with handled_signals(cfg.signals, agent.on_signal):
-                return agent.run()
-        finally:
-            workers.stop(0)
-            rdzv.shutdown(leave=True)
-            client.close()
-            nodedir.remove(node_dir)
+    node_dir = nodedir.create(cfg.rdzv_id, cfg.node_id)
+    env = dict(cfg.env, ELASTIC_RUN_NODE_ID=cfg.node_id)
+    if cfg.metrics_port != -1:
+        env[MULTIPROC_ENV] = str(node_dir / "prometheus")
+    metrics = server = None
+    agent: Agent | None = None
+    router = LogRouter(cfg.log_dir, cfg.rdzv_id, cfg.node_id, cfg.redirects, cfg.tee,
+                       cfg.local_ranks_filter, cfg.role, cfg.stdout_filters, cfg.stderr_filters)
+    workers = WorkerGroup(cfg.command, router, node_dir, role=cfg.role, run_id=cfg.rdzv_id,
+                          max_restarts=cfg.max_restarts,
+                          virtual_local_rank=cfg.virtual_local_rank, extra_env=env)
+    try:
+        port = 0
+        if cfg.metrics_port != -1:
+            metrics = AgentMetrics(cfg.rdzv_id, cfg.node_id, cfg.max_restarts, version(),
+                                   workers=workers.processes,
+                                   multiproc_dir=node_dir / "prometheus",
+                                   min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes)
+            server = MetricsServer(metrics.registry, lambda: agent.health() if agent else
+                                   {"node": cfg.node_id, "state": "starting"})
+            port = serve_metrics(cfg, server)
+        with embedded_etcd(cfg) as endpoint:
+            etcd_opts, rdzv_opts = build_options(endpoint, cfg.rdzv_id, cfg.min_nodes,
+                                                 cfg.max_nodes, cfg.rdzv_conf)
+            client = EtcdClient(etcd_opts)
+            me = NodeSpec(id=cfg.node_id, addr=cfg.local_addr or default_local_addr(),
+                          nproc=cfg.nproc_per_node, host=socket.gethostname(),
+                          pid=os.getpid(), version=version(), metrics_port=port)
+            rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
+            agent = Agent(rdzv, workers, monitor_interval=cfg.monitor_interval,
+                          shutdown_timeout=cfg.shutdown_timeout,
+                          close_timeout=rdzv_opts.close_timeout, host=me.host,
+                          hang_timeout=cfg.worker_hang_timeout, metrics=metrics)
+            log.info("node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
+                     cfg.node_id, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes,
+                     cfg.nproc_per_node, router.run_dir)
+            try:
+                with handled_signals(cfg.signals, agent.on_signal):
+                    return agent.run()
+            finally:
+                workers.stop(0)
+                rdzv.shutdown(leave=True)
+                client.close()
+    finally:
+        workers.stop(0)
+        if server is not None:
+            server.stop()
+        nodedir.remove(node_dir)

@@ -96,6 +96,8 @@ class RunConfig:
     virtual_local_rank: bool
     node_id: str
     worker_hang_timeout: float = 0.0
+    metrics_addr: str = "0.0.0.0"
+    metrics_port: int | None = None  # None: 9400, or a free one if 9400 is taken
     stdout_filters: tuple[str, ...] = ()
     stderr_filters: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
@@ -127,6 +129,18 @@ def _check_script(ns: argparse.Namespace) -> None:
         return
     if not Path(script).is_file():
         raise UsageError(f"training script {script!r}: no such file")
+
+
+def _metrics_port(value: object) -> int | None:
+    if value is None:
+        return None
+    try:
+        port = int(value)  # type: ignore[call-overload]
+    except ValueError:
+        raise UsageError(f"--metrics-port {value!r}: expected a port number") from None
+    if not -1 <= port < 65536:
+        raise UsageError(f"--metrics-port {port}: expected 0-65535, or -1 for none")
+    return port
 
 
 def _state_env(ns: argparse.Namespace) -> dict[str, str]:
@@ -223,6 +237,7 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         shutdown_timeout=shutdown_timeout, virtual_local_rank=bool(ns.virtual_local_rank),
         worker_hang_timeout=_positive("--worker-hang-timeout", float(ns.worker_hang_timeout),
                                       allow_zero=True),
+        metrics_addr=str(ns.metrics_addr), metrics_port=_metrics_port(ns.metrics_port),
         node_id=ns.node_id or f"{socket.gethostname()}-{os.getpid()}",
         stdout_filters=tuple(filter(None, str(ns.duplicate_stdout_filters).split(","))),
         stderr_filters=tuple(filter(None, str(ns.duplicate_stderr_filters).split(","))),

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from elastic import checkpoint, control, sharded, snapshot
+from elastic import checkpoint, control, progress, sharded, snapshot
 from elastic.sampler import ElasticSampler
 
 log = logging.getLogger("elastic.state")
@@ -246,15 +246,16 @@ class State:
     def _samplers(self) -> list[ElasticSampler]:
         return [o for o in self._objects.values() if isinstance(o, ElasticSampler)]
 
-    def commit(self) -> None:
-        """One optimizer step is done: count it, report it, snapshot or stop as agreed."""
+    def commit(self, loss: float | None = None) -> None:
+        """One optimizer step is done: count it, report it (``loss`` too, if given, for
+        the metrics), snapshot or stop as the ranks agree."""
         self._values["step"] += 1
         step = self._values["step"]
+        before = sum(s.consumed for s in self._samplers())
         for s in self._samplers():
             s.advance(1)
-        if self._ctl is not None:
-            samples = sum(s.consumed for s in self._samplers())
-            self._ctl.beat(step, samples)
+        after = sum(s.consumed for s in self._samplers())
+        progress.report(step, loss, (after - before) // max(self._world(), 1))
         p = self.policy
         due = (p.every > 0 and step % p.every == 0) or \
             (p.seconds > 0 and time.monotonic() - self._last_snapshot >= p.seconds)
@@ -267,8 +268,7 @@ class State:
 
     def heartbeat(self) -> None:
         """Progress without a step (a long evaluation): keeps the hang detector quiet."""
-        if self._ctl is not None:
-            self._ctl.beat()
+        progress.report()
 
     # -- snapshots ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -304,6 +304,7 @@ class State:
         except OSError as e:
             log.error("snapshot to shared memory failed (%s); training continues", e)
             self.stats["checkpoint_failures"] += 1
+            progress.checkpoint(False, 0.0, 0)
             return
         snapshot.write_into(buf, packed, tensors=False)
         stable = self._stable_tensors()
@@ -332,6 +333,7 @@ class State:
             finish()
         self.stats["snapshot_seconds"] = time.perf_counter() - started
         self.stats["blocked_seconds"] += self.stats["snapshot_seconds"]
+        progress.snapshot(self.stats["snapshot_seconds"], packed.size)
         object.__setattr__(self, "_last_snapshot", time.monotonic())
 
     def _save_sharded(self) -> None:
@@ -342,6 +344,7 @@ class State:
                          self.policy.keep)
         except Exception as e:  # DCP raises its own exception types, on every rank
             self.stats["checkpoint_failures"] += 1
+            progress.checkpoint(False, 0.0, 0)
             log.error("sharded checkpoint of step %d failed; training goes on: %s", step, e)
             return
         self.stats["checkpoints"] += 1
@@ -376,7 +379,9 @@ class State:
             started = time.perf_counter()
             copy.join()
             object.__setattr__(self, "_copy", None)
-            self.stats["blocked_seconds"] += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            self.stats["blocked_seconds"] += waited
+            progress.waited(waited)
 
     def _save_rng(self) -> None:
         """Each rank's RNG, next to the node's snapshot (ranks differ; state does not)."""
@@ -408,6 +413,7 @@ class State:
         return self._ctl is not None and self._ctl.stop_generation != self._stop_seen
 
     def _checkpoint_done(self, result: checkpoint.WriteResult) -> None:
+        progress.checkpoint(result.ok, result.seconds, result.nbytes)
         if result.ok:
             self.stats["checkpoints"] += 1
             self.stats["checkpoint_seconds"] = result.seconds
@@ -458,12 +464,14 @@ class State:
         if self._sharded:
             done = self._restore_sharded()
             self.stats["restore_seconds"] = time.perf_counter() - started
+            progress.restored(self.stats["restore_seconds"], 0)
             return done
         step, source = self._local_candidate()
         rank, world = self._rank(), self._world()
         best, everyone = self._all_reduce([step, -step], "MAX")
         if best < 0:
             self._apply_policy()
+            progress.restored(time.perf_counter() - started, 0)  # a fresh start
             return False
         everyone = -everyone == best  # the MAX of -step is minus the smallest step
         holder = self._all_reduce([rank if step == best else world], "MIN")[0]
@@ -481,6 +489,7 @@ class State:
         self.stats["restore_seconds"] = time.perf_counter() - started
         self.stats["restore_bytes"] = len(blob)
         self.stats["restored_step"] = best
+        progress.restored(self.stats["restore_seconds"], len(blob))
         if self._ctl is not None:
             self._ctl.beat(self._values["step"])
         log.info("restored step %d (from rank %d%s) in %.2fs", best, holder,

@@ -15,6 +15,7 @@ from pathlib import Path
 from signal import SIGKILL, SIGTERM
 
 from elastic import control
+from elastic.collectors import WorkerProc
 from elastic.control import EXIT_RESIZE, ControlBlock
 from elastic.failures import WorkerFailure, collect
 from elastic.logs import LogRouter, WorkerStreams
@@ -141,8 +142,10 @@ class WorkerGroup:
                     f"{timeout:g}) after step {w.control.step}"))
         return out
 
-    def progress(self) -> list[tuple[Placement, ControlBlock]]:
-        return [(w.placement, w.control) for w in self.workers]
+    def processes(self) -> list[WorkerProc]:
+        """The workers as the metrics collectors see them."""
+        return [WorkerProc(w.placement.rank, w.local_rank, w.proc.pid, w.proc.poll() is None)
+                for w in self.workers]
 
     def signal(self, sig: int) -> None:
         for w in self.workers:

@@ -81,7 +81,7 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            state.commit()
+            state.commit(loss=loss.item())  # the loss is optional: for the metrics
             total, batches = total + loss.item(), batches + 1
             time.sleep(a.step_time)
         if rank == 0:

@@ -353,3 +353,10 @@ class JobMirror:
                 log.exception("watch on %s failed; retrying", self._prefix)
                 stale = True
                 self._stopped.wait(1.0)
+
+
+def read_view(client: EtcdClient, prefix: str) -> JobView:
+    """The job as it is now, read once (no watch): for ``elastic-run status``."""
+    mirror = JobMirror(client, prefix)
+    mirror._load()
+    return mirror.view()

@@ -46,6 +46,7 @@ class NodeSpec:
     host: str = socket.gethostname()
     pid: int = 0
     version: str = ""
+    metrics_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class Rendezvous:
     def _new_record(self) -> NodeRecord:
         return NodeRecord(id=self.me.id, addr=self.me.addr, nproc=self.me.nproc,
                           host=self.me.host, pid=self.me.pid, version=self.me.version,
-                          done=0, state="waiting", probe=self._probe.port if self._probe else 0)
+                          done=0, state="waiting", probe=self._probe.port if self._probe else 0,
+                          metrics=self.me.metrics_port)
 
     def _refused(self, kvs: list[KV]) -> None:
         """Explain why registration found the job closed or this node's id taken."""

@@ -69,6 +69,7 @@ class NodeRecord:
     done: int = 0
     state: str = "waiting"  # waiting | running | leaving
     probe: int = 0  # TCP port that refuses connections once this agent is gone
+    metrics: int = 0  # the agent's /metrics port, for people and scrapers (0: none)
 
     def encode(self) -> bytes:
         return dumps(asdict(self))
@@ -86,6 +87,7 @@ class NodeRecord:
             done=_field(key, obj, "done", int),
             state=str(obj.get("state", "waiting")),
             probe=obj["probe"] if isinstance(obj.get("probe"), int) else 0,
+            metrics=obj["metrics"] if isinstance(obj.get("metrics"), int) else 0,
         )
         if rec.nproc < 1:
             raise MalformedRecordError(f"malformed value at etcd key {key}: nproc must be >= 1")
