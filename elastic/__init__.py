@@ -6,6 +6,7 @@ pay for torch):
     elastic.State, elastic.SnapshotPolicy, elastic.CheckpointMismatchError
     elastic.ElasticSampler, elastic.BatchPolicy
     elastic.report(), elastic.heartbeat()
+    elastic.tune_workers(dataset, batch_size)  (DataLoader num_workers, measured)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _LAZY = {
     "CheckpointMismatchError": "elastic.state",
     "ElasticSampler": "elastic.sampler",
     "BatchPolicy": "elastic.sampler",
+    "tune_workers": "elastic.tuner",
 }
 
 __all__ = [*_LAZY, "heartbeat", "report"]
@@ -47,4 +49,5 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'elastic' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    attr = "tune" if name == "tune_workers" else name
+    return getattr(importlib.import_module(module), attr)

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # -- torchrun 2.13 ------------------------------------------------------------------
     _value(p, "nnodes", "1:1", "number of nodes, N or MIN:MAX")
-    _value(p, "nproc_per_node", "1", "workers per node: N, auto, cpu, gpu or xpu")
+    _value(p, "nproc_per_node", None, "workers per node: N, auto, cpu, gpu or xpu (1; with "
+           "--devices, one per device)")
     _value(p, "rdzv_backend", "etcd-v3", "rendezvous backend: etcd-v3 (etcd is the same)")
     _value(p, "rdzv_endpoint", "", "etcd host[:port][,host[:port]...]; empty: embedded etcd")
     _value(p, "rdzv_id", "none", "job id shared by all nodes")
@@ -114,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(p, "virtual_local_rank", "each worker sees only its GPU, as device 0")
     # -- elastic-run ----------------------------------------------------------------------
     _value(p, "node_id", None, "this node's id in the job (default: HOSTNAME-PID)")
+    _value(p, "devices", None, "GPUs this job may use (indices or UUIDs, like 0,2): workers "
+           "see only these, local rank i on the i-th; two jobs share a machine this way")
     _value(p, "metrics_addr", "0.0.0.0", "address of the /metrics and /healthz endpoint")
     _value(p, "metrics_port", None, "port of /metrics and /healthz: N, 0 for any free one, "
            "-1 for none (default 9400, or any free one if another agent has it)", type=int)

@@ -12,7 +12,7 @@ from elastic.etcd_server import EtcdServerError
 from rendezvous.config import ConfigError
 from rendezvous.errors import RendezvousError
 
-SUBCOMMANDS = ("status",)
+SUBCOMMANDS = {"status": "elastic.status", "tune-workers": "elastic.tuner"}
 
 
 def setup_logging(node: str = "") -> None:
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     setup_logging()
     if args and args[0] in SUBCOMMANDS:
-        from elastic import status
+        import importlib
 
-        sys.exit(status.main(args[1:]))
+        sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
     sys.exit(run(args))

@@ -57,8 +57,8 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def count_devices(spec: str) -> int:
-    """Worker count for ``--nproc-per-node``."""
+def count_devices(spec: str, visible: int | None = None) -> int:
+    """Worker count for ``--nproc-per-node`` (``visible``: GPUs chosen with --devices)."""
     if spec.isdigit() or (spec.startswith("-") and spec[1:].isdigit()):
         n = int(spec)
         if n < 1:
@@ -67,13 +67,13 @@ def count_devices(spec: str) -> int:
     if spec == "cpu":
         return cpu_count()
     if spec == "gpu":
-        n = len(visible_gpus())
+        n = len(visible_gpus()) if visible is None else visible
         if n == 0:
             raise DeviceError("no GPU is visible here (NVML finds none, or "
                               "CUDA_VISIBLE_DEVICES hides them)")
         return n
     if spec == "auto":
-        return len(visible_gpus()) or cpu_count()
+        return (len(visible_gpus()) if visible is None else visible) or cpu_count()
     if spec == "xpu":
         import torch
 
@@ -81,3 +81,23 @@ def count_devices(spec: str) -> int:
             raise DeviceError("no XPU is available here")
         return torch.xpu.device_count()
     raise DeviceError("expected a number, auto, cpu, gpu or xpu")
+
+
+def choose_devices(text: str, total: int | None = None) -> list[str]:
+    """``--devices 0,2`` (NVML indices or GPU UUIDs) checked against this machine's GPUs."""
+    wanted = [d.strip() for d in text.split(",") if d.strip()]
+    if not wanted:
+        raise DeviceError("expected GPU indices or UUIDs, like 0,2")
+    if len(set(wanted)) != len(wanted):
+        raise DeviceError("a device is listed twice")
+    total = nvml_device_count() if total is None else total
+    if total == 0:
+        raise DeviceError("no GPU is visible here (NVML finds none)")
+    for d in wanted:
+        if d.isdigit():
+            if int(d) >= total:
+                raise DeviceError(f"device {d} does not exist: this machine has GPUs "
+                                  f"0-{total - 1}")
+        elif not d.startswith(("GPU-", "MIG-")):
+            raise DeviceError(f"device {d!r}: expected an index or a GPU-/MIG- UUID")
+    return wanted

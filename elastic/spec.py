@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.args import UsageError
-from elastic.devices import DeviceError, count_devices
+from elastic.devices import DeviceError, choose_devices, count_devices
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,21 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
             "or nothing for an embedded one"
         )
     mn, mx = parse_nnodes(ns.nnodes)
+    devices = None
+    if ns.devices:
+        try:
+            devices = choose_devices(str(ns.devices))
+        except DeviceError as e:
+            raise UsageError(f"--devices {ns.devices}: {e}") from None
+    spec = ns.nproc_per_node if ns.nproc_per_node is not None else \
+        str(len(devices)) if devices else "1"
     try:
-        nproc = count_devices(str(ns.nproc_per_node))
+        nproc = count_devices(str(spec), visible=len(devices) if devices else None)
     except DeviceError as e:
-        raise UsageError(f"--nproc-per-node {ns.nproc_per_node}: {e}") from None
+        raise UsageError(f"--nproc-per-node {spec}: {e}") from None
+    if devices and len(devices) % nproc:
+        raise UsageError(f"--devices {ns.devices}: {len(devices)} device(s) cannot be shared "
+                         f"evenly by {nproc} workers")
     try:
         max_restarts = int(ns.max_restarts)
         monitor_interval = float(ns.monitor_interval)
@@ -221,6 +232,8 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     _check_script(ns)
     # torchrun sets this in its own environment, which its workers inherit
     env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": str(ns.signals_to_handle)}
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env.update(_state_env(ns))
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "

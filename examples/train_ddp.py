@@ -16,37 +16,17 @@ Kill a worker or a node, or add one, and training goes on from the newest snapsh
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
+from _common import init_distributed, synthetic
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import elastic
-
-
-def make_dataset(n: int = 4096, features: int = 32) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, features, generator=g)
-    w = torch.randn(features, 1, generator=g)
-    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
-    return TensorDataset(x, y)
-
-
-def setup() -> torch.device:
-    if torch.cuda.is_available():
-        local_rank = int(os.environ["LOCAL_RANK"])
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
 
 
 @record
@@ -58,13 +38,13 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.0,
                     help="sleep after each step, to watch resizes happen")
     a = ap.parse_args()
-    device = setup()
+    device = init_distributed()
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr)
-    data = make_dataset()
+    data = synthetic()
     sampler = elastic.ElasticSampler(data, batch_size=a.batch_size, shuffle=True, seed=0)
     # its own generator: building an iterator must not draw from the RNG State restores
     loader = DataLoader(data, batch_sampler=sampler, generator=torch.Generator())

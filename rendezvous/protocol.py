@@ -332,8 +332,9 @@ class Rendezvous:
     def _close_failed(self, view: JobView, p: Plan) -> None:
         root = p.root_cause
         where = f" on {root.get('node')}" if root.get("node") else ""
-        reason = (f"restart budget spent ({p.restarts - 1} of max {self.max_restarts} used); "
-                  f"last failure{where}: {root.get('summary', 'workers failed')}")
+        reason = (f"workers failed with the restart budget spent (--max-restarts "
+                  f"{self.max_restarts}, all used); last failure{where}: "
+                  f"{root.get('summary', 'workers failed')}")
         number = view.round.number if view.round else 0
         self.close("failed", reason, root_cause=root, round_number=number)
 

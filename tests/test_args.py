@@ -7,9 +7,10 @@ from torch.distributed.run import get_args_parser
 
 from elastic.args import build_parser, parse_args
 
-# Defaults that differ on purpose: the rendezvous backend (etcd v3, not static) and the
-# empty-string spelling of "no filters".
-DIFFERENT_DEFAULTS = {"rdzv_backend", "duplicate_stdout_filters", "duplicate_stderr_filters"}
+# Defaults that differ on purpose: the rendezvous backend (etcd v3, not static), the
+# empty-string spelling of "no filters", and nproc_per_node (checked below).
+DIFFERENT_DEFAULTS = {"rdzv_backend", "duplicate_stdout_filters", "duplicate_stderr_filters",
+                      "nproc_per_node"}
 
 
 def _options(parser) -> dict[str, object]:
@@ -26,6 +27,9 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning() -> None:
         assert (mine.nargs == 0) == (action.nargs == 0), f"{opt}: switch vs value"
         if action.dest not in DIFFERENT_DEFAULTS and opt.startswith("--"):
             assert mine.default == action.default, f"{opt}: {mine.default!r} != {action.default!r}"
+    # None there means "1, or one per --devices device": the same default for torchrun's use
+    assert ours["--nproc-per-node"].default is None
+    assert theirs["--nproc-per-node"].default == "1"
 
 
 def test_pet_variables_override_defaults_and_flags_override_pet(

@@ -1,23 +1,132 @@
-"""Every example runs, under elastic-run where it is distributed, in a short mode."""
+"""Every example runs, under elastic-run where it is distributed, in a short mode; the DDP
+examples survive a node being SIGKILLed mid-run; the DataLoader tuner and --devices."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
 import pytest
-from harness import ROOT
+from agents import start_agent
+from harness import ROOT, Proc
 
-pytestmark = pytest.mark.slow
+from elastic.devices import DeviceError, choose_devices, count_devices, nvml_device_count
+from elastic.etcd_server import EtcdServer
+from elastic.tuner import Trial, candidates, recommend
+
+EXAMPLES = ROOT / "examples"
 
 
-def elastic_run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=str(ROOT))
+def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
 
 
+def elastic_run(*args: str) -> subprocess.CompletedProcess:
+    return run("-m", "elastic", *args)
+
+
+@pytest.mark.slow
 def test_readme_first_command_runs_train_ddp() -> None:
     done = elastic_run("--nproc-per-node", "2", "examples/train_ddp.py", "--epochs", "2")
     assert done.returncode == 0, done.stderr
-    assert "[rank0]: epoch 1: loss" in done.stdout
-    assert "world size 2" in done.stdout
+    assert "[rank0]: epoch 1: loss" in done.stdout and "world size 2" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch,args,expect", [
+    ([], ["examples/single_device.py", "--epochs", "1", "--samples", "512"], "epoch 0 on cpu"),
+    ([], ["examples/model_parallel.py", "--epochs", "1", "--samples", "512"],
+     "stages on cpu and cpu"),
+    ([], ["examples/dp_vs_ddp.py", "--mode", "dp", "--epochs", "1", "--samples", "1024"],
+     "dp epoch 0"),
+    (["-m", "elastic", "--nproc-per-node", "2"],
+     ["examples/dp_vs_ddp.py", "--mode", "ddp", "--epochs", "1", "--samples", "1024"],
+     "ddp epoch 0: loss"),
+    (["-m", "elastic", "--nproc-per-node", "2"],
+     ["examples/model_parallel_ddp.py", "--epochs", "1", "--samples", "512"],
+     "epoch 0: loss"),
+    (["-m", "elastic", "--nproc-per-node", "2"],
+     ["examples/dataloader_workers.py", "--samples", "256", "--num-workers", "1"],
+     "with num_workers=1"),
+    (["-m", "elastic", "--nproc-per-node", "2"],
+     ["examples/device_subsets.py", "--samples", "256"], "rank 1 (local 1): cpu"),
+    (["-m", "elastic"], ["examples/single_device.py", "--epochs", "1", "--samples", "256"],
+     "epoch 0 on cpu"),
+])
+def test_example_runs(launch: list[str], args: list[str], expect: str) -> None:
+    done = run(*launch, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert expect in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["train_ddp.py", "model_parallel_ddp.py"])
+def test_ddp_examples_survive_a_node_sigkill(etcd: EtcdServer, run_id: str, procs: list[Proc],
+                                             script: str) -> None:
+    args = ("--epochs", "3", "--step-time", "0.02")
+    a, b = (start_agent(procs, etcd.endpoint, run_id, n, EXAMPLES / script, *args,
+                        nnodes="1:2") for n in "ab")
+    first = a.wait_output("epoch 0: loss", timeout=90)  # rank 0 is on a: it joined first
+    assert "world size 2" in first
+    b.signal(signal.SIGKILL)
+    assert a.wait(180) == 0, a.transcript()
+    out = "\n".join(a.out)
+    assert "resumed at epoch" in out
+    assert "epoch 2: loss" in out and "world size 1" in out
+
+
+def test_tuner_candidates_and_recommendation() -> None:
+    assert candidates(1) == [0, 1]
+    assert candidates(6) == [0, 1, 2, 4, 6]
+    assert candidates(8) == [0, 1, 2, 4, 8]
+    trials = [Trial(0, 0.0, 10.0), Trial(1, 0.1, 30.0), Trial(2, 0.1, 39.0),
+              Trial(4, 0.2, 40.0)]
+    assert recommend(trials).num_workers == 2  # within 5% of the fastest, fewer workers
+
+
+@pytest.mark.slow
+def test_tune_workers_times_the_users_dataset() -> None:
+    done = elastic_run("tune-workers", "examples/dataloader_workers.py:make_dataset",
+                       "--batch-size", "16", "--batches", "5", "--workers", "0,1,2")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert "recommended: num_workers=" in done.stdout
+    bad = elastic_run("tune-workers", "examples/dataloader_workers.py:nothing")
+    assert bad.returncode == 2 and "nothing is not a function" in bad.stderr
+    bad = elastic_run("tune-workers", "no-colon")
+    assert bad.returncode == 2 and "expected FILE.py:FUNCTION" in bad.stderr
+
+
+def test_devices_are_checked_and_map_local_ranks() -> None:
+    assert choose_devices("0,2", total=4) == ["0", "2"]
+    assert choose_devices("GPU-1234, 1", total=2) == ["GPU-1234", "1"]
+    with pytest.raises(DeviceError, match="device 4 does not exist: this machine has GPUs 0-3"):
+        choose_devices("1,4", total=4)
+    with pytest.raises(DeviceError, match="listed twice"):
+        choose_devices("1,1", total=4)
+    with pytest.raises(DeviceError, match="no GPU is visible"):
+        choose_devices("0", total=0)
+    assert count_devices("gpu", visible=2) == 2
+
+
+@pytest.mark.skipif(nvml_device_count() > 0, reason="this machine has GPUs")
+def test_devices_on_a_machine_without_them_is_one_line() -> None:
+    done = elastic_run("--devices", "0,2", "examples/device_subsets.py")
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert errors == ["elastic-run: error: --devices 0,2: no GPU is visible here "
+                      "(NVML finds none)"]
+
+
+def test_tune_workers_python_api() -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import elastic
+
+    data = TensorDataset(torch.randn(64, 4))
+    trials = elastic.tune_workers(data, batch_size=8, batches=3, workers=[0])
+    assert [t.num_workers for t in trials] == [0] and trials[0].rate > 0
