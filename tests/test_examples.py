@@ -91,7 +91,8 @@ def test_tune_workers_times_the_users_dataset() -> None:
     done = elastic_run("tune-workers", "examples/dataloader_workers.py:make_dataset",
                        "--batch-size", "16", "--batches", "5", "--workers", "0,1,2")
     assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    rows = [line.split() for line in done.stdout.splitlines()
+            if len(line.split()) == 4 and line.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["0", "1", "2"]
     assert "recommended: num_workers=" in done.stdout
     bad = elastic_run("tune-workers", "examples/dataloader_workers.py:nothing")
