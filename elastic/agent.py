@@ -305,7 +305,7 @@ class Agent:
     def _closed_on_arrival(self, e: RendezvousClosedError) -> int:
         if e.state == "failed":
             return self._report_failed(e.reason, {})
-        log.info("%s; nothing to do", e)
+        log.info("%s; nothing to do (to run the job again, give it a new --rdzv-id)", e)
         return 0
 
     def _report_failed(self, reason: str, root: dict) -> int:

@@ -19,11 +19,13 @@ FAST_CONF = f"lease_ttl={TTL},last_call_timeout=1"
 def start_agent(procs: list[Proc], endpoint: str, run_id: str, node: str, script: Path,
                 *script_args: str, nnodes: str = "1:3", nproc: int = 1,
                 conf: str = FAST_CONF, extra: tuple[str, ...] = (),
-                env: dict[str, str] | None = None) -> Proc:
-    cmd = [sys.executable, "-m", "elastic", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-           "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf,
-           "--node-id", node, "--local-addr", "127.0.0.1", "--monitor-interval", "0.05",
-           *extra, str(script), *script_args]
+                env: dict[str, str] | None = None, local_addr: str = "127.0.0.1",
+                prefix: tuple[str, ...] = ()) -> Proc:
+    """An agent as its own process; ``prefix`` runs it elsewhere (a network namespace)."""
+    cmd = [*prefix, sys.executable, "-m", "elastic", "--nnodes", nnodes,
+           "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+           "--rdzv-conf", conf, "--node-id", node, "--local-addr", local_addr,
+           "--monitor-interval", "0.05", *extra, str(script), *script_args]
     p = Proc(cmd, env=env, name=node)
     procs.append(p)
     return p
@@ -82,3 +84,24 @@ def gone(pids: list[int]) -> bool:
         except psutil.NoSuchProcess:
             continue
     return True
+
+
+def kept_steps(history: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """Per (epoch, step), the rows of the last round that ran it: earlier runs of the step
+    were rolled back by a restore. Rounds are told apart by their fresh master port."""
+    order = sorted({r["port"] for r in history},
+                   key=lambda p: min(r["t"] for r in history if r["port"] == p))
+    by_step: dict[tuple[int, int], dict[int, list[dict]]] = {}
+    for r in history:
+        by_step.setdefault((r["epoch"], r["step"]), {}).setdefault(order.index(r["port"]),
+                                                                   []).append(r)
+    return {k: v[max(v)] for k, v in by_step.items()}
+
+
+def samples_once(history: list[dict], samples: int, epochs: int) -> None:
+    """Every sample of every epoch was trained on exactly once in the kept steps."""
+    kept = kept_steps(history)
+    for epoch in range(epochs):
+        used = sorted(i for (e, _), rows in kept.items() if e == epoch
+                      for r in rows for i in r["indices"])
+        assert used == list(range(samples)), f"epoch {epoch}: {len(used)} of {samples}"

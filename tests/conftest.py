@@ -9,6 +9,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -90,3 +91,14 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
                 p.kill()
         if left:
             pytest.fail("processes left behind:\n" + "\n".join(names), pytrace=False)
+        from faults import leftover_namespaces, sh
+
+        spaces = leftover_namespaces()
+        for ns in spaces:
+            sh("ip", "netns", "del", ns, check=False)
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+                  if "/pytest-of-" in line.split()[1]]
+        for m in mounts:
+            sh("umount", "-l", m, check=False)
+        if spaces or mounts:
+            pytest.fail(f"left behind: namespaces {spaces}, mounts {mounts}", pytrace=False)

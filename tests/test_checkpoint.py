@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import need
+from faults import small_tmpfs
 
 from elastic import snapshot
 from elastic.checkpoint import CheckpointDir, path_for
@@ -103,18 +100,6 @@ def test_snapshot_is_the_committed_state_although_copied_in_the_background(
     assert s2.restore()
     assert torch.equal(m2.weight, committed)
     assert not torch.equal(committed, m.weight)
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    need(os.geteuid() == 0, "mounting a tmpfs needs root")
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                   check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_full_disk_keeps_the_last_good_checkpoint_and_training_going(tmp_path: Path) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
-from agents import start_agent, wait_world
+from agents import samples_once, start_agent, wait_world
 from harness import ROOT, Proc
 
 from elastic.etcd_server import EtcdServer
@@ -56,15 +55,6 @@ def test_sigkill_of_a_worker_resumes_bitwise_equal(etcd: EtcdServer, run_id: str
             assert torch.equal(v, got["optimizer"]["state"][p][k]), (p, k)
 
 
-def effective(history: list[dict]) -> dict[tuple[int, int], list[dict]]:
-    """Per (epoch, step), the rows of the last round that ran it (earlier runs of that
-    step were rolled back by a restore)."""
-    by_step: dict[tuple[int, int], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for r in history:
-        by_step[(r["epoch"], r["step"])][r["round"]].append(r)
-    return {k: v[max(v)] for k, v in by_step.items()}
-
-
 def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_id: str,
                                                          procs: list[Proc],
                                                          tmp_path: Path) -> None:
@@ -99,11 +89,7 @@ def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_i
         r["round"] = rounds.index(r["port"])
     assert [sorted({r["world"] for r in history if r["round"] == i}) for i in
             range(len(rounds))] == [[3], [2], [3]]
-    # every sample of every epoch, exactly once, in the steps that were kept
-    kept = effective(history)
-    for epoch in range(3):
-        used = [i for (e, _), rs in kept.items() if e == epoch for r in rs for i in r["indices"]]
-        assert sorted(used) == list(range(480)), f"epoch {epoch}"
+    samples_once(history, 480, 3)  # every sample of every epoch, exactly once
     # the step counter: back by at most the snapshot interval (1) after the crash,
     # not at all after the graceful resize
     last = [max(r["step"] for r in history if r["round"] == i) for i in range(3)]

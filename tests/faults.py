@@ -1,0 +1,101 @@
+"""A "node" in a network namespace of its own, joined to this one by a veth pair whose link
+can be cut and restored, and small tmpfs mounts: faults made for real, always undone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import need
+
+PREFIX = "elrtest"
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if check and done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+@dataclass(frozen=True)
+class NetNode:
+    ns: str
+    host_if: str  # the veth end in this namespace
+    node_if: str  # the veth end in the node's namespace
+    host_ip: str
+    node_ip: str
+
+    def command(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside the node's namespace (same pid: ip execs it)."""
+        return ["ip", "netns", "exec", self.ns, *cmd]
+
+    def cut(self) -> None:
+        """The cable is pulled: nothing in or out, and no resets either."""
+        sh("ip", "-n", self.ns, "link", "set", self.node_if, "down")
+        sh("ip", "link", "set", self.host_if, "down")
+
+    def restore(self) -> None:
+        sh("ip", "link", "set", self.host_if, "up")
+        sh("ip", "-n", self.ns, "link", "set", self.node_if, "up")
+
+
+def can_make_namespaces() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+@contextlib.contextmanager
+def isolated_node() -> Iterator[NetNode]:
+    need(can_make_namespaces(), "network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
+    subnet = random.randrange(1, 250)
+    node = NetNode(ns=f"{PREFIX}{tag}", host_if=f"elh{tag}", node_if=f"eln{tag}",
+                   host_ip=f"10.231.{subnet}.1", node_ip=f"10.231.{subnet}.2")
+    try:
+        sh("ip", "netns", "add", node.ns)
+        sh("ip", "link", "add", node.host_if, "type", "veth", "peer", "name", node.node_if)
+        sh("ip", "link", "set", node.node_if, "netns", node.ns)
+        sh("ip", "addr", "add", f"{node.host_ip}/24", "dev", node.host_if)
+        sh("ip", "link", "set", node.host_if, "up")
+        sh("ip", "-n", node.ns, "addr", "add", f"{node.node_ip}/24", "dev", node.node_if)
+        sh("ip", "-n", node.ns, "link", "set", node.node_if, "up")
+        sh("ip", "-n", node.ns, "link", "set", "lo", "up")
+        yield node
+    finally:
+        for pid in sh("ip", "netns", "pids", node.ns, check=False).split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGCONT)
+                os.kill(int(pid), signal.SIGKILL)
+        sh("ip", "netns", "del", node.ns, check=False)
+        sh("ip", "link", "del", node.host_if, check=False)
+
+
+def leftover_namespaces() -> list[str]:
+    if not can_make_namespaces():
+        return []
+    return [line.split()[0] for line in sh("ip", "netns", "list", check=False).splitlines()
+            if line.startswith(PREFIX)]
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``path`` (a disk that fills up), unmounted at the end."""
+    need(os.geteuid() == 0, "mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
+    try:
+        yield path
+    finally:
+        sh("umount", "-l", str(path), check=False)
+
+
+def mounted(path: Path) -> bool:
+    return any(line.split()[1] == str(path) for line in Path("/proc/mounts").read_text()
+               .splitlines())

@@ -1,0 +1,285 @@
+"""The fault-injection suite: each test injects one fault for real and checks the outcome.
+
+Figures (time to recover, steps redone, samples lost or repeated) are written to the JSON
+file named by $ELASTIC_RUN_FAULT_REPORT, when set; the README's fault table comes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from agents import (
+    TRAIN_LOOP,
+    TTL,
+    gone,
+    samples_once,
+    start_agent,
+    steps,
+    wait_workers,
+    wait_world,
+)
+from faults import isolated_node, sh, small_tmpfs
+from harness import ROOT, Proc, wait_until
+
+from elastic.checkpoint import CheckpointDir
+from elastic.etcd_server import EtcdCluster, EtcdServer
+
+pytestmark = pytest.mark.slow
+TRAIN = ROOT / "tests" / "scripts" / "elastic_train.py"
+SAMPLES, EPOCHS, GLOBAL = 480, 3, 24
+TRAIN_ARGS = ("--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--micro-batch", "4",
+              "--global-batch", str(GLOBAL), "--step-time", "0.15")
+_figures: list[dict] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[None]:
+    yield
+    path = os.environ.get("ELASTIC_RUN_FAULT_REPORT")
+    if path and _figures:
+        Path(path).write_text(json.dumps(_figures, indent=2))
+
+
+def record(fault: str, **figures: object) -> None:
+    _figures.append({"fault": fault, **figures})
+
+
+def redone(history: list[dict], after: float) -> int:
+    """Steps run again after ``after`` (a rollback to the newest snapshot)."""
+    before = max((r["step"] for r in history if r["t"] <= after), default=0)
+    later = [r["step"] for r in history if r["t"] > after]
+    return max(before + 1 - min(later), 0) if later else 0
+
+
+def finish(*agents: Proc, timeout: float = 180) -> None:
+    for a in agents:
+        assert a.wait(timeout) == 0, a.transcript()
+
+
+def rounds_seen(agent: Proc) -> list[int]:
+    return [int(m.group(1)) for line in agent.err if (m := re.search(r"round (\d+):", line))]
+
+
+# -- partitions -------------------------------------------------------------------------------
+def test_partitioned_node_is_dropped_then_fences_and_rejoins(run_id: str, procs: list[Proc],
+                                                             tmp_path: Path) -> None:
+    with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
+        def node(name: str, inside: bool) -> Proc:
+            env = {"RESULT_DIR": str(tmp_path),
+                   "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if}
+            return start_agent(procs, etcd.endpoint, run_id, name, TRAIN, *TRAIN_ARGS,
+                               nnodes="2:3", env=env,
+                               local_addr=net.node_ip if inside else net.host_ip,
+                               prefix=tuple(net.command([])) if inside else ())
+
+        a, b, c = node("a", False), node("b", False), node("c", True)
+        wait_world(tmp_path, 3, timeout=90)
+        time.sleep(1)
+        stale = wait_workers(c, 1)
+        cut = time.time()
+        net.cut()
+        resumed = wait_world(tmp_path, 2, after=cut, timeout=TTL + 15)
+        assert resumed - cut <= TTL + 3, f"survivors resumed {resumed - cut:.1f}s after the cut"
+        time.sleep(1)
+        restored = time.time()
+        net.restore()
+        c.wait_output("fenced", timeout=30)
+        wait_until(lambda: gone(stale), 10, "the cut-off node's stale workers to be killed")
+        back = wait_world(tmp_path, 3, after=restored, timeout=90)
+        finish(a, b, c)
+        history = steps(tmp_path)
+        assert [r for r in history if r["pid"] in stale and r["t"] > cut + 0.5] == [], \
+            "a stale worker trained after the cut"
+        samples_once(history, SAMPLES, EPOCHS)
+        record("a node cut off from the others and etcd (veth link down)",
+               recover_s=round(resumed - cut, 1), steps_redone=redone(history, cut),
+               rejoin_s=round(back - restored, 1), samples_lost=0)
+
+
+# -- etcd outages -----------------------------------------------------------------------------
+def _two_training(procs: list[Proc], endpoint: str, run_id: str, out: Path) -> list[Proc]:
+    agents = [start_agent(procs, endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="2",
+                          env={"RESULT_DIR": str(out)}) for n in ("a", "b")]
+    wait_world(out, 2, timeout=60)
+    return agents
+
+
+@pytest.mark.parametrize("away", [1.0, 2.5 * TTL], ids=["within-ttl", "longer-than-ttl"])
+def test_etcd_restart_leaves_training_alone(run_id: str, procs: list[Proc], tmp_path: Path,
+                                           away: float) -> None:
+    with EtcdServer() as etcd:
+        agents = _two_training(procs, etcd.endpoint, run_id, tmp_path)
+        pids = {pid for a in agents for pid in wait_workers(a, 1)}
+        down = time.time()
+        etcd.stop(signal.SIGKILL)
+        time.sleep(away)
+        during = [r for r in steps(tmp_path) if down + 0.5 < r["t"] < time.time()]
+        etcd.start()
+        time.sleep(TTL + 2)
+        assert during, "training stopped while etcd was away"
+        finish(*agents)
+        assert {r["pid"] for r in steps(tmp_path)} == pids, "a worker was restarted"
+        assert all(rounds_seen(a) == [1] for a in agents), [a.err[-5:] for a in agents]
+        samples_once(steps(tmp_path), SAMPLES, EPOCHS)
+    record(f"etcd killed, back after {away:g}s (lease TTL {TTL}s)", recover_s=0,
+           steps_redone=0, samples_lost=0, note="no worker restarted; steps during the outage")
+
+
+def test_etcd_cluster_member_down_goes_unnoticed(run_id: str, procs: list[Proc],
+                                                 tmp_path: Path) -> None:
+    with EtcdCluster(3) as cluster:
+        agents = _two_training(procs, cluster.endpoints, run_id, tmp_path)
+        pids = {pid for a in agents for pid in wait_workers(a, 1)}
+        cluster.members[0].stop(signal.SIGKILL)
+        time.sleep(TTL + 2)
+        finish(*agents)
+        assert {r["pid"] for r in steps(tmp_path)} == pids, "a worker was restarted"
+        assert all(rounds_seen(a) == [1] for a in agents)
+    record("one of three etcd members killed", recover_s=0, steps_redone=0, samples_lost=0)
+
+
+# -- hung workers -----------------------------------------------------------------------------
+def test_hung_worker_is_detected_and_the_job_resumes(etcd: EtcdServer, run_id: str,
+                                                    procs: list[Proc], tmp_path: Path) -> None:
+    agents = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="2",
+                          env={"RESULT_DIR": str(tmp_path)},
+                          extra=("--worker-hang-timeout", "4", "--max-restarts", "1"))
+              for n in ("a", "b")]
+    wait_world(tmp_path, 2, timeout=60)
+    time.sleep(1)
+    victim = psutil.Process(wait_workers(agents[1], 1)[0])
+    stopped = time.time()
+    victim.send_signal(signal.SIGSTOP)
+    line = wait_until(lambda: next((ln for a in agents for ln in a.err if "hung:" in ln), None),
+                      20, "the hang to be detected")
+    detected = time.time()
+    assert 4 <= detected - stopped <= 8, f"detected after {detected - stopped:.1f}s: {line}"
+    resumed = wait_world(tmp_path, 2, after=detected, timeout=30)
+    finish(*agents)
+    history = steps(tmp_path)
+    assert any("restart 1 after a worker failure" in ln for ln in agents[0].err)
+    samples_once(history, SAMPLES, EPOCHS)
+    record("a worker frozen (SIGSTOP), --worker-hang-timeout 4",
+           detect_s=round(detected - stopped, 1), recover_s=round(resumed - stopped, 1),
+           steps_redone=redone(history, stopped), samples_lost=0)
+
+
+def test_a_script_that_reports_nothing_is_never_declared_hung(etcd: EtcdServer, run_id: str,
+                                                              procs: list[Proc],
+                                                              tmp_path: Path) -> None:
+    agent = start_agent(procs, etcd.endpoint, run_id, "a", TRAIN_LOOP, "--steps", "60",
+                        nnodes="1", env={"RESULT_DIR": str(tmp_path)},
+                        extra=("--worker-hang-timeout", "2"))
+    wait_world(tmp_path, 1, timeout=60)
+    worker = psutil.Process(wait_workers(agent, 1)[0])
+    worker.send_signal(signal.SIGSTOP)
+    time.sleep(6)  # three times the timeout
+    assert not any("hung" in ln for ln in agent.err)
+    worker.send_signal(signal.SIGCONT)
+    finish(agent)
+    assert rounds_seen(agent) == [1]
+
+
+# -- disks ------------------------------------------------------------------------------------
+def test_full_then_read_only_checkpoint_disk_while_training(etcd: EtcdServer, run_id: str,
+                                                            procs: list[Proc],
+                                                            tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", "96k") as disk:
+        agent = start_agent(procs, etcd.endpoint, run_id, "a", TRAIN, *TRAIN_ARGS, nnodes="1",
+                            nproc=2, env={"RESULT_DIR": str(tmp_path)},
+                            extra=("--checkpoint-dir", str(disk), "--checkpoint-every", "1",
+                                   "--checkpoint-keep", "50", "--metrics-port", "0"))
+        port = int(re.search(r":(\d+)/metrics", agent.wait_output("metrics on http://",
+                                                                   timeout=30)).group(1))
+
+        def failures() -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            return sum(float(v) for v in re.findall(
+                r'^elastic_run_checkpoint_failures_total\{.*?rank="0".*?\} (\S+)$', text, re.M))
+
+        full = wait_until(lambda: failures() > 0, 60, "a checkpoint to fail on the full disk")
+        good = CheckpointDir(disk).newest_valid()
+        assert full and good is not None
+        sh("mount", "-o", "remount,ro", str(disk))
+        before = failures()
+        wait_until(lambda: failures() > before, 30, "checkpoints to fail on the read-only disk")
+        finish(agent)
+        assert CheckpointDir(disk).newest_valid()[0] == good[0], "the last good one survived"
+        assert any("checkpoint of step" in ln and "failed" in ln for ln in agent.err)
+        samples_once(steps(tmp_path), SAMPLES, EPOCHS)
+    record("checkpoint disk full, then read-only, while training", recover_s=0,
+           steps_redone=0, samples_lost=0, note="counted in elastic_run_checkpoint_failures_total")
+
+
+# -- restart budget ---------------------------------------------------------------------------
+def test_crash_loop_on_one_node_stops_after_the_job_budget(etcd: EtcdServer, run_id: str,
+                                                           procs: list[Proc],
+                                                           tmp_path: Path) -> None:
+    started = time.time()
+    agents = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN_LOOP, "--steps", "1000",
+                          "--crash-rank", "2", "--crash-step", "3", nnodes="3",
+                          env={"RESULT_DIR": str(tmp_path)}, extra=("--max-restarts", "2"))
+              for n in ("a", "b", "c")]
+    assert [a.wait(180) for a in agents] == [1, 1, 1]
+    attempts = sorted({s["restarts"] for s in steps(tmp_path)})
+    assert attempts == [0, 1, 2], f"the job ran {len(attempts)} attempts, not 3"
+    for a in agents:
+        err = "\n".join(a.err)
+        assert "restart budget spent" in err and "injected crash at step 3 on rank 2" in err
+    record("a worker crashing on every attempt, on one of 3 nodes, --max-restarts 2",
+           attempts=len(attempts), give_up_s=round(time.time() - started, 1),
+           note="every agent exits 1 naming rank 2's error")
+
+
+# -- jobs, ids, standbys ----------------------------------------------------------------------
+def test_two_jobs_share_an_etcd_and_a_finished_id_does_not_run_again(
+        etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path) -> None:
+    jobs = {}
+    for job in ("x", "y"):
+        out = tmp_path / job
+        out.mkdir()
+        jobs[job] = (out, [start_agent(procs, etcd.endpoint, f"{run_id}-{job}", n, TRAIN_LOOP,
+                                       "--steps", "30", nnodes="2", env={"RESULT_DIR": str(out)})
+                           for n in ("a", "b")])
+    for out, agents in jobs.values():
+        finish(*agents)
+        assert {s["world"] for s in steps(out)} == {2}, "the two jobs got mixed"
+    again = start_agent(procs, etcd.endpoint, f"{run_id}-x", "a", TRAIN_LOOP, nnodes="2",
+                        env={"RESULT_DIR": str(tmp_path / "again")})
+    assert again.wait(30) == 0
+    assert any("has finished" in ln and "new --rdzv-id" in ln for ln in again.err)
+    assert not (tmp_path / "again").exists()
+    record("two jobs on one etcd; a finished job's id launched again", recover_s=0,
+           note="isolated; the second launch exits 0 at once: a finished job stays finished")
+
+
+def test_standby_is_admitted_when_a_member_dies(etcd: EtcdServer, run_id: str,
+                                               procs: list[Proc], tmp_path: Path) -> None:
+    env = {"RESULT_DIR": str(tmp_path)}
+    a, b = (start_agent(procs, etcd.endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="1:2",
+                        env=env) for n in "ab")
+    wait_world(tmp_path, 2, timeout=60)
+    spare = start_agent(procs, etcd.endpoint, run_id, "spare", TRAIN, *TRAIN_ARGS, nnodes="1:2",
+                        env=env)
+    spare.wait_output("registered as spare", timeout=30)
+    time.sleep(1)
+    assert rounds_seen(spare) == [], "a standby must wait while the round is full"
+    killed = time.time()
+    b.signal(signal.SIGKILL)
+    spare.wait_output("round 2", timeout=TTL + 10)
+    resumed = wait_world(tmp_path, 2, after=killed + 0.5, timeout=30)
+    finish(a, spare)
+    history = steps(tmp_path)
+    samples_once(history, SAMPLES, EPOCHS)
+    record("a member SIGKILLed while a standby waits (nnodes 1:2, 3 agents)",
+           recover_s=round(resumed - killed, 1), steps_redone=redone(history, killed),
+           samples_lost=0)
