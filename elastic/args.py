@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(p, "standalone", "single node with an embedded etcd and a random job id")
     _value(p, "max_restarts", 0, "worker-failure restarts per job before it fails", type=int)
     _value(p, "monitor_interval", 0.1, "seconds between worker polls", type=float)
-    _value(p, "start_method", "spawn", "accepted for torchrun compatibility (scripts always "
-           "start as processes)", choices=["spawn", "fork", "forkserver"])
+    _value(p, "start_method", "spawn", "spawn: each worker a fresh python; forkserver (or "
+           "fork): forked from a process that imported torch once, for fast restarts",
+           choices=["spawn", "fork", "forkserver"])
     _value(p, "event_log_handler", "null", "accepted for torchrun compatibility")
     _value(p, "role", "default", "worker role name (ROLE_NAME)")
     _switch(p, "module", "run the script as 'python -m'", short="-m")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from elastic import nodedir, store
 from elastic.agent import Agent
 from elastic.etcd_server import EtcdServer
+from elastic.forkserver import ForkServer
 from elastic.logs import LogRouter
 from elastic.metrics import AgentMetrics, MetricsError, MetricsServer
 from elastic.progress import MULTIPROC_ENV
@@ -90,9 +91,13 @@ def launch(cfg: RunConfig) -> int:
     agent: Agent | None = None
     router = LogRouter(cfg.log_dir, cfg.rdzv_id, cfg.node_id, cfg.redirects, cfg.tee,
                        cfg.local_ranks_filter, cfg.role, cfg.stdout_filters, cfg.stderr_filters)
+    forked = None
+    if cfg.forkserver:  # started first: torch imports in it while the job forms
+        forked = (ForkServer({**os.environ, **env}), cfg.script, cfg.script_args, cfg.module)
     workers = WorkerGroup(cfg.command, router, node_dir, role=cfg.role, run_id=cfg.rdzv_id,
                           max_restarts=cfg.max_restarts,
-                          virtual_local_rank=cfg.virtual_local_rank, extra_env=env)
+                          virtual_local_rank=cfg.virtual_local_rank, extra_env=env,
+                          forkserver=forked)
     try:
         port = 0
         if cfg.metrics_port != -1:
@@ -129,4 +134,6 @@ def launch(cfg: RunConfig) -> int:
         workers.stop(0)
         if server is not None:
             server.stop()
+        if forked is not None:
+            forked[0].close()
         nodedir.remove(node_dir)

@@ -101,6 +101,9 @@ class RunConfig:
     stdout_filters: tuple[str, ...] = ()
     stderr_filters: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
+    script_args: tuple[str, ...] = ()
+    module: bool = False  # run the script as python -m
+    forkserver: bool = False  # --start-method forkserver/fork: fork workers, torch imported
 
     @property
     def embedded_etcd(self) -> bool:
@@ -243,7 +246,10 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         min_nodes=mn, max_nodes=mx, nproc_per_node=nproc, rdzv_endpoint=endpoint,
         rdzv_id=run_id, rdzv_conf=conf, max_restarts=max_restarts,
         monitor_interval=monitor_interval, role=str(ns.role), command=_worker_command(ns),
-        script=str(ns.training_script), log_dir=ns.log_dir,
+        script=str(ns.training_script), script_args=tuple(ns.training_script_args),
+        module=bool(ns.module),
+        forkserver=ns.start_method in ("fork", "forkserver") and not ns.no_python,
+        log_dir=ns.log_dir,
         redirects=parse_std("--redirects", ns.redirects, nproc),
         tee=parse_std("--tee", ns.tee, nproc), local_ranks_filter=filt,
         local_addr=ns.local_addr, signals=parse_signals(ns.signals_to_handle),

@@ -8,16 +8,19 @@ they never outlive the agent.
 from __future__ import annotations
 
 import enum
+import os
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
+from typing import BinaryIO
 
 from elastic import control
 from elastic.collectors import WorkerProc
 from elastic.control import EXIT_RESIZE, ControlBlock
 from elastic.failures import WorkerFailure, collect
+from elastic.forkserver import ForkServer
 from elastic.logs import LogRouter, WorkerStreams
 from elastic.procs import die_with_parent, signal_group, stop_group
 from elastic.worker_env import Placement, worker_env
@@ -47,8 +50,12 @@ class Worker:
 class WorkerGroup:
     def __init__(self, command: tuple[str, ...], router: LogRouter, node_dir: Path, *,
                  role: str, run_id: str, max_restarts: int, virtual_local_rank: bool = False,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None,
+                 forkserver: tuple[ForkServer, str, tuple[str, ...], bool] | None = None) -> None:
+        """``forkserver``: (server, script or module, its arguments, is a module) to fork
+        workers from instead of starting ``command``."""
         self.command = command
+        self.forkserver = forkserver
         self.router = router
         self.node_dir = node_dir
         self.role = role
@@ -74,15 +81,42 @@ class WorkerGroup:
                                  extra={**self.extra_env, **(extra_env or {}),
                                         control.ENV: str(block_path),
                                         control.SNAPSHOT_DIR_ENV: str(self.node_dir)})
-                proc = subprocess.Popen(
-                    self.command, env=env, stdin=subprocess.DEVNULL, stdout=streams.stdout,
-                    stderr=streams.stderr, start_new_session=True, preexec_fn=die_with_parent(),
-                )
+                proc = self._launch(env, streams)
                 streams.attach(proc, self.router.prefix(p.rank, p.local_rank), plan)
                 self.workers.append(Worker(p, proc, streams, block))
         except BaseException:
             self.stop(grace=0)
             raise
+
+    def _launch(self, env: dict[str, str], streams: WorkerStreams) -> subprocess.Popen:
+        if self.forkserver is None:
+            return subprocess.Popen(
+                self.command, env=env, stdin=subprocess.DEVNULL, stdout=streams.stdout,
+                stderr=streams.stderr, start_new_session=True, preexec_fn=die_with_parent(),
+            )
+        server, target, args, module = self.forkserver
+        ours: list[BinaryIO] = []  # our ends of the pipes, for the log pumps
+        theirs: list[int] = []
+        try:
+            for target_fd in (streams.stdout, streams.stderr):
+                if target_fd == subprocess.PIPE:
+                    r, w = os.pipe()
+                    ours.append(os.fdopen(r, "rb"))
+                    theirs.append(w)
+                elif target_fd == subprocess.DEVNULL:
+                    theirs.append(os.open(os.devnull, os.O_WRONLY))
+                else:
+                    theirs.append(os.dup(target_fd.fileno()))  # type: ignore[union-attr]
+            stdin = os.open(os.devnull, os.O_RDONLY)
+            proc = server.spawn(target, list(args), module, env, (stdin, *theirs))
+            os.close(stdin)
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        pipes = iter(ours)
+        proc.stdout = next(pipes) if streams.stdout == subprocess.PIPE else None
+        proc.stderr = next(pipes) if streams.stderr == subprocess.PIPE else None
+        return proc  # type: ignore[return-value]
 
     @property
     def running(self) -> bool:

@@ -102,3 +102,8 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
             sh("umount", "-l", m, check=False)
         if spaces or mounts:
             pytest.fail(f"left behind: namespaces {spaces}, mounts {mounts}", pytrace=False)
+        # Node directories of agents a test SIGKILLed are otherwise only swept by the
+        # next launch; sweep them here so /dev/shm holds nothing after the suite.
+        from elastic import nodedir
+
+        nodedir.remove_stale()

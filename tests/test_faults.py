@@ -76,10 +76,13 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(run_id: str, procs:
         def node(name: str, inside: bool) -> Proc:
             env = {"RESULT_DIR": str(tmp_path),
                    "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if}
+            # forkserver: survivors must train again within TTL + 3 s, and a fresh
+            # interpreter's `import torch` alone takes ~2 s of that on this machine
             return start_agent(procs, etcd.endpoint, run_id, name, TRAIN, *TRAIN_ARGS,
                                nnodes="2:3", env=env,
                                local_addr=net.node_ip if inside else net.host_ip,
-                               prefix=tuple(net.command([])) if inside else ())
+                               prefix=tuple(net.command([])) if inside else (),
+                               extra=("--start-method", "forkserver"))
 
         a, b, c = node("a", False), node("b", False), node("c", True)
         wait_world(tmp_path, 3, timeout=90)
@@ -100,7 +103,7 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(run_id: str, procs:
         assert [r for r in history if r["pid"] in stale and r["t"] > cut + 0.5] == [], \
             "a stale worker trained after the cut"
         samples_once(history, SAMPLES, EPOCHS)
-        record("a node cut off from the others and etcd (veth link down)",
+        record("a node cut off from the others and etcd (veth link down; forkserver)",
                recover_s=round(resumed - cut, 1), steps_redone=redone(history, cut),
                rejoin_s=round(back - restored, 1), samples_lost=0)
 

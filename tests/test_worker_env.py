@@ -17,6 +17,11 @@ DUMP = str(ROOT / "tests" / "scripts" / "dump_env.py")
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RESULT_DIR"}
 
 
+def ours_only(name: str) -> bool:
+    """The variables elastic-run adds on top of torchrun's, as the README documents."""
+    return name.startswith("ELASTIC_RUN_") or name == "PROMETHEUS_MULTIPROC_DIR"
+
+
 def launch(launcher: list[str], out: Path) -> dict[int, dict[str, str]]:
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -36,6 +41,9 @@ def test_same_environment_as_torchrun_standalone(tmp_path: Path) -> None:
     for rank in range(3):
         t = {k: v for k, v in theirs[rank].items() if parent.get(k) != v}
         o = {k: v for k, v in ours[rank].items() if parent.get(k) != v}
+        extra = {k for k in o if ours_only(k)}
+        assert {"ELASTIC_RUN_CONTROL", "ELASTIC_RUN_NODE_ID", "PROMETHEUS_MULTIPROC_DIR"} <= extra
+        o = {k: v for k, v in o.items() if k not in extra}
         assert set(t) == set(o), (set(t) ^ set(o))
         assert {k: v for k, v in t.items() if k not in PER_RUN} == \
                {k: v for k, v in o.items() if k not in PER_RUN}
