@@ -216,8 +216,9 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     if ns.node_rank or ns.master_port is not None:
         log.warning("--node-rank/--master-addr/--master-port are for torchrun's static "
                     "rendezvous; elastic-run assigns ranks and ports itself and ignores them")
-    if ns.numa_binding:
-        log.warning("--numa-binding is accepted for compatibility and ignored")
+    for flag, value in (("--numa-binding", ns.numa_binding), ("--logs-specs", ns.logs_specs)):
+        if value:
+            log.warning("%s is accepted for compatibility and ignored", flag)
     filt = None
     if str(ns.local_ranks_filter).strip():
         try:

@@ -57,11 +57,19 @@ def wait_world(result_dir: Path, world: int, after: float = 0.0, timeout: float 
 
 
 def worker_pids(agent: Proc) -> list[int]:
+    """The agent's workers: its children, or with --start-method forkserver the fork
+    server's children; never the embedded etcd or the fork server itself."""
+    pids = []
     try:
-        return [c.pid for c in psutil.Process(agent.pid).children()
-                if "etcd" not in " ".join(c.cmdline())]
+        for c in psutil.Process(agent.pid).children():
+            line = " ".join(c.cmdline())
+            if "elastic._zygote" in line:
+                pids.extend(w.pid for w in c.children())
+            elif "etcd" not in line:
+                pids.append(c.pid)
     except psutil.NoSuchProcess:
-        return []
+        pass
+    return pids
 
 
 def wait_workers(agent: Proc, n: int, timeout: float = 30.0) -> list[int]:

@@ -38,13 +38,13 @@ def test_workers_get_the_same_environment_and_logs(tmp_path: Path) -> None:
     assert "[rank1]: hello from 1" in done.stdout and "[rank0]: complaint from 0" in done.stderr
 
 
-def test_failures_carry_exit_code_and_message() -> None:
+def test_failures_carry_exit_code_and_message(tmp_path: Path) -> None:
     done = elastic_run("--nproc-per-node", "2", "--max-restarts", "1",
                        "tests/scripts/echo.py", "--fail-first")
     assert done.returncode == 0, done.stderr  # the restart succeeds
     assert "rank 1 (local_rank 1) on" in done.stderr and "exit code 3" in done.stderr
     crash = elastic_run("tests/scripts/train_loop.py", "--steps", "5", "--crash-rank", "0",
-                        "--crash-step", "2", env={"RESULT_DIR": "/tmp"})
+                        "--crash-step", "2", env={"RESULT_DIR": str(tmp_path)})
     assert crash.returncode == 1
     assert "RuntimeError: injected crash at step 2 on rank 0" in crash.stderr
 
