@@ -66,9 +66,10 @@ def test_example_runs(launch: list[str], args: list[str], expect: str) -> None:
 def test_ddp_examples_survive_a_node_sigkill(etcd: EtcdServer, run_id: str, procs: list[Proc],
                                              script: str) -> None:
     args = ("--epochs", "3", "--step-time", "0.02")
-    a, b = (start_agent(procs, etcd.endpoint, run_id, n, EXAMPLES / script, *args,
-                        nnodes="1:2") for n in "ab")
-    first = a.wait_output("epoch 0: loss", timeout=90)  # rank 0 is on a: it joined first
+    a = start_agent(procs, etcd.endpoint, run_id, "a", EXAMPLES / script, *args, nnodes="1:2")
+    a.wait_output("registered as a", timeout=30)  # a joins first, so rank 0 is on a
+    b = start_agent(procs, etcd.endpoint, run_id, "b", EXAMPLES / script, *args, nnodes="1:2")
+    first = a.wait_output("epoch 0: loss", timeout=90)
     assert "world size 2" in first
     b.signal(signal.SIGKILL)
     assert a.wait(180) == 0, a.transcript()

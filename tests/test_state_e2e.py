@@ -69,7 +69,12 @@ def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_i
                            extra=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"),
                            env={"RESULT_DIR": str(out)})
 
-    a, b, c = node("a"), node("b"), node("c")
+    def registered(name: str) -> Proc:  # join in name order, so a is rank 0, c is rank 2
+        p = node(name)
+        p.wait_output(f"registered as {name}", timeout=30)
+        return p
+
+    a, b, c = registered("a"), registered("b"), registered("c")
     wait_world(out, 3, timeout=60)
     time.sleep(1.5)
     killed = time.time()
