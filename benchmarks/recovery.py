@@ -4,9 +4,8 @@ Three "nodes" (launcher plus workers, each a process tree) on this machine train
 small gloo DDP script, under stock torchrun (c10d rendezvous, its defaults, --max-restarts
 3 so it can recover at all), under elastic-run (its defaults, on a local etcd) and under
 elastic-run with ``--start-method forkserver`` (workers forked from a process that
-imported torch once). Once
-all three train, one node that does not host torchrun's c10d store is SIGKILLed, agent
-and workers together. Printed: per run, the recovery time, and the ratio.
+imported torch once). Once all three train, one node that does not host torchrun's c10d
+store is SIGKILLed, agent and workers together. Printed: per run, the recovery time, and the ratio.
 
     python benchmarks/recovery.py [--repeat 3] [--timeout 180]
 """

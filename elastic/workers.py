@@ -16,6 +16,8 @@ from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import BinaryIO
 
+import psutil
+
 from elastic import control
 from elastic.collectors import WorkerProc
 from elastic.control import EXIT_RESIZE, ControlBlock
@@ -173,7 +175,7 @@ class WorkerGroup:
                 out.append(WorkerFailure(
                     w.placement.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now,
                     f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout "
-                    f"{timeout:g}) after step {w.control.step}"))
+                    f"{timeout:g}) after step {w.control.step}; {_why_still(w.proc.pid)}"))
         return out
 
     def processes(self) -> list[WorkerProc]:
@@ -199,3 +201,17 @@ class WorkerGroup:
         for w in self.workers:
             w.streams.close()
             w.control.close()
+
+
+def _why_still(pid: int) -> str:
+    """What a silent worker's process is doing: a frozen one is the likely root cause,
+    a sleeping one is usually blocked in a collective, waiting for a frozen peer."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return "process gone"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "process stopped (SIGSTOP or a debugger)"
+    if status == psutil.STATUS_SLEEPING:
+        return "process sleeping (blocked, perhaps waiting for a peer)"
+    return f"process {status}"
