@@ -5,7 +5,8 @@ small gloo DDP script, under stock torchrun (c10d rendezvous, its defaults, --ma
 3 so it can recover at all), under elastic-run (its defaults, on a local etcd) and under
 elastic-run with ``--start-method forkserver`` (workers forked from a process that
 imported torch once). Once all three train, one node that does not host torchrun's c10d
-store is SIGKILLed, agent and workers together. Printed: per run, the recovery time, and the ratio.
+store is SIGKILLed, agent and workers together. Printed: per run, the recovery time, and
+the ratio.
 
     python benchmarks/recovery.py [--repeat 3] [--timeout 180]
 """
