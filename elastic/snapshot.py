@@ -74,25 +74,17 @@ def pack(state: Any) -> Packed:
     offsets: list[int] = []
     pos = 0
 
-    def walk(obj: Any) -> Any:
+    def mark(obj: torch.Tensor) -> tuple:
         nonlocal pos
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach()
-            nbytes = t.numel() * t.element_size()
-            tensors.append(t)
-            offsets.append(pos)
-            marker = (_MARK, str(t.dtype), list(t.shape), pos, nbytes)
-            pos += nbytes + (-nbytes % ALIGN)
-            return marker
-        if isinstance(obj, dict):
-            return type(obj)((k, walk(v)) for k, v in obj.items())
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+        t = obj.detach()
+        nbytes = t.numel() * t.element_size()
+        tensors.append(t)
+        offsets.append(pos)
+        marker = (_MARK, str(t.dtype), list(t.shape), pos, nbytes)
+        pos += nbytes + (-nbytes % ALIGN)
+        return marker
 
-    skeleton = walk(state)
+    skeleton = _remap(state, lambda o: isinstance(o, torch.Tensor), mark)
     buf = io.BytesIO()
     torch.save(skeleton, buf)
     return Packed(buf.getvalue(), tensors, offsets, pos)
@@ -188,27 +180,37 @@ def parse(buf: bytes | memoryview | mmap.mmap, verify: bool = False) -> Any:
     except Exception as e:  # any unpickling failure means the bytes are not ours
         raise SnapshotError(f"unreadable metadata: {e}") from None
 
-    def build(obj: Any) -> Any:
-        if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _MARK:
-            _, dtype, shape, offset, nbytes = obj
-            if offset + nbytes > data_len:
-                raise SnapshotError("tensor outside the data region")
-            if not nbytes:
-                return torch.empty(shape, dtype=_dtype(dtype))
-            with warnings.catch_warnings():  # read-only bytes are fine: we copy them out
-                warnings.simplefilter("ignore", UserWarning)
-                raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes,
-                                       offset=data_start + offset)
-            return raw.clone().view(_dtype(dtype)).reshape(shape)
-        if isinstance(obj, dict):
-            return type(obj)((k, build(v)) for k, v in obj.items())
-        if isinstance(obj, list):
-            return [build(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(build(v) for v in obj)
-        return obj
+    def build(marker: tuple) -> torch.Tensor:
+        _, dtype, shape, offset, nbytes = marker
+        if offset + nbytes > data_len:
+            raise SnapshotError("tensor outside the data region")
+        if not nbytes:
+            return torch.empty(shape, dtype=_dtype(dtype))
+        with warnings.catch_warnings():  # read-only bytes are fine: we copy them out
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes,
+                                   offset=data_start + offset)
+        return raw.clone().view(_dtype(dtype)).reshape(shape)
 
-    return build(skeleton)
+    return _remap(skeleton, _is_marker, build)
+
+
+def _is_marker(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _MARK
+
+
+def _remap(obj: Any, is_leaf: Callable[[Any], bool], convert: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt through its dicts, lists and tuples, with ``convert`` applied to each
+    leaf: tensors become markers when packing, markers become tensors when parsing."""
+    if is_leaf(obj):
+        return convert(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _remap(v, is_leaf, convert)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_remap(v, is_leaf, convert) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_remap(v, is_leaf, convert) for v in obj)
+    return obj
 
 
 def digest(buf: bytes | memoryview | mmap.mmap) -> bytes:
