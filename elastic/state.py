@@ -251,15 +251,16 @@ class State:
         the metrics), snapshot or stop as the ranks agree."""
         self._values["step"] += 1
         step = self._values["step"]
-        before = sum(s.consumed for s in self._samplers())
-        for s in self._samplers():
+        samplers = self._samplers()
+        before = sum(s.consumed for s in samplers)
+        for s in samplers:
             s.advance(1)
-        after = sum(s.consumed for s in self._samplers())
+        after = sum(s.consumed for s in samplers)
         progress.report(step, loss, (after - before) // max(self._world(), 1))
         p = self.policy
         due = (p.every > 0 and step % p.every == 0) or \
             (p.seconds > 0 and time.monotonic() - self._last_snapshot >= p.seconds)
-        stop = self._ctl is not None and self._ctl.stop_generation != self._stop_seen
+        stop = self._stopping()
         stop, due = (bool(x) for x in self._all_reduce([int(stop), int(due)], "MAX"))
         if due or stop:
             self.snapshot(wait=stop)
@@ -307,10 +308,10 @@ class State:
             progress.checkpoint(False, 0.0, 0)
             return
         snapshot.write_into(buf, packed, tensors=False)
-        stable = self._stable_tensors()
-        later = [i for i, t in enumerate(packed.tensors)
-                 if not wait and t.data_ptr() in stable]
-        now = [i for i in range(len(packed.tensors)) if i not in set(later)]
+        stable = set() if wait else self._stable_tensors()  # waiting: copy everything now
+        later = [i for i, t in enumerate(packed.tensors) if t.data_ptr() in stable]
+        deferred = set(later)
+        now = [i for i in range(len(packed.tensors)) if i not in deferred]
         snapshot.copy_tensors(buf, packed, now)
         step = self._values["step"]
 
