@@ -98,8 +98,9 @@ class WorkerGroup:
             )
         server, target, args, module = self.forkserver
         ours: list[BinaryIO] = []  # our ends of the pipes, for the log pumps
-        theirs: list[int] = []
+        theirs: list[int] = []  # the worker's stdin, stdout, stderr: closed here once sent
         try:
+            theirs.append(os.open(os.devnull, os.O_RDONLY))
             for target_fd in (streams.stdout, streams.stderr):
                 if target_fd == subprocess.PIPE:
                     r, w = os.pipe()
@@ -109,9 +110,11 @@ class WorkerGroup:
                     theirs.append(os.open(os.devnull, os.O_WRONLY))
                 else:
                     theirs.append(os.dup(target_fd.fileno()))  # type: ignore[union-attr]
-            stdin = os.open(os.devnull, os.O_RDONLY)
-            proc = server.spawn(target, list(args), module, env, (stdin, *theirs))
-            os.close(stdin)
+            proc = server.spawn(target, list(args), module, env, tuple(theirs))
+        except BaseException:
+            for f in ours:
+                f.close()
+            raise
         finally:
             for fd in theirs:
                 os.close(fd)
