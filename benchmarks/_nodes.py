@@ -18,8 +18,13 @@ class Node:
 
     def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def tree(self) -> list[psutil.Process]:
         try:
@@ -50,8 +55,9 @@ def steps(result_dir: Path) -> list[dict]:
     return sorted(out, key=lambda s: s["t"])
 
 
-def first_step(result_dir: Path, world: int, after: float, timeout: float,
-               ranks: int | None = None) -> float | None:
+def first_step(
+    result_dir: Path, world: int, after: float, timeout: float, ranks: int | None = None
+) -> float | None:
     """Wall time of the first step at ``world`` after ``after`` (None: not within timeout)."""
     need = world if ranks is None else ranks
     deadline = time.monotonic() + timeout

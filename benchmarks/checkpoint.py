@@ -88,8 +88,13 @@ def blocking(mbytes: int, repeat: int, shm: Path, disk: Path) -> dict[str, float
     sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     save = timed(lambda: torch.save(sd, path), repeat)
     path.unlink()
-    return {"bytes": nbytes, "bare copy": timed(bare, repeat),
-            "snapshot (full copy)": full, "commit (overlapped)": commit, "torch.save": save}
+    return {
+        "bytes": nbytes,
+        "bare copy": timed(bare, repeat),
+        "snapshot (full copy)": full,
+        "commit (overlapped)": commit,
+        "torch.save": save,
+    }
 
 
 def throughput(batch: int, phases: int, shm: Path, every: int = 1) -> dict[str, float]:
@@ -124,10 +129,13 @@ def throughput(batch: int, phases: int, shm: Path, every: int = 1) -> dict[str, 
             state.flush()
             runs[commit].append((time.perf_counter() - t) / n)
     state.close()
-    return {"params": sum(p.numel() for p in model.parameters()),
-            "bytes": state.stats["snapshot_bytes"],
-            "blocked": state.stats["blocked_seconds"] / (n * phases),
-            "base": statistics.median(runs[False]), "commit": statistics.median(runs[True])}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "bytes": state.stats["snapshot_bytes"],
+        "blocked": state.stats["blocked_seconds"] / (n * phases),
+        "base": statistics.median(runs[False]),
+        "commit": statistics.median(runs[True]),
+    }
 
 
 def main() -> None:
@@ -138,27 +146,31 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=12)
     a = ap.parse_args()
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    with tempfile.TemporaryDirectory(dir=shm_root) as shm, \
-            tempfile.TemporaryDirectory() as disk:
-        print("Seconds the training thread is blocked (median of "
-              f"{a.repeat}); ratio to the bare memory copy")
+    with tempfile.TemporaryDirectory(dir=shm_root) as shm, tempfile.TemporaryDirectory() as disk:
+        print(
+            "Seconds the training thread is blocked (median of "
+            f"{a.repeat}); ratio to the bare memory copy"
+        )
         for mb in (int(s) for s in a.sizes.split(",")):
             r = blocking(mb, a.repeat, Path(shm) / f"s{mb}", Path(disk))
             base = r["bare copy"]
             print(f"\nstate {r['bytes'] / 1e6:.0f} MB")
             for k in ("bare copy", "snapshot (full copy)", "commit (overlapped)", "torch.save"):
                 print(f"  {k:<24}{r[k]:>9.3f}s{r[k] / base:>8.2f}x")
-        print("\nTraining throughput with commit() against the same loop without it "
-              f"(median of {a.phases} interleaved phases)")
-        cases = [(int(b), 1) for b in a.batches.split(",")] + [(int(a.batches.split(",")[0]),
-                                                                  10)]
+        print(
+            "\nTraining throughput with commit() against the same loop without it "
+            f"(median of {a.phases} interleaved phases)"
+        )
+        cases = [(int(b), 1) for b in a.batches.split(",")] + [(int(a.batches.split(",")[0]), 10)]
         for batch, every in cases:
             t = throughput(batch, a.phases, Path(shm), every)
             loss = (t["commit"] / t["base"] - 1) * 100
-            print(f"  {t['params'] / 1e6:.0f}M-param MLP + Adam ({t['bytes'] / 1e9:.2f} GB of "
-                  f"state), batch {batch:>4}, snapshot every {every:>2} step(s): "
-                  f"{t['base']:.2f}s/step without, {t['commit']:.2f}s/step with: "
-                  f"{loss:+.1f}%; blocked {t['blocked'] * 1000:.0f}ms/step")
+            print(
+                f"  {t['params'] / 1e6:.0f}M-param MLP + Adam ({t['bytes'] / 1e9:.2f} GB of "
+                f"state), batch {batch:>4}, snapshot every {every:>2} step(s): "
+                f"{t['base']:.2f}s/step without, {t['commit']:.2f}s/step with: "
+                f"{loss:+.1f}%; blocked {t['blocked'] * 1000:.0f}ms/step"
+            )
         print("\ntargets: blocking within 2x of the bare copy; throughput loss under 5%")
 
 

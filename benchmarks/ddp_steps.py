@@ -29,8 +29,9 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            out.write(json.dumps({"t": time.time(), "step": step, "rank": rank,
-                                  "world": world}) + "\n")
+            out.write(
+                json.dumps({"t": time.time(), "step": step, "rank": rank, "world": world}) + "\n"
+            )
             out.flush()
             time.sleep(step_time)
 

@@ -32,30 +32,56 @@ COMMON = ["--nnodes", "2:3", "--nproc-per-node", "1", "--local-addr", "127.0.0.1
 
 
 def torchrun_cmd(endpoint: str, run_id: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *COMMON, "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "3",
-            SCRIPT]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *COMMON,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        "3",
+        SCRIPT,
+    ]
 
 
 def elastic_cmd(endpoint: str, run_id: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "elastic", *COMMON, "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, *extra, SCRIPT]
+    return [
+        sys.executable,
+        "-m",
+        "elastic",
+        *COMMON,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        *extra,
+        SCRIPT,
+    ]
 
 
 def forkserver_cmd(endpoint: str, run_id: str) -> list[str]:
     return elastic_cmd(endpoint, run_id, "--start-method", "forkserver")
 
 
-def measure(make_cmd: Callable[[str, str], list[str]], endpoint: str, work: Path,
-            timeout: float) -> float | None:
+def measure(
+    make_cmd: Callable[[str, str], list[str]], endpoint: str, work: Path, timeout: float
+) -> float | None:
     results = work / "steps"
     results.mkdir(parents=True)
     run_id = work.name
     nodes = []
     try:
         for i in range(3):
-            nodes.append(Node(make_cmd(endpoint, run_id), {"RESULT_DIR": str(results)},
-                              work / f"node{i}.log"))
+            nodes.append(
+                Node(
+                    make_cmd(endpoint, run_id), {"RESULT_DIR": str(results)}, work / f"node{i}.log"
+                )
+            )
             time.sleep(1.0 if i == 0 else 0.2)  # node 0 first: it hosts torchrun's store
         if first_step(results, 3, 0, 120) is None:
             raise RuntimeError(f"the job never trained at world size 3; see {work}")
@@ -75,20 +101,31 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0)
     a = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="elastic-run-recovery-"))
-    times: dict[str, list[float | None]] = {"torchrun (c10d)": [], "elastic-run": [],
-                                             "elastic-run forkserver": []}
+    times: dict[str, list[float | None]] = {
+        "torchrun (c10d)": [],
+        "elastic-run": [],
+        "elastic-run forkserver": [],
+    }
     with EtcdServer(name="bench") as etcd:
         for i in range(a.repeat):
             port = free_port()
             times["torchrun (c10d)"].append(
-                measure(torchrun_cmd, f"127.0.0.1:{port}", base / f"torchrun{i}", a.timeout))
+                measure(torchrun_cmd, f"127.0.0.1:{port}", base / f"torchrun{i}", a.timeout)
+            )
             times["elastic-run"].append(
-                measure(elastic_cmd, etcd.endpoint, base / f"elastic{i}", a.timeout))
+                measure(elastic_cmd, etcd.endpoint, base / f"elastic{i}", a.timeout)
+            )
             times["elastic-run forkserver"].append(
-                measure(forkserver_cmd, etcd.endpoint, base / f"fork{i}", a.timeout))
-            print(f"run {i + 1}: " + ", ".join(
-                f"{k} {v[-1]:.1f}s" if v[-1] is not None else f"{k} >{a.timeout:.0f}s"
-                for k, v in times.items()), flush=True)
+                measure(forkserver_cmd, etcd.endpoint, base / f"fork{i}", a.timeout)
+            )
+            print(
+                f"run {i + 1}: "
+                + ", ".join(
+                    f"{k} {v[-1]:.1f}s" if v[-1] is not None else f"{k} >{a.timeout:.0f}s"
+                    for k, v in times.items()
+                ),
+                flush=True,
+            )
 
     def median(v: list[float | None]) -> float:
         return statistics.median(x if x is not None else a.timeout for x in v)

@@ -98,8 +98,9 @@ def elastic(endpoint: str, n: int, run_id: str, timeout: float) -> float:
         etcd, opts = build_options(endpoint, run_id, n, n, {})
         client = EtcdClient(etcd)
         client.get_prefix(opts.job_prefix)  # connected before the clock starts
-        rdzv = Rendezvous(client, opts, NodeSpec(id=f"p{i}", addr="127.0.0.1", nproc=1,
-                                                 pid=os.getpid()))
+        rdzv = Rendezvous(
+            client, opts, NodeSpec(id=f"p{i}", addr="127.0.0.1", nproc=1, pid=os.getpid())
+        )
 
         def go() -> None:
             rdzv.start()
@@ -131,17 +132,25 @@ def c10d(n: int, run_id: str, timeout: float) -> float:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER, str(port)],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "up"
 
         def prepare(i: int) -> Go:
-            store = TCPStore("127.0.0.1", port, is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout))
-            params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}",
-                                          run_id=run_id, min_nodes=n, max_nodes=n,
-                                          local_addr="127.0.0.1", join_timeout=str(int(timeout)))
+            store = TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+            )
+            params = RendezvousParameters(
+                backend="c10d",
+                endpoint=f"127.0.0.1:{port}",
+                run_id=run_id,
+                min_nodes=n,
+                max_nodes=n,
+                local_addr="127.0.0.1",
+                join_timeout=str(int(timeout)),
+            )
             handler = create_handler(store, C10dRendezvousBackend(store, run_id), params)
             return handler.next_rendezvous
 
@@ -157,8 +166,10 @@ def attempt(run: Callable[..., float], *args: object) -> float:
     try:
         return run(*args)
     except Exception as e:
-        print(f"  failed after {time.perf_counter() - started:.1f}s: {type(e).__name__}: {e}",
-              flush=True)
+        print(
+            f"  failed after {time.perf_counter() - started:.1f}s: {type(e).__name__}: {e}",
+            flush=True,
+        )
         return float("inf")
 
 
@@ -175,14 +186,18 @@ def main() -> None:
     rows = []
     with EtcdServer(name="bench") as etcd:
         for n in (int(s) for s in a.sizes.split(",")):
-            ours = [attempt(elastic, etcd.endpoint, n, f"scale-{n}-{r}", a.timeout)
-                    for r in range(a.repeat)]
+            ours = [
+                attempt(elastic, etcd.endpoint, n, f"scale-{n}-{r}", a.timeout)
+                for r in range(a.repeat)
+            ]
             print(f"N={n}: elastic-run {' '.join(map(show, ours))}", flush=True)
             theirs = [attempt(c10d, n, f"scale-{n}-{r}", a.timeout) for r in range(a.repeat)]
             print(f"N={n}: torch c10d  {' '.join(map(show, theirs))}", flush=True)
             rows.append((n, statistics.median(ours), statistics.median(theirs)))
-    print(f"\nseconds until all N participants hold one round (median of {a.repeat}; "
-          "a failed run counts as infinite)")
+    print(
+        f"\nseconds until all N participants hold one round (median of {a.repeat}; "
+        "a failed run counts as infinite)"
+    )
     print(f"{'N':>5}{'elastic-run':>14}{'torch c10d':>14}{'c10d / ours':>14}")
     for n, e, c in rows:
         print(f"{n:>5}{show(e):>14}{show(c):>14}{c / e:>13.1f}x")

@@ -25,8 +25,7 @@ _LAZY = {
 __all__ = [*_LAZY, "heartbeat", "report"]
 
 
-def report(step: int | None = None, loss: float | None = None,
-           samples: int | None = None) -> None:
+def report(step: int | None = None, loss: float | None = None, samples: int | None = None) -> None:
     """Training progress for the agent's /metrics (State.commit() does this itself):
     the step, the loss, and the samples this worker trained on since the last call.
 

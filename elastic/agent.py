@@ -60,9 +60,18 @@ class Outcome:
 
 
 class Agent:
-    def __init__(self, rdzv: Rendezvous, workers: WorkerGroup, *, monitor_interval: float,
-                 shutdown_timeout: float, close_timeout: float, host: str,
-                 hang_timeout: float = 0.0, metrics: AgentMetrics | None = None) -> None:
+    def __init__(
+        self,
+        rdzv: Rendezvous,
+        workers: WorkerGroup,
+        *,
+        monitor_interval: float,
+        shutdown_timeout: float,
+        close_timeout: float,
+        host: str,
+        hang_timeout: float = 0.0,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
         self.rdzv = rdzv
         self.workers = workers
         self.monitor_interval = monitor_interval
@@ -93,9 +102,14 @@ class Agent:
     def health(self) -> dict:
         """What /healthz says: this agent's state and round."""
         r = self.round
-        return {"node": self.node_id, "job": self.rdzv.options.run_id, "state": self.state.value,
-                "round": r.number if r else 0, "world_size": r.world_size if r else 0,
-                "workers": sum(1 for _ in self.workers.pids)}
+        return {
+            "node": self.node_id,
+            "job": self.rdzv.options.run_id,
+            "state": self.state.value,
+            "round": r.number if r else 0,
+            "world_size": r.world_size if r else 0,
+            "workers": sum(1 for _ in self.workers.pids),
+        }
 
     @property
     def node_id(self) -> str:
@@ -147,10 +161,17 @@ class Agent:
         nproc = r.members[group_rank].nproc
         base = r.base_rank(group_rank)
         placements = [
-            Placement(local_rank=lr, rank=base + lr, group_rank=group_rank,
-                      local_world_size=nproc, world_size=r.world_size,
-                      group_world_size=len(r.members), master_addr=r.master_addr,
-                      master_port=r.master_port, restart_count=r.restarts)
+            Placement(
+                local_rank=lr,
+                rank=base + lr,
+                group_rank=group_rank,
+                local_world_size=nproc,
+                world_size=r.world_size,
+                group_world_size=len(r.members),
+                master_addr=r.master_addr,
+                master_port=r.master_port,
+                restart_count=r.restarts,
+            )
             for lr in range(nproc)
         ]
         if group_rank == 0:
@@ -162,14 +183,29 @@ class Agent:
             if self._lost_cause is not None:
                 self.metrics.lost(self._lost_cause, took)
             self.metrics.round_started(
-                r.number, r.world_size, len(r.members), group_rank, r.restarts,
-                joined=len(r.joined) if previous is not None else 0, left=len(r.left),
-                lost=len(r.lost), waited=waited, workers=nproc)
+                r.number,
+                r.world_size,
+                len(r.members),
+                group_rank,
+                r.restarts,
+                joined=len(r.joined) if previous is not None else 0,
+                left=len(r.left),
+                lost=len(r.lost),
+                waited=waited,
+                workers=nproc,
+            )
         self.state = State.RUNNING
         log.info("%s", membership_line(r, previous, took, self._change_why))
         ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
-        log.info("node %s: group rank %d, %s, master %s:%d, restarts %d", self.node_id,
-                 group_rank, ranks, r.master_addr, r.master_port, r.restarts)
+        log.info(
+            "node %s: group rank %d, %s, master %s:%d, restarts %d",
+            self.node_id,
+            group_rank,
+            ranks,
+            r.master_addr,
+            r.master_port,
+            r.restarts,
+        )
 
     def _monitor(self) -> Outcome:
         while True:
@@ -255,8 +291,10 @@ class Agent:
         else:
             self.workers.signal(sig)
         if not self.workers.wait(self.shutdown_timeout):
-            log.warning("workers still running %gs after being asked to stop; killing them",
-                        self.shutdown_timeout)
+            log.warning(
+                "workers still running %gs after being asked to stop; killing them",
+                self.shutdown_timeout,
+            )
         self.workers.stop(0)
 
     # -- endings --------------------------------------------------------------------------
@@ -281,8 +319,11 @@ class Agent:
             self.rdzv.shutdown(leave=True)
             return self._report_failed(closed.reason, closed.root_cause)
         if not self.workers.wait(self.close_timeout):
-            log.warning("job closed as succeeded but local workers still run after "
-                        "close_timeout=%gs; stopping them", self.close_timeout)
+            log.warning(
+                "job closed as succeeded but local workers still run after "
+                "close_timeout=%gs; stopping them",
+                self.close_timeout,
+            )
             self.workers.stop(self.shutdown_timeout)
         state, failures = self.workers.poll()
         self.rdzv.shutdown(leave=True)
@@ -327,8 +368,14 @@ class Agent:
         return 128 + int(sig)
 
 
-_LOST = {"failure": "failure", "hang": "failure", "member_lost": "failure",
-         "fenced": "failure", "member_left": "resize", "resize": "resize"}
+_LOST = {
+    "failure": "failure",
+    "hang": "failure",
+    "member_lost": "failure",
+    "fenced": "failure",
+    "member_left": "resize",
+    "resize": "resize",
+}
 
 
 def _restart_cause(o: Outcome) -> str:
@@ -337,16 +384,18 @@ def _restart_cause(o: Outcome) -> str:
         return "failure" if o.kind == "failed" else "hang"
     if o.kind == "stopped" or o.change is None:
         return "resize"
-    return {"lost": "member_lost", "left": "member_left", "fenced": "fenced",
-            "failed": "failure"}.get(o.change.kind, "resize")
+    return {
+        "lost": "member_lost",
+        "left": "member_left",
+        "fenced": "fenced",
+        "failed": "failure",
+    }.get(o.change.kind, "resize")
 
 
-def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float,
-                    why: str) -> str:
+def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float, why: str) -> str:
     """One line per membership change: who left or joined, the new size, how long it took."""
     nodes = ", ".join(m.id for m in r.members)
-    parts = [f"round {r.number}: world size {r.world_size} on {len(r.members)} node(s) "
-             f"[{nodes}]"]
+    parts = [f"round {r.number}: world size {r.world_size} on {len(r.members)} node(s) [{nodes}]"]
     if r.lost:
         parts.append(f"lost {', '.join(r.lost)}")
     if r.left:

@@ -84,11 +84,11 @@ class CheckpointDir:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 header = bytearray(snapshot.HEADER_SIZE)
-                header[:] = data[:snapshot.HEADER_SIZE]
+                header[:] = data[: snapshot.HEADER_SIZE]
                 magic, meta_len, data_len, _ = snapshot.HEADER.unpack_from(header, 0)
                 snapshot.HEADER.pack_into(header, 0, magic, meta_len, data_len, digest)
                 _write_all(fd, header)
-                _write_all(fd, data[snapshot.HEADER_SIZE:])
+                _write_all(fd, data[snapshot.HEADER_SIZE :])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -97,13 +97,14 @@ class CheckpointDir:
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            return WriteResult(step, False, time.monotonic() - started, 0,
-                               f"{type(e).__name__}: {e}")
+            return WriteResult(
+                step, False, time.monotonic() - started, 0, f"{type(e).__name__}: {e}"
+            )
         self.prune()
         return WriteResult(step, True, time.monotonic() - started, len(data))
 
     def prune(self) -> None:
-        for step in self.steps()[self.keep:]:
+        for step in self.steps()[self.keep :]:
             with contextlib.suppress(OSError):
                 path_for(self.dir, step).unlink()
 
@@ -111,7 +112,7 @@ class CheckpointDir:
 def _write_all(fd: int, data: memoryview | bytearray) -> None:
     view = memoryview(data)
     while view:
-        n = os.write(fd, view[:1 << 26])
+        n = os.write(fd, view[: 1 << 26])
         view = view[n:]
 
 

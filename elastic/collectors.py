@@ -39,26 +39,40 @@ def _tree(pid: int) -> list[psutil.Process]:
 class WorkerCollector(Collector):
     """CPU seconds, memory, threads, file descriptors and liveness of each worker."""
 
-    def __init__(self, source: Callable[[], Iterable[WorkerProc]], job: str, node: str,
-                 tree: Callable[[int], list] = _tree) -> None:
+    def __init__(
+        self,
+        source: Callable[[], Iterable[WorkerProc]],
+        job: str,
+        node: str,
+        tree: Callable[[int], list] = _tree,
+    ) -> None:
         self._source = source
         self._base = [job, node]
         self._tree = tree
 
     def collect(self) -> Iterator[Metric]:
         names = ["job", "node", "rank", "local_rank"]
-        cpu = CounterMetricFamily("elastic_run_worker_cpu_seconds",
-                                  "CPU time of a worker and its children", labels=names)
-        rss = GaugeMetricFamily("elastic_run_worker_resident_memory_bytes",
-                                "Resident memory of a worker and its children", labels=names)
-        threads = GaugeMetricFamily("elastic_run_worker_threads",
-                                    "Threads of a worker and its children", labels=names)
-        fds = GaugeMetricFamily("elastic_run_worker_open_fds",
-                                "Open file descriptors of a worker and its children",
-                                labels=names)
-        up = GaugeMetricFamily("elastic_run_worker_up",
-                               "1 while the worker process runs, 0 once it exited",
-                               labels=names)
+        cpu = CounterMetricFamily(
+            "elastic_run_worker_cpu_seconds", "CPU time of a worker and its children", labels=names
+        )
+        rss = GaugeMetricFamily(
+            "elastic_run_worker_resident_memory_bytes",
+            "Resident memory of a worker and its children",
+            labels=names,
+        )
+        threads = GaugeMetricFamily(
+            "elastic_run_worker_threads", "Threads of a worker and its children", labels=names
+        )
+        fds = GaugeMetricFamily(
+            "elastic_run_worker_open_fds",
+            "Open file descriptors of a worker and its children",
+            labels=names,
+        )
+        up = GaugeMetricFamily(
+            "elastic_run_worker_up",
+            "1 while the worker process runs, 0 once it exited",
+            labels=names,
+        )
         for w in self._source():
             labels = [*self._base, str(w.rank), str(w.local_rank)]
             up.add_metric(labels, 1.0 if w.alive else 0.0)
@@ -132,9 +146,18 @@ class NvmlSource:
                     if p.usedGpuMemory is not None:
                         procs[p.pid] = float(p.usedGpuMemory)
             uuid = n.nvmlDeviceGetUUID(h)
-            out.append(GpuSample(i, uuid.decode() if isinstance(uuid, bytes) else uuid,
-                                 n.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
-                                 float(mem.used), float(mem.total), power, temp, procs))
+            out.append(
+                GpuSample(
+                    i,
+                    uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    n.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
+                    float(mem.used),
+                    float(mem.total),
+                    power,
+                    temp,
+                    procs,
+                )
+            )
         return out
 
 
@@ -142,8 +165,9 @@ class GpuCollector(Collector):
     """Utilisation, memory, power and temperature per GPU, and the GPU memory of this
     job's workers. Without NVML it yields nothing."""
 
-    def __init__(self, source: NvmlSource, workers: Callable[[], Iterable[WorkerProc]],
-                 job: str, node: str) -> None:
+    def __init__(
+        self, source: NvmlSource, workers: Callable[[], Iterable[WorkerProc]], job: str, node: str
+    ) -> None:
         self._source = source
         self._workers = workers
         self._base = [job, node]
@@ -153,20 +177,29 @@ class GpuCollector(Collector):
             return
         names = ["job", "node", "gpu", "uuid"]
         fams = {
-            "util": GaugeMetricFamily("elastic_run_gpu_utilization_ratio",
-                                      "Fraction of time the GPU was busy", labels=names),
-            "used": GaugeMetricFamily("elastic_run_gpu_memory_used_bytes",
-                                      "GPU memory in use", labels=names),
-            "total": GaugeMetricFamily("elastic_run_gpu_memory_total_bytes",
-                                       "GPU memory in all", labels=names),
-            "power": GaugeMetricFamily("elastic_run_gpu_power_watts", "GPU power draw",
-                                       labels=names),
-            "temp": GaugeMetricFamily("elastic_run_gpu_temperature_celsius",
-                                      "GPU temperature", labels=names),
+            "util": GaugeMetricFamily(
+                "elastic_run_gpu_utilization_ratio",
+                "Fraction of time the GPU was busy",
+                labels=names,
+            ),
+            "used": GaugeMetricFamily(
+                "elastic_run_gpu_memory_used_bytes", "GPU memory in use", labels=names
+            ),
+            "total": GaugeMetricFamily(
+                "elastic_run_gpu_memory_total_bytes", "GPU memory in all", labels=names
+            ),
+            "power": GaugeMetricFamily(
+                "elastic_run_gpu_power_watts", "GPU power draw", labels=names
+            ),
+            "temp": GaugeMetricFamily(
+                "elastic_run_gpu_temperature_celsius", "GPU temperature", labels=names
+            ),
         }
-        proc = GaugeMetricFamily("elastic_run_gpu_process_memory_bytes",
-                                 "GPU memory used by a worker of this job",
-                                 labels=[*names, "rank", "local_rank"])
+        proc = GaugeMetricFamily(
+            "elastic_run_gpu_process_memory_bytes",
+            "GPU memory used by a worker of this job",
+            labels=[*names, "rank", "local_rank"],
+        )
         ranks = {w.pid: w for w in self._workers() if w.alive}
         try:
             samples = self._source.samples()

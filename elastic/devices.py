@@ -69,8 +69,9 @@ def count_devices(spec: str, visible: int | None = None) -> int:
     if spec == "gpu":
         n = len(visible_gpus()) if visible is None else visible
         if n == 0:
-            raise DeviceError("no GPU is visible here (NVML finds none, or "
-                              "CUDA_VISIBLE_DEVICES hides them)")
+            raise DeviceError(
+                "no GPU is visible here (NVML finds none, or CUDA_VISIBLE_DEVICES hides them)"
+            )
         return n
     if spec == "auto":
         return (len(visible_gpus()) if visible is None else visible) or cpu_count()
@@ -96,8 +97,7 @@ def choose_devices(text: str, total: int | None = None) -> list[str]:
     for d in wanted:
         if d.isdigit():
             if int(d) >= total:
-                raise DeviceError(f"device {d} does not exist: this machine has GPUs "
-                                  f"0-{total - 1}")
+                raise DeviceError(f"device {d} does not exist: this machine has GPUs 0-{total - 1}")
         elif not d.startswith(("GPU-", "MIG-")):
             raise DeviceError(f"device {d!r}: expected an index or a GPU-/MIG- UUID")
     return wanted

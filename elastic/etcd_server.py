@@ -106,23 +106,37 @@ class EtcdServer:
     def command(self) -> list[str]:
         cmd = [
             etcd_binary(),
-            "--name", self.name,
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.client_url,
-            "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", self.peer_url,
-            "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
-            "--initial-cluster-token", self.cluster_token,
-            "--initial-cluster-state", "new",
-            "--log-level", "warn",
-            "--logger", "zap",
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self.initial_cluster or f"{self.name}={self.peer_url}",
+            "--initial-cluster-token",
+            self.cluster_token,
+            "--initial-cluster-state",
+            "new",
+            "--log-level",
+            "warn",
+            "--logger",
+            "zap",
         ]
         if self.tls:
             cmd += [
-                "--cert-file", self.tls.server_cert,
-                "--key-file", self.tls.server_key,
-                "--trusted-ca-file", self.tls.ca,
+                "--cert-file",
+                self.tls.server_cert,
+                "--key-file",
+                self.tls.server_key,
+                "--trusted-ca-file",
+                self.tls.ca,
                 "--client-cert-auth",
             ]
         return cmd + self.extra_args
@@ -161,8 +175,9 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise EtcdServerError(f"etcd {self.name} exited with {self.proc.returncode}: "
-                                      f"{self._log_tail()}")
+                raise EtcdServerError(
+                    f"etcd {self.name} exited with {self.proc.returncode}: {self._log_tail()}"
+                )
             if self.healthy():
                 return
             time.sleep(0.05)

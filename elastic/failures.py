@@ -55,11 +55,25 @@ def read_error_file(path: str) -> tuple[str, str, float | None]:
     return str(msg.get("message", "")), str(tb), when
 
 
-def collect(rank: int, local_rank: int, pid: int, exitcode: int, error_file: str,
-            seen_at: float | None = None) -> WorkerFailure:
+def collect(
+    rank: int,
+    local_rank: int,
+    pid: int,
+    exitcode: int,
+    error_file: str,
+    seen_at: float | None = None,
+) -> WorkerFailure:
     message, tb, stamp = read_error_file(error_file)
-    return WorkerFailure(rank, local_rank, pid, exitcode, stamp or seen_at or time.time(),
-                         message, tb[-4000:], error_file)
+    return WorkerFailure(
+        rank,
+        local_rank,
+        pid,
+        exitcode,
+        stamp or seen_at or time.time(),
+        message,
+        tb[-4000:],
+        error_file,
+    )
 
 
 def summarize(failures: list[WorkerFailure], node_id: str, host: str) -> dict:

@@ -66,7 +66,9 @@ class ForkServer:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "elastic._zygote", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=dict(env), stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent(),
         )
         theirs.close()
@@ -94,10 +96,24 @@ class ForkServer:
                     self._exits[msg["exited"]] = msg["status"]
                 self._cond.notify_all()
 
-    def spawn(self, target: str, args: list[str], module: bool, env: Mapping[str, str],
-              stdio: tuple[int, int, int], cwd: str | None = None) -> ForkedWorker:
-        request = json.dumps({"target": target, "args": list(args), "module": module,
-                              "env": dict(env), "cwd": cwd or os.getcwd()}).encode()
+    def spawn(
+        self,
+        target: str,
+        args: list[str],
+        module: bool,
+        env: Mapping[str, str],
+        stdio: tuple[int, int, int],
+        cwd: str | None = None,
+    ) -> ForkedWorker:
+        request = json.dumps(
+            {
+                "target": target,
+                "args": list(args),
+                "module": module,
+                "env": dict(env),
+                "cwd": cwd or os.getcwd(),
+            }
+        ).encode()
         with self._lock:
             socket.send_fds(self._sock, [request], list(stdio))
             with self._cond:

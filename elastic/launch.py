@@ -45,8 +45,11 @@ def embedded_etcd(cfg: RunConfig) -> Iterator[str]:
     with EtcdServer(name="embedded") as server:
         log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
         if cfg.max_nodes > 1:
-            log.info("other nodes on this machine join with --rdzv-endpoint %s --rdzv-id %s",
-                     server.endpoint, cfg.rdzv_id)
+            log.info(
+                "other nodes on this machine join with --rdzv-endpoint %s --rdzv-id %s",
+                server.endpoint,
+                cfg.rdzv_id,
+            )
         yield server.endpoint
 
 
@@ -71,8 +74,7 @@ def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
             port = server.start(cfg.metrics_addr, DEFAULT_METRICS_PORT)
         except MetricsError:
             port = server.start(cfg.metrics_addr, 0)
-            log.info("port %d is taken: /metrics on port %d instead", DEFAULT_METRICS_PORT,
-                     port)
+            log.info("port %d is taken: /metrics on port %d instead", DEFAULT_METRICS_PORT, port)
             return port
     else:
         port = server.start(cfg.metrics_addr, cfg.metrics_port)
@@ -89,40 +91,83 @@ def launch(cfg: RunConfig) -> int:
         env[MULTIPROC_ENV] = str(node_dir / "prometheus")
     metrics = server = None
     agent: Agent | None = None
-    router = LogRouter(cfg.log_dir, cfg.rdzv_id, cfg.node_id, cfg.redirects, cfg.tee,
-                       cfg.local_ranks_filter, cfg.role, cfg.stdout_filters, cfg.stderr_filters)
+    router = LogRouter(
+        cfg.log_dir,
+        cfg.rdzv_id,
+        cfg.node_id,
+        cfg.redirects,
+        cfg.tee,
+        cfg.local_ranks_filter,
+        cfg.role,
+        cfg.stdout_filters,
+        cfg.stderr_filters,
+    )
     forked = None
     if cfg.forkserver:  # started first: torch imports in it while the job forms
         forked = (ForkServer({**os.environ, **env}), cfg.script, cfg.script_args, cfg.module)
-    workers = WorkerGroup(cfg.command, router, node_dir, role=cfg.role, run_id=cfg.rdzv_id,
-                          max_restarts=cfg.max_restarts,
-                          virtual_local_rank=cfg.virtual_local_rank, extra_env=env,
-                          forkserver=forked)
+    workers = WorkerGroup(
+        cfg.command,
+        router,
+        node_dir,
+        role=cfg.role,
+        run_id=cfg.rdzv_id,
+        max_restarts=cfg.max_restarts,
+        virtual_local_rank=cfg.virtual_local_rank,
+        extra_env=env,
+        forkserver=forked,
+    )
     try:
         port = 0
         if cfg.metrics_port != -1:
-            metrics = AgentMetrics(cfg.rdzv_id, cfg.node_id, cfg.max_restarts, version(),
-                                   workers=workers.processes,
-                                   multiproc_dir=node_dir / "prometheus",
-                                   min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes)
-            server = MetricsServer(metrics.registry, lambda: agent.health() if agent else
-                                   {"node": cfg.node_id, "state": "starting"})
+            metrics = AgentMetrics(
+                cfg.rdzv_id,
+                cfg.node_id,
+                cfg.max_restarts,
+                version(),
+                workers=workers.processes,
+                multiproc_dir=node_dir / "prometheus",
+                min_nodes=cfg.min_nodes,
+                max_nodes=cfg.max_nodes,
+            )
+            server = MetricsServer(
+                metrics.registry,
+                lambda: agent.health() if agent else {"node": cfg.node_id, "state": "starting"},
+            )
             port = serve_metrics(cfg, server)
         with embedded_etcd(cfg) as endpoint:
-            etcd_opts, rdzv_opts = build_options(endpoint, cfg.rdzv_id, cfg.min_nodes,
-                                                 cfg.max_nodes, cfg.rdzv_conf)
+            etcd_opts, rdzv_opts = build_options(
+                endpoint, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf
+            )
             client = EtcdClient(etcd_opts)
-            me = NodeSpec(id=cfg.node_id, addr=cfg.local_addr or default_local_addr(),
-                          nproc=cfg.nproc_per_node, host=socket.gethostname(),
-                          pid=os.getpid(), version=version(), metrics_port=port)
+            me = NodeSpec(
+                id=cfg.node_id,
+                addr=cfg.local_addr or default_local_addr(),
+                nproc=cfg.nproc_per_node,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                version=version(),
+                metrics_port=port,
+            )
             rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
-            agent = Agent(rdzv, workers, monitor_interval=cfg.monitor_interval,
-                          shutdown_timeout=cfg.shutdown_timeout,
-                          close_timeout=rdzv_opts.close_timeout, host=me.host,
-                          hang_timeout=cfg.worker_hang_timeout, metrics=metrics)
-            log.info("node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
-                     cfg.node_id, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes,
-                     cfg.nproc_per_node, router.run_dir)
+            agent = Agent(
+                rdzv,
+                workers,
+                monitor_interval=cfg.monitor_interval,
+                shutdown_timeout=cfg.shutdown_timeout,
+                close_timeout=rdzv_opts.close_timeout,
+                host=me.host,
+                hang_timeout=cfg.worker_hang_timeout,
+                metrics=metrics,
+            )
+            log.info(
+                "node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
+                cfg.node_id,
+                cfg.rdzv_id,
+                cfg.min_nodes,
+                cfg.max_nodes,
+                cfg.nproc_per_node,
+                router.run_dir,
+            )
             try:
                 with handled_signals(cfg.signals, agent.on_signal):
                     return agent.run()

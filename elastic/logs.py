@@ -56,8 +56,9 @@ class Pump:
             if self.console:
                 with _console_lock:
                     out = _console(self.stream)
-                    out.write(self.prefix + line if line.endswith(b"\n") else
-                              self.prefix + line + b"\n")
+                    out.write(
+                        self.prefix + line if line.endswith(b"\n") else self.prefix + line + b"\n"
+                    )
                     out.flush()
         self.source.close()
 
@@ -92,17 +93,27 @@ class LogRouter:
 
     PREFIX_ENV: ClassVar[str] = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 
-    def __init__(self, log_dir: str | None, run_id: str, node_id: str,
-                 redirects: dict[int, int], tee: dict[int, int],
-                 local_ranks_filter: frozenset[int] | None, role: str = "default",
-                 stdout_filters: tuple[str, ...] = (), stderr_filters: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        log_dir: str | None,
+        run_id: str,
+        node_id: str,
+        redirects: dict[int, int],
+        tee: dict[int, int],
+        local_ranks_filter: frozenset[int] | None,
+        role: str = "default",
+        stdout_filters: tuple[str, ...] = (),
+        stderr_filters: tuple[str, ...] = (),
+    ):
         base = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="torchelastic_"))
         self.run_dir = base / f"{run_id}_{node_id}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redirects, self.tee, self.filter = redirects, tee, local_ranks_filter
         self.role = role
-        self.filters = {OUT: tuple(f.encode() for f in stdout_filters),
-                        ERR: tuple(f.encode() for f in stderr_filters)}
+        self.filters = {
+            OUT: tuple(f.encode() for f in stdout_filters),
+            ERR: tuple(f.encode() for f in stderr_filters),
+        }
         self.template = os.environ.get(self.PREFIX_ENV, "[rank${rank}]:")
         self.attempt_dir: Path | None = None
 
@@ -117,7 +128,8 @@ class LogRouter:
 
     def prefix(self, rank: int, local_rank: int) -> bytes:
         text = string.Template(self.template).safe_substitute(
-            role_name=self.role, rank=rank, local_rank=local_rank)
+            role_name=self.role, rank=rank, local_rank=local_rank
+        )
         return (text + " ").encode() if text and not text.endswith(" ") else text.encode()
 
     def streams(self, local_rank: int) -> tuple[WorkerStreams, dict[int, tuple]]:
@@ -126,12 +138,14 @@ class LogRouter:
         d = self.attempt_dir / str(local_rank)
         d.mkdir()
         shown = self.filter is None or local_rank in self.filter
-        ws = WorkerStreams(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           error_file=str(d / "error.json"))
+        ws = WorkerStreams(
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, error_file=str(d / "error.json")
+        )
         plan: dict[int, tuple] = {}
         for stream, name in ((OUT, "stdout"), (ERR, "stderr")):
-            to_file = bool((self.redirects.get(local_rank, 0) | self.tee.get(local_rank, 0))
-                           & stream)
+            to_file = bool(
+                (self.redirects.get(local_rank, 0) | self.tee.get(local_rank, 0)) & stream
+            )
             console = shown and (not to_file or bool(self.tee.get(local_rank, 0) & stream))
             filters = self.filters[stream]
             target: int | BinaryIO = subprocess.DEVNULL

@@ -47,10 +47,18 @@ class MetricsError(RuntimeError):
 class AgentMetrics:
     """Everything one agent exports, in its own registry."""
 
-    def __init__(self, job: str, node: str, max_restarts: int, version: str,
-                 workers: Callable[[], Iterable[WorkerProc]],
-                 multiproc_dir: Path | None = None, gpus: NvmlSource | None = None,
-                 min_nodes: int = 1, max_nodes: int = 1) -> None:
+    def __init__(
+        self,
+        job: str,
+        node: str,
+        max_restarts: int,
+        version: str,
+        workers: Callable[[], Iterable[WorkerProc]],
+        multiproc_dir: Path | None = None,
+        gpus: NvmlSource | None = None,
+        min_nodes: int = 1,
+        max_nodes: int = 1,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, base = self.registry, ["job", "node"]
         self._labels = {"job": job, "node": node}
@@ -63,33 +71,55 @@ class AgentMetrics:
         gauge("elastic_run_max_nodes", "Most nodes the job takes").set(max_nodes)
         self.world_size = gauge("elastic_run_world_size", "Workers in the current round")
         self.nodes = gauge("elastic_run_nodes", "Nodes in the current round")
-        self.group_rank = gauge("elastic_run_group_rank",
-                                "This node's rank among the round's nodes (-1: not a member)")
+        self.group_rank = gauge(
+            "elastic_run_group_rank", "This node's rank among the round's nodes (-1: not a member)"
+        )
         self.round = gauge("elastic_run_rendezvous_round", "Number of the current round")
-        self.job_restarts = gauge("elastic_run_job_restarts",
-                                  "Restarts the job has charged for worker failures")
-        self.budget = gauge("elastic_run_restart_budget_remaining",
-                            "Worker-failure restarts left before the job fails")
+        self.job_restarts = gauge(
+            "elastic_run_job_restarts", "Restarts the job has charged for worker failures"
+        )
+        self.budget = gauge(
+            "elastic_run_restart_budget_remaining",
+            "Worker-failure restarts left before the job fails",
+        )
         self.workers_running = gauge("elastic_run_workers", "Local worker processes running")
         self.rdzv_seconds = Histogram(
             "elastic_run_rendezvous_duration_seconds",
-            "From asking for a round to being in one", base, registry=r,
+            "From asking for a round to being in one",
+            base,
+            registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, float("inf")),
         ).labels(job, node)
-        self.changes = Counter("elastic_run_membership_changes",
-                               "Nodes that joined, left or were lost, by cause",
-                               [*base, "cause"], registry=r)
-        self.restarts = Counter("elastic_run_restarts",
-                                "Times this node's workers were stopped and started again",
-                                [*base, "cause"], registry=r)
-        self.lost_seconds = Counter("elastic_run_lost_seconds",
-                                    "Seconds without running workers after a failure or "
-                                    "during a resize", [*base, "cause"], registry=r)
-        self.training_seconds = Counter("elastic_run_training_seconds",
-                                        "Seconds with this node's workers running", base,
-                                        registry=r).labels(job, node)
-        self.state = Gauge("elastic_run_agent_state", "1 for the agent's current state",
-                           [*base, "state"], registry=r)
+        self.changes = Counter(
+            "elastic_run_membership_changes",
+            "Nodes that joined, left or were lost, by cause",
+            [*base, "cause"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "elastic_run_restarts",
+            "Times this node's workers were stopped and started again",
+            [*base, "cause"],
+            registry=r,
+        )
+        self.lost_seconds = Counter(
+            "elastic_run_lost_seconds",
+            "Seconds without running workers after a failure or during a resize",
+            [*base, "cause"],
+            registry=r,
+        )
+        self.training_seconds = Counter(
+            "elastic_run_training_seconds",
+            "Seconds with this node's workers running",
+            base,
+            registry=r,
+        ).labels(job, node)
+        self.state = Gauge(
+            "elastic_run_agent_state",
+            "1 for the agent's current state",
+            [*base, "state"],
+            registry=r,
+        )
         for cause in CHANGE_CAUSES:
             self.changes.labels(job, node, cause)
         for cause in RESTART_CAUSES:
@@ -99,10 +129,10 @@ class AgentMetrics:
         self.set_state("joining")
         self.budget.set(max_restarts)
         self.group_rank.set(-1)
-        info = Info("elastic_run_build", "Versions of elastic-run and its environment",
-                    registry=r)
-        info.info({"version": version, "python": platform.python_version(),
-                   "torch": _torch_version()})
+        info = Info("elastic_run_build", "Versions of elastic-run and its environment", registry=r)
+        info.info(
+            {"version": version, "python": platform.python_version(), "torch": _torch_version()}
+        )
         r.register(WorkerCollector(workers, job, node))
         r.register(GpuCollector(gpus or NvmlSource(), workers, job, node))
         if multiproc_dir is not None:
@@ -115,11 +145,22 @@ class AgentMetrics:
     def set_state(self, state: str) -> None:
         for s in STATES:
             self.state.labels(self._labels["job"], self._labels["node"], s).set(
-                1.0 if s == state else 0.0)
+                1.0 if s == state else 0.0
+            )
 
-    def round_started(self, number: int, world_size: int, nodes: int, group_rank: int,
-                      restarts: int, joined: int, left: int, lost: int, waited: float,
-                      workers: int) -> None:
+    def round_started(
+        self,
+        number: int,
+        world_size: int,
+        nodes: int,
+        group_rank: int,
+        restarts: int,
+        joined: int,
+        left: int,
+        lost: int,
+        waited: float,
+        workers: int,
+    ) -> None:
         self.round.set(number)
         self.world_size.set(world_size)
         self.nodes.set(nodes)
@@ -148,8 +189,7 @@ class AgentMetrics:
         self._running_since = None
         self.workers_running.set(0)
         if restart_cause is not None:
-            self.restarts.labels(self._labels["job"], self._labels["node"],
-                                 restart_cause).inc()
+            self.restarts.labels(self._labels["job"], self._labels["node"], restart_cause).inc()
 
     def lost(self, cause: str, seconds: float) -> None:
         self.lost_seconds.labels(self._labels["job"], self._labels["node"], cause).inc(seconds)
@@ -190,8 +230,9 @@ class MetricsServer:
     def _app(self, environ: dict, start_response: Callable) -> list[bytes]:
         if environ.get("PATH_INFO") == "/healthz":
             body = json.dumps(self._health()).encode()
-            start_response("200 OK", [("Content-Type", "application/json"),
-                                      ("Content-Length", str(len(body)))])
+            start_response(
+                "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            )
             return [body]
         return self._metrics(environ, start_response)
 
@@ -199,16 +240,14 @@ class MetricsServer:
         try:
             self._httpd = make_server(addr, port, self._app, _Server, handler_class=_Quiet)
         except OSError as e:
-            raise MetricsError(f"--metrics-port {port}: cannot listen on {addr or '*'}:{port}: "
-                               f"{e.strerror}") from None
+            raise MetricsError(
+                f"--metrics-port {port}: cannot listen on {addr or '*'}:{port}: {e.strerror}"
+            ) from None
         self.port = self._httpd.server_port
-        threading.Thread(target=self._httpd.serve_forever, name="metrics-http",
-                         daemon=True).start()
+        threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True).start()
         return self.port
 
     def stop(self) -> None:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
-
-

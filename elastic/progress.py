@@ -29,8 +29,12 @@ def _get() -> dict[str, Any] | None:
     from prometheus_client import Counter, Gauge, Histogram
 
     env = os.environ
-    labels = {"job": env.get("TORCHELASTIC_RUN_ID", ""), "node": env.get("ELASTIC_RUN_NODE_ID", ""),
-              "rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
+    labels = {
+        "job": env.get("TORCHELASTIC_RUN_ID", ""),
+        "node": env.get("ELASTIC_RUN_NODE_ID", ""),
+        "rank": env.get("RANK", "0"),
+        "local_rank": env.get("LOCAL_RANK", "0"),
+    }
     names = list(labels)
 
     def gauge(name: str, doc: str) -> Any:
@@ -40,34 +44,47 @@ def _get() -> dict[str, Any] | None:
         return Counter(name, doc, names).labels(**labels)
 
     def histogram(name: str, doc: str) -> Any:
-        return Histogram(name, doc, names, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5,
-                                                    10, 60, float("inf"))).labels(**labels)
+        return Histogram(
+            name,
+            doc,
+            names,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, float("inf")),
+        ).labels(**labels)
 
     _metrics = {
         "step": gauge("elastic_run_training_step", "Optimizer steps done"),
         "loss": gauge("elastic_run_training_loss", "Loss the script reported last"),
         "samples": counter("elastic_run_training_samples", "Samples this worker trained on"),
-        "rate": gauge("elastic_run_training_samples_per_second",
-                      "Samples per second between the last two reports"),
-        "snapshot": histogram("elastic_run_snapshot_seconds",
-                              "Seconds a snapshot blocked the training thread"),
+        "rate": gauge(
+            "elastic_run_training_samples_per_second",
+            "Samples per second between the last two reports",
+        ),
+        "snapshot": histogram(
+            "elastic_run_snapshot_seconds", "Seconds a snapshot blocked the training thread"
+        ),
         "snapshot_bytes": gauge("elastic_run_snapshot_bytes", "Size of the newest snapshot"),
-        "blocked": counter("elastic_run_snapshot_blocked_seconds",
-                           "Seconds the training thread waited for snapshots"),
-        "ckpt": histogram("elastic_run_checkpoint_write_seconds",
-                          "Seconds to write a checkpoint file (in the background)"),
-        "ckpt_bytes": counter("elastic_run_checkpoint_written_bytes",
-                              "Bytes of checkpoint files written"),
-        "ckpt_failures": counter("elastic_run_checkpoint_failures",
-                                 "Checkpoints (or snapshots) that could not be written"),
+        "blocked": counter(
+            "elastic_run_snapshot_blocked_seconds",
+            "Seconds the training thread waited for snapshots",
+        ),
+        "ckpt": histogram(
+            "elastic_run_checkpoint_write_seconds",
+            "Seconds to write a checkpoint file (in the background)",
+        ),
+        "ckpt_bytes": counter(
+            "elastic_run_checkpoint_written_bytes", "Bytes of checkpoint files written"
+        ),
+        "ckpt_failures": counter(
+            "elastic_run_checkpoint_failures",
+            "Checkpoints (or snapshots) that could not be written",
+        ),
         "restore": gauge("elastic_run_restore_seconds", "Seconds the last restore took"),
         "restore_bytes": gauge("elastic_run_restore_bytes", "Bytes the last restore loaded"),
     }
     return _metrics
 
 
-def report(step: int | None = None, loss: float | None = None,
-           samples: int | None = None) -> None:
+def report(step: int | None = None, loss: float | None = None, samples: int | None = None) -> None:
     """Progress of this worker: ``samples`` trained on since the last report. Also tells
     the agent the worker is alive (see --worker-hang-timeout)."""
     global _last

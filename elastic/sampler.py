@@ -47,16 +47,21 @@ class BatchPolicy:
     world / 4 (the linear scaling rule).
     """
 
-    def __init__(self, micro_batch: int, global_batch: int | None = None,
-                 scale_lr: bool = False, base_world_size: int = 1) -> None:
+    def __init__(
+        self,
+        micro_batch: int,
+        global_batch: int | None = None,
+        scale_lr: bool = False,
+        base_world_size: int = 1,
+    ) -> None:
         if micro_batch < 1:
             raise ValueError(f"micro_batch={micro_batch}: must be at least 1")
         if global_batch is not None and scale_lr:
             raise ValueError("choose a constant global_batch or scale_lr, not both")
-        if global_batch is not None and (global_batch < micro_batch
-                                         or global_batch % micro_batch):
-            raise ValueError(f"global_batch={global_batch} must be a multiple of "
-                             f"micro_batch={micro_batch}")
+        if global_batch is not None and (global_batch < micro_batch or global_batch % micro_batch):
+            raise ValueError(
+                f"global_batch={global_batch} must be a multiple of micro_batch={micro_batch}"
+            )
         if base_world_size < 1:
             raise ValueError(f"base_world_size={base_world_size}: must be at least 1")
         self.micro_batch = micro_batch
@@ -80,8 +85,9 @@ class BatchPolicy:
     def lr_factor(self, world: int) -> float:
         return world / self.base_world_size if self.scale_lr else 1.0
 
-    def apply(self, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-              world: int | None = None) -> None:
+    def apply(
+        self, optimizer: torch.optim.Optimizer, scheduler: Any = None, world: int | None = None
+    ) -> None:
         """Scale learning rates for ``world`` (relative to what was applied before, so a
         schedule's progress is kept across resizes). No-op without ``scale_lr``."""
         if not self.scale_lr:
@@ -101,14 +107,23 @@ class BatchPolicy:
 class ElasticSampler:
     """A distributed batch sampler whose epochs survive resizes (see module doc)."""
 
-    def __init__(self, data_source: Sized | int, batch_size: int | BatchPolicy,
-                 shuffle: bool = True, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        data_source: Sized | int,
+        batch_size: int | BatchPolicy,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         if self.n < 1:
             raise ValueError("ElasticSampler needs a non-empty dataset")
-        self.policy = batch_size if isinstance(batch_size, BatchPolicy) else \
-            BatchPolicy(micro_batch=batch_size)
+        self.policy = (
+            batch_size
+            if isinstance(batch_size, BatchPolicy)
+            else BatchPolicy(micro_batch=batch_size)
+        )
         self.shuffle = shuffle
         self.seed = seed
         self._rank, self._world = rank, world_size
@@ -121,8 +136,10 @@ class ElasticSampler:
     # -- where we are -----------------------------------------------------------------
     def _where(self) -> tuple[int, int]:
         rank, world = _world()
-        return (self._rank if self._rank is not None else rank,
-                self._world if self._world is not None else world)
+        return (
+            self._rank if self._rank is not None else rank,
+            self._world if self._world is not None else world,
+        )
 
     @property
     def accumulation(self) -> int:
@@ -160,24 +177,29 @@ class ElasticSampler:
     def __iter__(self) -> Iterator[list[int]]:
         rank, world = self._where()
         accumulation = self.policy.accumulation(world)
-        order = self._order()[self.consumed:].tolist()
+        order = self._order()[self.consumed :].tolist()
         self._steps = self.plan(len(order), world, accumulation, self.policy.micro_batch)
         self._done_steps = 0
         slots = world * accumulation
         pos = 0
         for size in self._steps:
-            chunk = order[pos:pos + size]
+            chunk = order[pos : pos + size]
             pos += size
             q, r = divmod(size, slots)
             bounds = [0]
             for s in range(slots):
                 bounds.append(bounds[-1] + q + (s < r))
             for j in range(rank * accumulation, (rank + 1) * accumulation):
-                batch = chunk[bounds[j]:bounds[j + 1]]
+                batch = chunk[bounds[j] : bounds[j + 1]]
                 if not batch:  # fewer samples left than micro-batches: repeat one
                     if not self._warned:
-                        log.warning("only %d sample(s) left in epoch %d for %d micro-batches; "
-                                    "padding with repeats", size, self.epoch, slots)
+                        log.warning(
+                            "only %d sample(s) left in epoch %d for %d micro-batches; "
+                            "padding with repeats",
+                            size,
+                            self.epoch,
+                            slots,
+                        )
                         self._warned = True
                     batch = chunk[:1]
                 yield batch
@@ -197,15 +219,16 @@ class ElasticSampler:
 
     # -- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
-                "n": self.n}
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "n": self.n}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("n") != self.n:
-            raise ValueError(f"sampler state is for a dataset of {state.get('n')} samples, "
-                             f"this one has {self.n}")
+            raise ValueError(
+                f"sampler state is for a dataset of {state.get('n')} samples, this one has {self.n}"
+            )
         if state.get("seed") != self.seed:
-            raise ValueError(f"sampler state has seed {state.get('seed')}, this sampler "
-                             f"{self.seed}")
+            raise ValueError(
+                f"sampler state has seed {state.get('seed')}, this sampler {self.seed}"
+            )
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self._steps, self._done_steps = [], 0

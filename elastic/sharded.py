@@ -26,15 +26,22 @@ _NAME = re.compile(r"^dcp-step-(\d{12})$")
 def is_sharded(objects: dict[str, Any]) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for o in objects.values()
-               if isinstance(o, torch.nn.Module) for p in o.parameters())
+    return any(
+        isinstance(p, DTensor)
+        for o in objects.values()
+        if isinstance(o, torch.nn.Module)
+        for p in o.parameters()
+    )
 
 
 def _split(objects: dict[str, Any]) -> tuple[list, list, dict[str, Any]]:
     models = [(k, o) for k, o in objects.items() if isinstance(o, torch.nn.Module)]
     optims = [(k, o) for k, o in objects.items() if isinstance(o, torch.optim.Optimizer)]
-    others = {k: o for k, o in objects.items()
-              if not isinstance(o, torch.nn.Module | torch.optim.Optimizer)}
+    others = {
+        k: o
+        for k, o in objects.items()
+        if not isinstance(o, torch.nn.Module | torch.optim.Optimizer)
+    }
     return models, optims, others
 
 
@@ -42,8 +49,10 @@ def _state_dict(objects: dict[str, Any], values: dict[str, Any]) -> dict[str, An
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     models, optims, others = _split(objects)
-    out: dict[str, Any] = {"values": dict(values),
-                           "others": {k: o.state_dict() for k, o in others.items()}}
+    out: dict[str, Any] = {
+        "values": dict(values),
+        "others": {k: o.state_dict() for k, o in others.items()},
+    }
     for name, model in models:
         opts = [o for _, o in optims if _owns(o, model)]
         msd, osd = get_state_dict(model, opts)
@@ -66,13 +75,17 @@ def complete_steps(directory: Path) -> list[int]:
     """Steps with a complete DCP checkpoint here, newest first."""
     if not directory.is_dir():
         return []
-    steps = [int(m.group(1)) for p in directory.iterdir()
-             if (m := _NAME.match(p.name)) and (p / ".metadata").exists()]
+    steps = [
+        int(m.group(1))
+        for p in directory.iterdir()
+        if (m := _NAME.match(p.name)) and (p / ".metadata").exists()
+    ]
     return sorted(steps, reverse=True)
 
 
-def save(directory: Path, step: int, objects: dict[str, Any], values: dict[str, Any],
-         keep: int) -> None:
+def save(
+    directory: Path, step: int, objects: dict[str, Any], values: dict[str, Any], keep: int
+) -> None:
     """All ranks together. Raises OSError if the filesystem refuses."""
     import torch.distributed.checkpoint as dcp
 
@@ -89,8 +102,9 @@ def save(directory: Path, step: int, objects: dict[str, Any], values: dict[str, 
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def load(directory: Path, step: int, objects: dict[str, Any],
-         values: dict[str, Any]) -> dict[str, Any]:
+def load(
+    directory: Path, step: int, objects: dict[str, Any], values: dict[str, Any]
+) -> dict[str, Any]:
     """Load the step's checkpoint into ``objects`` (resharding); returns the plain values
     (``values`` names the ones to look for)."""
     import torch.distributed.checkpoint as dcp
@@ -101,8 +115,12 @@ def load(directory: Path, step: int, objects: dict[str, Any],
     models, optims, others = _split(objects)
     for name, model in models:
         opts = [o for _, o in optims if _owns(o, model)]
-        set_state_dict(model, opts, model_state_dict=sd[f"model/{name}"],
-                       optim_state_dict=sd.get(f"optim/{name}", {}))
+        set_state_dict(
+            model,
+            opts,
+            model_state_dict=sd[f"model/{name}"],
+            optim_state_dict=sd.get(f"optim/{name}", {}),
+        )
     for name, obj in others.items():
         with contextlib.suppress(KeyError):
             obj.load_state_dict(sd["others"][name])

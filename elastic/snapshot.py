@@ -90,18 +90,20 @@ def pack(state: Any) -> Packed:
     return Packed(buf.getvalue(), tensors, offsets, pos)
 
 
-def write_into(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
-               tensors: bool = True) -> None:
+def write_into(
+    buf: mmap.mmap | memoryview | bytearray, packed: Packed, tensors: bool = True
+) -> None:
     """Write header, meta and (unless ``tensors`` is False) the tensor bytes into ``buf``."""
     HEADER.pack_into(buf, 0, MAGIC, len(packed.meta), packed.data_len, bytes(32))
     start = HEADER_SIZE
-    buf[start:start + len(packed.meta)] = packed.meta
+    buf[start : start + len(packed.meta)] = packed.meta
     if tensors:
         copy_tensors(buf, packed, range(len(packed.tensors)))
 
 
-def copy_tensors(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
-                 which: range | list[int]) -> None:
+def copy_tensors(
+    buf: mmap.mmap | memoryview | bytearray, packed: Packed, which: range | list[int]
+) -> None:
     """The memory copy itself: tensor bytes into their places in ``buf`` (torch's copy,
     with all intra-op threads: the fastest way when the training thread waits for it)."""
     base = packed.data_start
@@ -110,8 +112,9 @@ def copy_tensors(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
             continue
-        dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
-                               offset=base + packed.offsets[i])
+        dst = torch.frombuffer(
+            buf, dtype=torch.uint8, count=nbytes, offset=base + packed.offsets[i]
+        )
         src = t if t.is_contiguous() else t.contiguous()
         dst.copy_(src.reshape(-1).view(torch.uint8))
         del dst
@@ -120,8 +123,13 @@ def copy_tensors(buf: mmap.mmap | memoryview | bytearray, packed: Packed,
 _PIECE = 32 << 20
 
 
-def copy_tensors_background(buf: mmap.mmap, packed: Packed, which: list[int],
-                            threads: int, setup: Callable[[], None] = lambda: None) -> None:
+def copy_tensors_background(
+    buf: mmap.mmap,
+    packed: Packed,
+    which: list[int],
+    threads: int,
+    setup: Callable[[], None] = lambda: None,
+) -> None:
     """The same copy while the training thread computes. torch's copy would start an
     OpenMP team that fights the training's own for the cores; here CPU tensors go in
     32 MiB pieces of plain memmove (no GIL held) over ``threads`` threads, each calling
@@ -188,8 +196,9 @@ def parse(buf: bytes | memoryview | mmap.mmap, verify: bool = False) -> Any:
             return torch.empty(shape, dtype=_dtype(dtype))
         with warnings.catch_warnings():  # read-only bytes are fine: we copy them out
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes,
-                                   offset=data_start + offset)
+            raw = torch.frombuffer(
+                view, dtype=torch.uint8, count=nbytes, offset=data_start + offset
+            )
         return raw.clone().view(_dtype(dtype)).reshape(shape)
 
     return _remap(skeleton, _is_marker, build)
@@ -221,7 +230,7 @@ def digest(buf: bytes | memoryview | mmap.mmap) -> bytes:
     data_start = meta_end + (-meta_end % ALIGN)
     h = hashlib.sha256()
     h.update(view[HEADER_SIZE:meta_end])
-    h.update(view[data_start:data_start + data_len])
+    h.update(view[data_start : data_start + data_len])
     return h.digest()
 
 

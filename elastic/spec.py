@@ -21,8 +21,9 @@ from elastic.devices import DeviceError, choose_devices, count_devices
 log = logging.getLogger(__name__)
 
 BACKENDS = ("etcd-v3", "etcd")
-_RUN_PATH = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-             "runpy.run_path(sys.argv[0], run_name='__main__')")
+_RUN_PATH = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -149,8 +150,11 @@ def _metrics_port(value: object) -> int | None:
 def _state_env(ns: argparse.Namespace) -> dict[str, str]:
     """elastic.State's settings, handed to workers through their environment."""
     try:
-        every, ckpt_every, keep = (int(ns.snapshot_every), int(ns.checkpoint_every),
-                                   int(ns.checkpoint_keep))
+        every, ckpt_every, keep = (
+            int(ns.snapshot_every),
+            int(ns.checkpoint_every),
+            int(ns.checkpoint_keep),
+        )
     except ValueError as e:
         raise UsageError(f"bad number: {e}") from None
     if every < 0:
@@ -159,9 +163,11 @@ def _state_env(ns: argparse.Namespace) -> dict[str, str]:
         raise UsageError(f"--checkpoint-every {ckpt_every}: must be at least 1")
     if keep < 1:
         raise UsageError(f"--checkpoint-keep {keep}: must be at least 1")
-    env = {"ELASTIC_RUN_SNAPSHOT_EVERY": str(every),
-           "ELASTIC_RUN_CHECKPOINT_EVERY": str(ckpt_every),
-           "ELASTIC_RUN_CHECKPOINT_KEEP": str(keep)}
+    env = {
+        "ELASTIC_RUN_SNAPSHOT_EVERY": str(every),
+        "ELASTIC_RUN_CHECKPOINT_EVERY": str(ckpt_every),
+        "ELASTIC_RUN_CHECKPOINT_KEEP": str(keep),
+    }
     if ns.checkpoint_dir:
         path = Path(ns.checkpoint_dir)
         try:
@@ -187,15 +193,22 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
             devices = choose_devices(str(ns.devices))
         except DeviceError as e:
             raise UsageError(f"--devices {ns.devices}: {e}") from None
-    spec = ns.nproc_per_node if ns.nproc_per_node is not None else \
-        str(len(devices)) if devices else "1"
+    spec = (
+        ns.nproc_per_node
+        if ns.nproc_per_node is not None
+        else str(len(devices))
+        if devices
+        else "1"
+    )
     try:
         nproc = count_devices(str(spec), visible=len(devices) if devices else None)
     except DeviceError as e:
         raise UsageError(f"--nproc-per-node {spec}: {e}") from None
     if devices and len(devices) % nproc:
-        raise UsageError(f"--devices {ns.devices}: {len(devices)} device(s) cannot be shared "
-                         f"evenly by {nproc} workers")
+        raise UsageError(
+            f"--devices {ns.devices}: {len(devices)} device(s) cannot be shared "
+            f"evenly by {nproc} workers"
+        )
     try:
         max_restarts = int(ns.max_restarts)
         monitor_interval = float(ns.monitor_interval)
@@ -209,13 +222,16 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     endpoint, run_id = str(ns.rdzv_endpoint or ""), str(ns.rdzv_id)
     if ns.standalone:
         if endpoint:
-            log.warning("--standalone: ignoring --rdzv-endpoint %s; using an embedded etcd",
-                        endpoint)
+            log.warning(
+                "--standalone: ignoring --rdzv-endpoint %s; using an embedded etcd", endpoint
+            )
         endpoint, run_id = "", os.urandom(6).hex()
         mn = mx = 1
     if ns.node_rank or ns.master_port is not None:
-        log.warning("--node-rank/--master-addr/--master-port are for torchrun's static "
-                    "rendezvous; elastic-run assigns ranks and ports itself and ignores them")
+        log.warning(
+            "--node-rank/--master-addr/--master-port are for torchrun's static "
+            "rendezvous; elastic-run assigns ranks and ports itself and ignores them"
+        )
     for flag, value in (("--numa-binding", ns.numa_binding), ("--logs-specs", ns.logs_specs)):
         if value:
             log.warning("%s is accepted for compatibility and ignored", flag)
@@ -224,8 +240,10 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         try:
             filt = frozenset(int(r) for r in str(ns.local_ranks_filter).split(","))
         except ValueError:
-            raise UsageError(f"--local-ranks-filter {ns.local_ranks_filter!r}: expected "
-                             "comma-separated local ranks like 0,1") from None
+            raise UsageError(
+                f"--local-ranks-filter {ns.local_ranks_filter!r}: expected "
+                "comma-separated local ranks like 0,1"
+            ) from None
     from rendezvous.config import ConfigError, build_options, parse_conf
 
     try:
@@ -240,24 +258,39 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env.update(_state_env(ns))
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
-        log.warning("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
-                    "machine; tune it for your workload")
+        log.warning(
+            "setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
+            "machine; tune it for your workload"
+        )
         env["OMP_NUM_THREADS"] = "1"
     return RunConfig(
-        min_nodes=mn, max_nodes=mx, nproc_per_node=nproc, rdzv_endpoint=endpoint,
-        rdzv_id=run_id, rdzv_conf=conf, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, role=str(ns.role), command=_worker_command(ns),
-        script=str(ns.training_script), script_args=tuple(ns.training_script_args),
+        min_nodes=mn,
+        max_nodes=mx,
+        nproc_per_node=nproc,
+        rdzv_endpoint=endpoint,
+        rdzv_id=run_id,
+        rdzv_conf=conf,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        role=str(ns.role),
+        command=_worker_command(ns),
+        script=str(ns.training_script),
+        script_args=tuple(ns.training_script_args),
         module=bool(ns.module),
         forkserver=ns.start_method in ("fork", "forkserver") and not ns.no_python,
         log_dir=ns.log_dir,
         redirects=parse_std("--redirects", ns.redirects, nproc),
-        tee=parse_std("--tee", ns.tee, nproc), local_ranks_filter=filt,
-        local_addr=ns.local_addr, signals=parse_signals(ns.signals_to_handle),
-        shutdown_timeout=shutdown_timeout, virtual_local_rank=bool(ns.virtual_local_rank),
-        worker_hang_timeout=_positive("--worker-hang-timeout", float(ns.worker_hang_timeout),
-                                      allow_zero=True),
-        metrics_addr=str(ns.metrics_addr), metrics_port=_metrics_port(ns.metrics_port),
+        tee=parse_std("--tee", ns.tee, nproc),
+        local_ranks_filter=filt,
+        local_addr=ns.local_addr,
+        signals=parse_signals(ns.signals_to_handle),
+        shutdown_timeout=shutdown_timeout,
+        virtual_local_rank=bool(ns.virtual_local_rank),
+        worker_hang_timeout=_positive(
+            "--worker-hang-timeout", float(ns.worker_hang_timeout), allow_zero=True
+        ),
+        metrics_addr=str(ns.metrics_addr),
+        metrics_port=_metrics_port(ns.metrics_port),
         node_id=ns.node_id or f"{socket.gethostname()}-{os.getpid()}",
         stdout_filters=tuple(filter(None, str(ns.duplicate_stdout_filters).split(","))),
         stderr_filters=tuple(filter(None, str(ns.duplicate_stderr_filters).split(","))),

@@ -64,16 +64,19 @@ class SnapshotPolicy:
     @classmethod
     def from_env(cls) -> SnapshotPolicy:
         env = os.environ
-        return cls(every=int(env.get("ELASTIC_RUN_SNAPSHOT_EVERY", 1)),
-                   seconds=float(env.get("ELASTIC_RUN_SNAPSHOT_SECONDS", 0)),
-                   checkpoint_every=int(env.get("ELASTIC_RUN_CHECKPOINT_EVERY", 100)),
-                   keep=int(env.get("ELASTIC_RUN_CHECKPOINT_KEEP", 3)),
-                   checkpoint_dir=env.get(checkpoint.ENV) or None)
+        return cls(
+            every=int(env.get("ELASTIC_RUN_SNAPSHOT_EVERY", 1)),
+            seconds=float(env.get("ELASTIC_RUN_SNAPSHOT_SECONDS", 0)),
+            checkpoint_every=int(env.get("ELASTIC_RUN_CHECKPOINT_EVERY", 100)),
+            keep=int(env.get("ELASTIC_RUN_CHECKPOINT_KEEP", 3)),
+            checkpoint_dir=env.get(checkpoint.ENV) or None,
+        )
 
 
 def _has_state(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and \
-        callable(getattr(obj, "load_state_dict", None))
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -118,21 +121,23 @@ def _check_fits(name: str, obj: Any, saved: Any) -> None:
     mine = obj.state_dict()
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
-    shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(v.shape)}"
-              for k, v in mine.items()
-              if k in saved and isinstance(v, torch.Tensor)
-              and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    shapes = [
+        f"{k}: saved {tuple(saved[k].shape)}, model {tuple(v.shape)}"
+        for k, v in mine.items()
+        if k in saved
+        and isinstance(v, torch.Tensor)
+        and isinstance(saved[k], torch.Tensor)
+        and saved[k].shape != v.shape
+    ]
     problems = []
     if missing:
         problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
-        problems.append(f"unexpected keys {unexpected[:8]}"
-                        f"{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     if shapes:
         problems.append("shape mismatch " + "; ".join(shapes[:8]))
     if problems:
-        raise CheckpointMismatchError(f"saved state does not fit {name!r}: "
-                                      + ", ".join(problems))
+        raise CheckpointMismatchError(f"saved state does not fit {name!r}: " + ", ".join(problems))
 
 
 class State:
@@ -160,11 +165,22 @@ class State:
         set_(self, "_copy", None)  # the background copy of the snapshot in flight
         set_(self, "_hooks", [])
         set_(self, "_writer", None)
-        set_(self, "stats", {"snapshots": 0, "snapshot_seconds": 0.0, "snapshot_bytes": 0,
-                             "checkpoints": 0, "checkpoint_failures": 0,
-                             "checkpoint_seconds": 0.0, "restore_seconds": 0.0,
-                             "restore_bytes": 0, "restored_step": -1,
-                             "blocked_seconds": 0.0})
+        set_(
+            self,
+            "stats",
+            {
+                "snapshots": 0,
+                "snapshot_seconds": 0.0,
+                "snapshot_bytes": 0,
+                "checkpoints": 0,
+                "checkpoint_failures": 0,
+                "checkpoint_seconds": 0.0,
+                "restore_seconds": 0.0,
+                "restore_bytes": 0,
+                "restored_step": -1,
+                "blocked_seconds": 0.0,
+            },
+        )
         if self._ctl is not None:
             self._ctl.mark(control.USES_STATE)
         dirname = os.environ.get(SNAPSHOT_DIR_ENV)
@@ -177,13 +193,16 @@ class State:
             self._hooks.append(opt.register_step_pre_hook(lambda *_: self._wait_copy()))
         object.__setattr__(self, "_sharded", sharded.is_sharded(self._objects))
         if self._sharded and not self.policy.checkpoint_dir:
-            raise ValueError("sharded state (FSDP2/DTensor) is saved with "
-                             "torch.distributed.checkpoint: give --checkpoint-dir on a "
-                             "filesystem every node can read")
+            raise ValueError(
+                "sharded state (FSDP2/DTensor) is saved with "
+                "torch.distributed.checkpoint: give --checkpoint-dir on a "
+                "filesystem every node can read"
+            )
         if self.policy.checkpoint_dir and not self._sharded:
             target = checkpoint.CheckpointDir(self.policy.checkpoint_dir, self.policy.keep)
-            object.__setattr__(self, "_writer",
-                               checkpoint.BackgroundWriter(target, self._checkpoint_done))
+            object.__setattr__(
+                self, "_writer", checkpoint.BackgroundWriter(target, self._checkpoint_done)
+            )
 
     # -- plain values as attributes ---------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -258,8 +277,9 @@ class State:
         after = sum(s.consumed for s in samplers)
         progress.report(step, loss, (after - before) // max(self._world(), 1))
         p = self.policy
-        due = (p.every > 0 and step % p.every == 0) or \
-            (p.seconds > 0 and time.monotonic() - self._last_snapshot >= p.seconds)
+        due = (p.every > 0 and step % p.every == 0) or (
+            p.seconds > 0 and time.monotonic() - self._last_snapshot >= p.seconds
+        )
         stop = self._stopping()
         stop, due = (bool(x) for x in self._all_reduce([int(stop), int(due)], "MAX"))
         if due or stop:
@@ -273,8 +293,12 @@ class State:
 
     # -- snapshots ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"version": 1, "step": self._values["step"], "values": dict(self._values),
-                "objects": {k: o.state_dict() for k, o in self._objects.items()}}
+        return {
+            "version": 1,
+            "step": self._values["step"],
+            "values": dict(self._values),
+            "objects": {k: o.state_dict() for k, o in self._objects.items()},
+        }
 
     def _stable_tensors(self) -> set[int]:
         """Storage of tensors that change only inside optimizer.step()."""
@@ -317,8 +341,9 @@ class State:
 
         def finish() -> None:
             _idle_priority()
-            snapshot.copy_tensors_background(buf, packed, later, torch.get_num_threads(),
-                                             setup=_idle_priority)
+            snapshot.copy_tensors_background(
+                buf, packed, later, torch.get_num_threads(), setup=_idle_priority
+            )
             self._store.commit(slot, step, packed.size)
             self.stats["snapshots"] += 1
             self.stats["snapshot_bytes"] = packed.size
@@ -341,8 +366,13 @@ class State:
         started = time.perf_counter()
         step = self._values["step"]
         try:
-            sharded.save(Path(self.policy.checkpoint_dir), step, self._objects, self._values,
-                         self.policy.keep)
+            sharded.save(
+                Path(self.policy.checkpoint_dir),
+                step,
+                self._objects,
+                self._values,
+                self.policy.keep,
+            )
         except Exception as e:  # DCP raises its own exception types, on every rank
             self.stats["checkpoint_failures"] += 1
             progress.checkpoint(False, 0.0, 0)
@@ -350,8 +380,9 @@ class State:
             return
         self.stats["checkpoints"] += 1
         self.stats["snapshots"] += 1
-        self.stats["snapshot_seconds"] = self.stats["checkpoint_seconds"] = \
+        self.stats["snapshot_seconds"] = self.stats["checkpoint_seconds"] = (
             time.perf_counter() - started
+        )
         if self._ctl is not None:
             self._ctl.snapshot_taken(step)
 
@@ -365,8 +396,9 @@ class State:
         try:
             values = sharded.load(directory, best, self._objects, self._values)
         except Exception as e:  # DCP's own errors: missing keys, wrong shapes
-            raise CheckpointMismatchError(f"sharded checkpoint of step {best} does not fit: "
-                                          f"{e}") from None
+            raise CheckpointMismatchError(
+                f"sharded checkpoint of step {best} does not fit: {e}"
+            ) from None
         self._values.update(values)
         self._values["step"] = best
         self._restore_rng(best)
@@ -418,12 +450,19 @@ class State:
         if result.ok:
             self.stats["checkpoints"] += 1
             self.stats["checkpoint_seconds"] = result.seconds
-            log.info("checkpoint of step %d written (%.2fs, %d bytes)", result.step,
-                     result.seconds, result.nbytes)
+            log.info(
+                "checkpoint of step %d written (%.2fs, %d bytes)",
+                result.step,
+                result.seconds,
+                result.nbytes,
+            )
         else:
             self.stats["checkpoint_failures"] += 1
-            log.error("checkpoint of step %d failed, training goes on from memory "
-                      "snapshots: %s", result.step, result.error)
+            log.error(
+                "checkpoint of step %d failed, training goes on from memory snapshots: %s",
+                result.step,
+                result.error,
+            )
 
     def _leave_for_resize(self) -> None:
         if self._writer is not None:
@@ -484,7 +523,8 @@ class State:
             saved = snapshot.parse(blob)
         except snapshot.SnapshotError as e:
             raise CheckpointMismatchError(
-                f"the saved state of step {best} is unreadable: {e}") from None
+                f"the saved state of step {best} is unreadable: {e}"
+            ) from None
         self._load(saved)
         self._apply_policy()
         self.stats["restore_seconds"] = time.perf_counter() - started
@@ -493,9 +533,13 @@ class State:
         progress.restored(self.stats["restore_seconds"], len(blob))
         if self._ctl is not None:
             self._ctl.beat(self._values["step"])
-        log.info("restored step %d (from rank %d%s) in %.2fs", best, holder,
-                 ", sent over the process group" if not everyone else "",
-                 self.stats["restore_seconds"])
+        log.info(
+            "restored step %d (from rank %d%s) in %.2fs",
+            best,
+            holder,
+            ", sent over the process group" if not everyone else "",
+            self.stats["restore_seconds"],
+        )
         return True
 
     def _broadcast(self, blob: memoryview | None, holder: int) -> memoryview:
@@ -503,8 +547,11 @@ class State:
         group = self._control_group()
         size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
         d.broadcast(size, src=holder, group=group)
-        data = torch.frombuffer(blob, dtype=torch.uint8) if blob is not None else \
-            torch.empty(int(size.item()), dtype=torch.uint8)
+        data = (
+            torch.frombuffer(blob, dtype=torch.uint8)
+            if blob is not None
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        )
         d.broadcast(data, src=holder, group=group)
         return memoryview(data.numpy())
 
@@ -512,8 +559,9 @@ class State:
         objects = saved.get("objects", {})
         missing = sorted(set(self._objects) - set(objects))
         if missing:
-            raise CheckpointMismatchError(f"saved state has no {missing} (it has "
-                                          f"{sorted(objects)})")
+            raise CheckpointMismatchError(
+                f"saved state has no {missing} (it has {sorted(objects)})"
+            )
         for name, obj in self._objects.items():
             _check_fits(name, obj, objects[name])
             try:
@@ -543,8 +591,9 @@ class State:
             np.random.seed(seed)
 
     def _apply_policy(self) -> None:
-        schedulers = [o for o in self._objects.values()
-                      if hasattr(o, "base_lrs") and hasattr(o, "optimizer")]
+        schedulers = [
+            o for o in self._objects.values() if hasattr(o, "base_lrs") and hasattr(o, "optimizer")
+        ]
         for s in self._samplers():
             for opt in self._optimizers():
                 sched = next((x for x in schedulers if x.optimizer is opt), None)

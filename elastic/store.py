@@ -32,7 +32,13 @@ def host(addr: str, port: int, timeout: float = 900.0) -> object:
     from torch.distributed import TCPStore
 
     try:
-        return TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
-                        multi_tenant=True, timeout=datetime.timedelta(seconds=timeout))
+        return TCPStore(
+            host_name=addr,
+            port=port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
     except (RuntimeError, OSError) as e:
         raise StoreError(f"cannot host the round's store on port {port}: {e}") from None

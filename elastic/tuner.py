@@ -46,12 +46,14 @@ def candidates(cores: int) -> list[int]:
     return out
 
 
-def measure(dataset: Any, batch_size: int, batches: int, num_workers: int,
-            **loader_kw: Any) -> Trial:
+def measure(
+    dataset: Any, batch_size: int, batches: int, num_workers: int, **loader_kw: Any
+) -> Trial:
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                        num_workers=num_workers, **loader_kw)
+    loader = DataLoader(
+        dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers, **loader_kw
+    )
     started = time.perf_counter()
     it = iter(loader)
     next(it)
@@ -69,9 +71,14 @@ def measure(dataset: Any, batch_size: int, batches: int, num_workers: int,
     return Trial(num_workers, first - started, done / max(end - first, 1e-9))
 
 
-def tune(dataset: Any, batch_size: int = 32, batches: int = 50,
-         workers: Sequence[int] | None = None,
-         report: Callable[[Trial], None] = lambda t: None, **loader_kw: Any) -> list[Trial]:
+def tune(
+    dataset: Any,
+    batch_size: int = 32,
+    batches: int = 50,
+    workers: Sequence[int] | None = None,
+    report: Callable[[Trial], None] = lambda t: None,
+    **loader_kw: Any,
+) -> list[Trial]:
     """Time each worker count on ``dataset``; ``report`` sees each result as it comes."""
     trials = []
     for n in workers if workers is not None else candidates(cpu_count()):
@@ -83,8 +90,7 @@ def tune(dataset: Any, batch_size: int = 32, batches: int = 50,
 
 def recommend(trials: list[Trial], tolerance: float = 0.05) -> Trial:
     best = max(t.rate for t in trials)
-    return min((t for t in trials if t.rate >= best * (1 - tolerance)),
-               key=lambda t: t.num_workers)
+    return min((t for t in trials if t.rate >= best * (1 - tolerance)), key=lambda t: t.num_workers)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -112,13 +118,18 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def main(argv: Sequence[str]) -> int:
-    p = Parser(prog="elastic-run tune-workers",
-               description="Time DataLoader num_workers on your dataset; recommend one.")
+    p = Parser(
+        prog="elastic-run tune-workers",
+        description="Time DataLoader num_workers on your dataset; recommend one.",
+    )
     p.add_argument("dataset", help="FILE.py:FUNCTION or MODULE:FUNCTION returning a Dataset")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--batches", type=int, default=50, help="batches timed per setting")
-    p.add_argument("--workers", default=None, help="worker counts to try, like 0,2,4 "
-                   "(default: 0, 1, 2, 4, ... up to the cores)")
+    p.add_argument(
+        "--workers",
+        default=None,
+        help="worker counts to try, like 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)",
+    )
     p.add_argument("--pin-memory", action="store_true")
     try:
         a = p.parse_args(list(argv))
@@ -131,17 +142,23 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:  # UsageError, or int() of a bad --workers value
         print(f"elastic-run tune-workers: error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(dataset)} samples, batch size {a.batch_size}, {a.batches} batches per "
-          f"setting, {cpu_count()} core(s) available")
+    print(
+        f"{len(dataset)} samples, batch size {a.batch_size}, {a.batches} batches per "
+        f"setting, {cpu_count()} core(s) available"
+    )
     print(f"{'num_workers':>11}  {'startup':>9}  {'batches/s':>10}  {'samples/s':>10}")
 
     def show(t: Trial) -> None:
-        print(f"{t.num_workers:>11}  {t.startup:>8.2f}s  {t.rate:>10.1f}  "
-              f"{t.samples_per_second(a.batch_size):>10.0f}", flush=True)
+        print(
+            f"{t.num_workers:>11}  {t.startup:>8.2f}s  {t.rate:>10.1f}  "
+            f"{t.samples_per_second(a.batch_size):>10.0f}",
+            flush=True,
+        )
 
-    trials = tune(dataset, a.batch_size, a.batches, workers, report=show,
-                  pin_memory=a.pin_memory)
+    trials = tune(dataset, a.batch_size, a.batches, workers, report=show, pin_memory=a.pin_memory)
     best = recommend(trials)
-    print(f"recommended: num_workers={best.num_workers} "
-          f"({best.samples_per_second(a.batch_size):.0f} samples/s)")
+    print(
+        f"recommended: num_workers={best.num_workers} "
+        f"({best.samples_per_second(a.batch_size):.0f} samples/s)"
+    )
     return 0

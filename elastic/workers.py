@@ -50,10 +50,19 @@ class Worker:
 
 
 class WorkerGroup:
-    def __init__(self, command: tuple[str, ...], router: LogRouter, node_dir: Path, *,
-                 role: str, run_id: str, max_restarts: int, virtual_local_rank: bool = False,
-                 extra_env: dict[str, str] | None = None,
-                 forkserver: tuple[ForkServer, str, tuple[str, ...], bool] | None = None) -> None:
+    def __init__(
+        self,
+        command: tuple[str, ...],
+        router: LogRouter,
+        node_dir: Path,
+        *,
+        role: str,
+        run_id: str,
+        max_restarts: int,
+        virtual_local_rank: bool = False,
+        extra_env: dict[str, str] | None = None,
+        forkserver: tuple[ForkServer, str, tuple[str, ...], bool] | None = None,
+    ) -> None:
         """``forkserver``: (server, script or module, its arguments, is a module) to fork
         workers from instead of starting ``command``."""
         self.command = command
@@ -77,12 +86,20 @@ class WorkerGroup:
                 streams, plan = self.router.streams(p.local_rank)
                 block_path = self.node_dir / f"control-{p.local_rank}"
                 block = ControlBlock(block_path, create=True)
-                env = worker_env(p, role=self.role, run_id=self.run_id,
-                                 max_restarts=self.max_restarts, error_file=streams.error_file,
-                                 virtual_local_rank=self.virtual_local_rank,
-                                 extra={**self.extra_env, **(extra_env or {}),
-                                        control.ENV: str(block_path),
-                                        control.SNAPSHOT_DIR_ENV: str(self.node_dir)})
+                env = worker_env(
+                    p,
+                    role=self.role,
+                    run_id=self.run_id,
+                    max_restarts=self.max_restarts,
+                    error_file=streams.error_file,
+                    virtual_local_rank=self.virtual_local_rank,
+                    extra={
+                        **self.extra_env,
+                        **(extra_env or {}),
+                        control.ENV: str(block_path),
+                        control.SNAPSHOT_DIR_ENV: str(self.node_dir),
+                    },
+                )
                 proc = self._launch(env, streams)
                 streams.attach(proc, self.router.prefix(p.rank, p.local_rank), plan)
                 self.workers.append(Worker(p, proc, streams, block))
@@ -93,8 +110,13 @@ class WorkerGroup:
     def _launch(self, env: dict[str, str], streams: WorkerStreams) -> subprocess.Popen:
         if self.forkserver is None:
             return subprocess.Popen(
-                self.command, env=env, stdin=subprocess.DEVNULL, stdout=streams.stdout,
-                stderr=streams.stderr, start_new_session=True, preexec_fn=die_with_parent(),
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=streams.stdout,
+                stderr=streams.stderr,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
             )
         server, target, args, module = self.forkserver
         ours: list[BinaryIO] = []  # our ends of the pipes, for the log pumps
@@ -150,8 +172,16 @@ class WorkerGroup:
             elif rc == EXIT_RESIZE:
                 resized += 1
             else:
-                failures.append(collect(w.placement.rank, w.local_rank, w.proc.pid, rc,
-                                        w.streams.error_file, w.exited_at))
+                failures.append(
+                    collect(
+                        w.placement.rank,
+                        w.local_rank,
+                        w.proc.pid,
+                        rc,
+                        w.streams.error_file,
+                        w.exited_at,
+                    )
+                )
         if failures:
             return GroupState.FAILED, failures
         if done + resized == len(self.workers):
@@ -175,16 +205,25 @@ class WorkerGroup:
         for w in self.workers:
             beat = w.control.heartbeat
             if w.proc.poll() is None and w.control.reports and beat and now - beat > timeout:
-                out.append(WorkerFailure(
-                    w.placement.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now,
-                    f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout "
-                    f"{timeout:g}) after step {w.control.step}; {_why_still(w.proc.pid)}"))
+                out.append(
+                    WorkerFailure(
+                        w.placement.rank,
+                        w.local_rank,
+                        w.proc.pid,
+                        -int(SIGKILL),
+                        now,
+                        f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout "
+                        f"{timeout:g}) after step {w.control.step}; {_why_still(w.proc.pid)}",
+                    )
+                )
         return out
 
     def processes(self) -> list[WorkerProc]:
         """The workers as the metrics collectors see them."""
-        return [WorkerProc(w.placement.rank, w.local_rank, w.proc.pid, w.proc.poll() is None)
-                for w in self.workers]
+        return [
+            WorkerProc(w.placement.rank, w.local_rank, w.proc.pid, w.proc.poll() is None)
+            for w in self.workers
+        ]
 
     def signal(self, sig: int) -> None:
         for w in self.workers:

@@ -62,14 +62,21 @@ def main() -> None:
     a = ap.parse_args()
     device = init_distributed()
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Flatten(), nn.Linear(3 * 64 * 64, 1)).to(device),
-                device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(
+        nn.Sequential(nn.Flatten(), nn.Linear(3 * 64 * 64, 1)).to(device),
+        device_ids=[device.index] if device.type == "cuda" else None,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = Augmented(a.samples)
     sampler = elastic.ElasticSampler(data, batch_size=32, seed=0)
-    loader = DataLoader(data, batch_sampler=sampler, num_workers=a.num_workers,
-                        persistent_workers=a.num_workers > 0, generator=torch.Generator(),
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        data,
+        batch_sampler=sampler,
+        num_workers=a.num_workers,
+        persistent_workers=a.num_workers > 0,
+        generator=torch.Generator(),
+        pin_memory=device.type == "cuda",
+    )
     state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
     state.restore()
     for epoch in range(state.epoch, a.epochs):
@@ -83,8 +90,11 @@ def main() -> None:
             opt.step()
             state.commit(loss=loss.item())
         if dist.get_rank() == 0:
-            print(f"epoch {epoch}: {time.perf_counter() - started:.2f}s with "
-                  f"num_workers={a.num_workers}", flush=True)
+            print(
+                f"epoch {epoch}: {time.perf_counter() - started:.2f}s with "
+                f"num_workers={a.num_workers}",
+                flush=True,
+            )
     state.close()
     dist.destroy_process_group()
 

@@ -36,11 +36,15 @@ def main() -> None:
     device = init_distributed()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"rank {dist.get_rank()} (local {os.environ['LOCAL_RANK']}): {device} = {name}; "
-          f"this job sees GPUs {visible}", flush=True)
+    print(
+        f"rank {dist.get_rank()} (local {os.environ['LOCAL_RANK']}): {device} = {name}; "
+        f"this job sees GPUs {visible}",
+        flush=True,
+    )
     torch.manual_seed(0)
-    model = DDP(nn.Linear(32, 1).to(device),
-                device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(
+        nn.Linear(32, 1).to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = synthetic(a.samples)
     sampler = elastic.ElasticSampler(data, batch_size=64, seed=0)

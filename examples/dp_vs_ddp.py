@@ -52,8 +52,7 @@ def main() -> None:
         rank, world = 0, 1
     else:
         device = init_distributed()
-        model = DDP(net().to(device), device_ids=[device.index] if device.type == "cuda"
-                    else None)
+        model = DDP(net().to(device), device_ids=[device.index] if device.type == "cuda" else None)
         rank, world = dist.get_rank(), dist.get_world_size()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = synthetic(a.samples)
@@ -75,8 +74,11 @@ def main() -> None:
             last = loss.item()
             state.commit(loss=last)
         if rank == 0:
-            print(f"{a.mode} epoch {epoch}: loss {last:.4f}, "
-                  f"{time.perf_counter() - started:.2f}s, {world} process(es)", flush=True)
+            print(
+                f"{a.mode} epoch {epoch}: loss {last:.4f}, "
+                f"{time.perf_counter() - started:.2f}s, {world} process(es)",
+                flush=True,
+            )
     state.close()
     if a.mode == "ddp":
         dist.destroy_process_group()

@@ -58,8 +58,10 @@ def main() -> None:
             opt.step()
             last = loss.item()
             state.commit(loss=last)
-        print(f"epoch {epoch}: loss {last:.4f} (stages on {model.first} and "
-              f"{model.second})", flush=True)
+        print(
+            f"epoch {epoch}: loss {last:.4f} (stages on {model.first} and {model.second})",
+            flush=True,
+        )
     state.close()
 
 

@@ -60,8 +60,7 @@ def main() -> None:
             state.commit(loss=last)
             time.sleep(a.step_time)
         if dist.get_rank() == 0:
-            print(f"epoch {epoch}: loss {last:.4f}, world size "
-                  f"{dist.get_world_size()}", flush=True)
+            print(f"epoch {epoch}: loss {last:.4f}, world size {dist.get_world_size()}", flush=True)
     state.close()
     dist.destroy_process_group()
 

@@ -22,14 +22,20 @@ import elastic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda:0 "
-                    "if there is a GPU, else cpu)")
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:1 ... (default: cuda:0 if there is a GPU, else cpu)",
+    )
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--samples", type=int, default=4096)
     a = ap.parse_args()
     device = torch.device(a.device) if a.device else gpu(0)
-    if device.type == "cuda" and device.index is not None and \
-            device.index >= torch.cuda.device_count():
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index >= torch.cuda.device_count()
+    ):
         raise SystemExit(f"{device} does not exist here ({torch.cuda.device_count()} GPUs)")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)

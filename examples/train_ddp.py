@@ -35,8 +35,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--step-time", type=float, default=0.0,
-                    help="sleep after each step, to watch resizes happen")
+    ap.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="sleep after each step, to watch resizes happen",
+    )
     a = ap.parse_args()
     device = init_distributed()
     rank = dist.get_rank()
@@ -65,9 +69,11 @@ def main() -> None:
             total, batches = total + loss.item(), batches + 1
             time.sleep(a.step_time)
         if rank == 0:
-            print(f"epoch {epoch}: loss {total / max(batches, 1):.4f} "
-                  f"({time.time() - started:.2f}s, world size {dist.get_world_size()})",
-                  flush=True)
+            print(
+                f"epoch {epoch}: loss {total / max(batches, 1):.4f} "
+                f"({time.time() - started:.2f}s, world size {dist.get_world_size()})",
+                flush=True,
+            )
     state.close()
     dist.destroy_process_group()
 

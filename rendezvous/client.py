@@ -105,12 +105,16 @@ class EtcdClient:
         for ep in o.endpoints:
             host, _, port = ep.rpartition(":")
             endpoints.append(
-                etcd3.Endpoint(host, int(port), secure=o.secure, creds=creds,
-                                      time_retry=1.0, opts=GRPC_OPTIONS)
+                etcd3.Endpoint(
+                    host, int(port), secure=o.secure, creds=creds, time_retry=1.0, opts=GRPC_OPTIONS
+                )
             )
         client = etcd3.MultiEndpointEtcd3Client(
-            endpoints=endpoints, timeout=o.request_timeout, user=o.user,
-            password=o.password, failover=True,
+            endpoints=endpoints,
+            timeout=o.request_timeout,
+            user=o.user,
+            password=o.password,
+            failover=True,
         )
         if not o.secure:
             # gRPC refuses call credentials on a plaintext channel; the auth token still
@@ -136,8 +140,12 @@ class EtcdClient:
     def close(self) -> None:
         self._reset()
 
-    def call(self, what: str, fn: Callable[[etcd3.MultiEndpointEtcd3Client], T],
-             timeout: float | None = None) -> T:
+    def call(
+        self,
+        what: str,
+        fn: Callable[[etcd3.MultiEndpointEtcd3Client], T],
+        timeout: float | None = None,
+    ) -> T:
         """Run ``fn(client)``, retrying across endpoints until ``timeout`` (connect_timeout)."""
         deadline = time.monotonic() + (self.options.connect_timeout if timeout is None else timeout)
         delay = 0.05
@@ -199,15 +207,27 @@ class EtcdClient:
             f"write {key}", lambda c: c.put(key, value, lease=lease).header.revision, timeout
         )
 
-    def txn(self, compare: list, success: list, failure: list | None = None,
-            timeout: float | None = None) -> bool:
+    def txn(
+        self,
+        compare: list,
+        success: list,
+        failure: list | None = None,
+        timeout: float | None = None,
+    ) -> bool:
         """An etcd transaction; True when every comparison held and ``success`` ran."""
         return self.call(
             "transaction", lambda c: c.transaction(compare, success, failure or [])[0], timeout
         )
 
-    def create_and_read(self, key: str, value: bytes, lease: int, prefix: str,
-                        unless: str, timeout: float | None = None) -> tuple[int, list[KV]]:
+    def create_and_read(
+        self,
+        key: str,
+        value: bytes,
+        lease: int,
+        prefix: str,
+        unless: str,
+        timeout: float | None = None,
+    ) -> tuple[int, list[KV]]:
         """In one transaction: unless ``key`` or ``unless`` exists, write ``key``; either
         way read all of ``prefix``. Returns (revision of the write or 0, what was read)."""
 
@@ -216,23 +236,29 @@ class EtcdClient:
             end = prefix_range_end(prefix.encode())
             ok, resp = c.transaction(
                 [t.create(key) == 0, t.create(unless) == 0],
-                [t.put(key, value, lease=lease), t.get(prefix, end)], [t.get(prefix, end)])
+                [t.put(key, value, lease=lease), t.get(prefix, end)],
+                [t.get(prefix, end)],
+            )
             found = resp[-1] if resp else []
-            kvs = [KV(m.key.decode(), raw, m.create_revision, m.mod_revision, m.lease_id)
-                   for raw, m in found]
+            kvs = [
+                KV(m.key.decode(), raw, m.create_revision, m.mod_revision, m.lease_id)
+                for raw, m in found
+            ]
             return (resp[0].response_put.header.revision if ok else 0), kvs
 
         return self.call(f"join under {prefix}", run, timeout)
 
-    def create(self, key: str, value: bytes, lease: int = 0,
-               timeout: float | None = None) -> tuple[int, KV | None]:
+    def create(
+        self, key: str, value: bytes, lease: int = 0, timeout: float | None = None
+    ) -> tuple[int, KV | None]:
         """Write ``key`` only if absent, in one round trip: (revision, None) when written,
         (0, the existing KV) when the key was there already."""
 
         def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, KV | None]:
             t = c.transactions
-            ok, resp = c.transaction([t.create(key) == 0], [t.put(key, value, lease=lease)],
-                                     [t.get(key)])
+            ok, resp = c.transaction(
+                [t.create(key) == 0], [t.put(key, value, lease=lease)], [t.get(key)]
+            )
             if ok:
                 return resp[0].response_put.header.revision, None
             found = resp[0] if resp and resp[0] else []
@@ -340,8 +366,13 @@ class WatchStream:
                     raise EtcdUnavailableError(f"etcd cancelled the watch: {resp.cancel_reason}")
                 if resp.events:
                     yield [
-                        Event(ev.kv.key.decode(), None if ev.type == _DELETE else ev.kv.value,
-                              ev.kv.create_revision, ev.kv.mod_revision, ev.kv.lease)
+                        Event(
+                            ev.kv.key.decode(),
+                            None if ev.type == _DELETE else ev.kv.value,
+                            ev.kv.create_revision,
+                            ev.kv.mod_revision,
+                            ev.kv.lease,
+                        )
                         for ev in resp.events
                     ]
         except grpc.RpcError as e:

@@ -109,22 +109,40 @@ def _ignored(key: str, text: str) -> str:
 # key -> (canonical name, parser, help). Canonical names are what the README documents.
 _Parser = Callable[[str, str], object]
 KEYS: dict[str, tuple[str, _Parser, str]] = {
-    "join_timeout": ("join_timeout", _seconds,
-                     "seconds to wait for MIN nodes before giving up (600)"),
+    "join_timeout": (
+        "join_timeout",
+        _seconds,
+        "seconds to wait for MIN nodes before giving up (600)",
+    ),
     "timeout": ("join_timeout", _seconds, "alias of join_timeout (torch's etcd backend)"),
-    "last_call_timeout": ("last_call_timeout", _seconds,
-                          "once MIN nodes are in, seconds to wait after the latest arrival "
-                          "for more before forming a round below MAX (2)"),
-    "lease_ttl": ("lease_ttl", _ttl,
-                  "whole seconds a silent agent keeps its place: its etcd lease TTL (5)"),
+    "last_call_timeout": (
+        "last_call_timeout",
+        _seconds,
+        "once MIN nodes are in, seconds to wait after the latest arrival "
+        "for more before forming a round below MAX (2)",
+    ),
+    "lease_ttl": (
+        "lease_ttl",
+        _ttl,
+        "whole seconds a silent agent keeps its place: its etcd lease TTL (5)",
+    ),
     "heartbeat_timeout": ("lease_ttl", _ttl, "alias of lease_ttl (torch's c10d backend)"),
-    "keep_alive_interval": ("keep_alive_interval", _seconds,
-                            "seconds between lease keep-alives (lease_ttl / 3)"),
+    "keep_alive_interval": (
+        "keep_alive_interval",
+        _seconds,
+        "seconds between lease keep-alives (lease_ttl / 3)",
+    ),
     "read_timeout": ("request_timeout", _seconds, "seconds per etcd request (5)"),
-    "connect_timeout": ("connect_timeout", _seconds,
-                        "seconds to keep trying an unreachable etcd before failing (10)"),
-    "close_timeout": ("close_timeout", _seconds,
-                      "after this node's workers succeed, seconds to wait for the others (30)"),
+    "connect_timeout": (
+        "connect_timeout",
+        _seconds,
+        "seconds to keep trying an unreachable etcd before failing (10)",
+    ),
+    "close_timeout": (
+        "close_timeout",
+        _seconds,
+        "after this node's workers succeed, seconds to wait for the others (30)",
+    ),
     "prefix": ("prefix", _prefix, "etcd key prefix of all jobs (/elastic-run)"),
     "etcd_prefix": ("prefix", _prefix, "alias of prefix (torch's etcd backend)"),
     "protocol": ("protocol", _protocol, "http or https; https:// in the endpoint does the same"),
@@ -133,8 +151,11 @@ KEYS: dict[str, tuple[str, _Parser, str]] = {
     "cert": ("cert", _path, "client certificate for mutual TLS"),
     "key": ("key", _path, "client private key for mutual TLS"),
     "user": ("user", _text, "etcd user name (auth)"),
-    "password": ("password", _text,
-                 f"etcd password; prefer password_file or ${PASSWORD_ENV}, which ps cannot show"),
+    "password": (
+        "password",
+        _text,
+        f"etcd password; prefer password_file or ${PASSWORD_ENV}, which ps cannot show",
+    ),
     "password_file": ("password_file", _path, "file whose first line is the etcd password"),
     # torchrun keys that mean nothing here; accepted so existing command lines keep working
     "is_host": ("is_host", _ignored, "accepted, ignored (the round writer is chosen in etcd)"),
@@ -154,7 +175,9 @@ def parse_conf(text: str) -> dict[str, str]:
     return conf
 
 
-_ENDPOINT = re.compile(r"^(?:(?P<scheme>https?)://)?(?P<host>\[[^\]]+\]|[^:/\[\]]+)(?::(?P<port>\d+))?/?$")
+_ENDPOINT = re.compile(
+    r"^(?:(?P<scheme>https?)://)?(?P<host>\[[^\]]+\]|[^:/\[\]]+)(?::(?P<port>\d+))?/?$"
+)
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, ...], str | None]:
@@ -235,6 +258,5 @@ def build_options(
             f"--rdzv-conf keep_alive_interval={values['keep_alive_interval']}: "
             f"must be shorter than lease_ttl={ttl}"
         )
-    rdzv = RendezvousOptions(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
-                             **values)  # type: ignore[arg-type]
+    rdzv = RendezvousOptions(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **values)  # type: ignore[arg-type]
     return etcd, rdzv

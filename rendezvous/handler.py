@@ -74,13 +74,26 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
             raise _to_torch(e) from None
         group_rank = r.rank_of(self._rdzv.me.id)
         self._store = None  # the previous round's store server goes away with it
-        tcp = TCPStore(r.master_addr, r.store_port, is_master=group_rank == 0,
-                       timeout=self._store_timeout, wait_for_workers=False)
+        tcp = TCPStore(
+            r.master_addr,
+            r.store_port,
+            is_master=group_rank == 0,
+            timeout=self._store_timeout,
+            wait_for_workers=False,
+        )
         self._store = PrefixStore(f"round{r.number}", tcp)
-        log.info("round %d: group rank %d of %d, master %s:%d", r.number, group_rank,
-                 len(r.members), r.master_addr, r.master_port)
+        log.info(
+            "round %d: group rank %d of %d, master %s:%d",
+            r.number,
+            group_rank,
+            len(r.members),
+            r.master_addr,
+            r.master_port,
+        )
         return torch_api.RendezvousInfo(
-            self._store, group_rank, len(r.members),
+            self._store,
+            group_rank,
+            len(r.members),
             torch_api.RendezvousStoreInfo(r.master_addr, r.master_port),
         )
 
@@ -118,14 +131,20 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
 def create_handler(params: torch_api.RendezvousParameters) -> EtcdV3RendezvousHandler:
     conf = {k: v for k, v in params.config.items() if v is not None}
     try:
-        etcd_opts, rdzv_opts = build_options(params.endpoint, params.run_id, params.min_nodes,
-                                             params.max_nodes, conf)
+        etcd_opts, rdzv_opts = build_options(
+            params.endpoint, params.run_id, params.min_nodes, params.max_nodes, conf
+        )
     except ConfigError as e:
         raise ValueError(str(e)) from None
     addr = params.local_addr or default_local_addr()
     # torch's agent assigns global ranks through the round's store, so nproc is nominal here
-    me = NodeSpec(id=f"{socket.gethostname()}-{os.getpid()}", addr=addr, nproc=1,
-                  pid=os.getpid(), version=_version())
+    me = NodeSpec(
+        id=f"{socket.gethostname()}-{os.getpid()}",
+        addr=addr,
+        nproc=1,
+        pid=os.getpid(),
+        version=_version(),
+    )
     return EtcdV3RendezvousHandler(Rendezvous(EtcdClient(etcd_opts), rdzv_opts, me))
 
 

@@ -21,8 +21,13 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    def __init__(self, client: EtcdClient, ttl: int, interval: float,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        ttl: int,
+        interval: float,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self._client = client
         self.ttl = ttl
         self._interval = interval
@@ -56,8 +61,9 @@ class LeaseKeeper:
                     ttl = self._client.refresh(lease_id, timeout=self._interval)
                 except EtcdUnavailableError as e:
                     if was_reachable and not self.reachable:
-                        log.warning("etcd unreachable for %ss; workers keep running: %s",
-                                    self.ttl, e)
+                        log.warning(
+                            "etcd unreachable for %ss; workers keep running: %s", self.ttl, e
+                        )
                         self._on_change()
                 except RendezvousError as e:
                     log.warning("lease keep-alive failed: %s", e)
@@ -82,8 +88,9 @@ class LeaseKeeper:
             try:
                 self._client.revoke(lease_id, timeout=2.0)
             except RendezvousError as e:
-                log.warning("could not revoke lease %x (it expires in %ss): %s",
-                            lease_id, self.ttl, e)
+                log.warning(
+                    "could not revoke lease %x (it expires in %ss): %s", lease_id, self.ttl, e
+                )
 
     def stop(self) -> None:
         self._stopped.set()

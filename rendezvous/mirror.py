@@ -128,10 +128,19 @@ class _Decoded:
         return None
 
     def view(self, revision: int, departed: dict[str, LiveNode], last_join: float) -> JobView:
-        return JobView(revision, dict(self.nodes), dict(departed), self.round, self.round_rev,
-                       self.round_err, self.closed, self.closed_err,
-                       {n: dict(f) for n, f in self.failures.items() if f},
-                       tuple(self.problems.values()), last_join)
+        return JobView(
+            revision,
+            dict(self.nodes),
+            dict(departed),
+            self.round,
+            self.round_rev,
+            self.round_err,
+            self.closed,
+            self.closed_err,
+            {n: dict(f) for n, f in self.failures.items() if f},
+            tuple(self.problems.values()),
+            last_join,
+        )
 
 
 class JobMirror:
@@ -161,8 +170,9 @@ class JobMirror:
         self.connected = False
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self, timeout: float | None = None,
-              initial: tuple[int, list[KV]] | None = None) -> None:
+    def start(
+        self, timeout: float | None = None, initial: tuple[int, list[KV]] | None = None
+    ) -> None:
         """Read the job once (or take ``initial``: a revision and everything under the
         prefix at it), then follow it by watch. Raises if etcd is unreachable."""
         if initial is None:
@@ -210,8 +220,7 @@ class JobMirror:
         """The current view, built on demand: bursts of events cost one build, not many."""
         with self._cond:
             if self._dirty:
-                self._view = self._decoded.view(self._revision, self._departed,
-                                                self._last_join)
+                self._view = self._decoded.view(self._revision, self._departed, self._last_join)
                 self._dirty = False
                 for problem in self._view.problems:
                     if problem not in self._warned:
@@ -257,9 +266,11 @@ class JobMirror:
     def _specs(self) -> list[WatchSpec]:
         if self._full:
             return [WatchSpec(self._prefix, prefix=True)]
-        return [WatchSpec(self._prefix, prefix=True, no_put=True),
-                WatchSpec(self._prefix + records.ROUND),
-                WatchSpec(self._prefix + records.CLOSED)]
+        return [
+            WatchSpec(self._prefix, prefix=True, no_put=True),
+            WatchSpec(self._prefix + records.ROUND),
+            WatchSpec(self._prefix + records.CLOSED),
+        ]
 
     def _load(self, timeout: float | None = None) -> None:
         """Read everything (at start, going full, and to catch up after a broken watch)."""
@@ -276,14 +287,15 @@ class JobMirror:
             self._publish()
         self.connected = True
 
-    def _apply_one(self, key: str, value: bytes | None, create_rev: int, mod_rev: int,
-                   lease: int) -> None:
+    def _apply_one(
+        self, key: str, value: bytes | None, create_rev: int, mod_rev: int, lease: int
+    ) -> None:
         """One change, unless a newer one for the same key was applied already."""
         if mod_rev <= self._key_rev.get(key, 0):
             return
         self._key_rev[key] = mod_rev
         self._revision = max(self._revision, mod_rev)
-        rel = key[len(self._prefix):]
+        rel = key[len(self._prefix) :]
         old = self._kvs.get(key)
         if old is not None and (value is None or old.create_revision != create_rev):
             self._kvs.pop(key)

@@ -57,8 +57,15 @@ def earliest_failure(failures: dict[str, FailureRecord]) -> dict:
     return {"node": first.node, "time": first.time, **first.detail}
 
 
-def plan(view: JobView, min_nodes: int, max_nodes: int, last_call: float,
-         max_restarts: int, now: float, me: str | None = None) -> Plan:
+def plan(
+    view: JobView,
+    min_nodes: int,
+    max_nodes: int,
+    last_call: float,
+    max_restarts: int,
+    now: float,
+    me: str | None = None,
+) -> Plan:
     """The plan as node ``me`` needs it (all of it when ``me`` is None or the writer).
 
     A node that is not the writer learns who is, and nothing more: its view may be lean
@@ -70,11 +77,15 @@ def plan(view: JobView, min_nodes: int, max_nodes: int, last_call: float,
     live_members = [m for m in previous if view.is_live(m)]
     in_round = {m.id for m in live_members}
     staying = [m for m in live_members if view.nodes[m.id].record.state != "leaving"]
-    newcomers = [n for i, n in view.nodes.items()
-                 if i not in in_round and n.record.state != "leaving"]
+    newcomers = [
+        n for i, n in view.nodes.items() if i not in in_round and n.record.state != "leaving"
+    ]
     count = len(staying) + len(newcomers)
-    writer = staying[0].id if staying else (
-        min(newcomers, key=lambda n: n.rev).record.id if newcomers else None)
+    writer = (
+        staying[0].id
+        if staying
+        else (min(newcomers, key=lambda n: n.rev).record.id if newcomers else None)
+    )
     if me is not None and me != writer:
         return Plan(False, f"waiting for {writer} to form round {number + 1}", writer=writer)
 
@@ -86,14 +97,26 @@ def plan(view: JobView, min_nodes: int, max_nodes: int, last_call: float,
         return Plan(False, f"round {number} is running", writer=writer)
     if len(done) < len(live_members):
         busy = tuple(m.id for m in live_members if m not in done)
-        return Plan(False, f"waiting for {', '.join(busy)} to stop the workers of round "
-                           f"{number}", writer=writer, busy=busy)
+        return Plan(
+            False,
+            f"waiting for {', '.join(busy)} to stop the workers of round {number}",
+            writer=writer,
+            busy=busy,
+        )
     if count < min_nodes:
-        return Plan(False, f"{count} of at least {min_nodes} nodes present", writer=writer,
-                    enough_nodes=False)
+        return Plan(
+            False,
+            f"{count} of at least {min_nodes} nodes present",
+            writer=writer,
+            enough_nodes=False,
+        )
     if count < max_nodes and now < view.last_join + last_call:
-        return Plan(False, f"{count} of up to {max_nodes} nodes present; last call",
-                    writer=writer, wake_at=view.last_join + last_call)
+        return Plan(
+            False,
+            f"{count} of up to {max_nodes} nodes present; last call",
+            writer=writer,
+            wake_at=view.last_join + last_call,
+        )
 
     newcomers.sort(key=lambda n: n.rev)
     chosen = tuple([*staying, *map(_member, newcomers)][:max_nodes])

@@ -68,15 +68,17 @@ class Change:
 
 
 class Rendezvous:
-    def __init__(self, client: EtcdClient, options: RendezvousOptions, me: NodeSpec,
-                 max_restarts: int = 0) -> None:
+    def __init__(
+        self, client: EtcdClient, options: RendezvousOptions, me: NodeSpec, max_restarts: int = 0
+    ) -> None:
         self.client = client
         self.options = options
         self.me = me
         self.max_restarts = max_restarts
         self.mirror = JobMirror(client, options.job_prefix)
-        self.lease = LeaseKeeper(client, options.lease_ttl, options.keep_alive_interval,
-                                 on_change=self.mirror.poke)
+        self.lease = LeaseKeeper(
+            client, options.lease_ttl, options.keep_alive_interval, on_change=self.mirror.poke
+        )
         self.rev = 0  # create revision of this node's record: its incarnation
         self.round: RoundRecord | None = None  # the round this node is (or was last) in
         self._registered_at = 0  # etcd revision of the registration
@@ -100,9 +102,9 @@ class Rendezvous:
         lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
         rec = self._new_record()
         value = rec.encode()
-        revision, kvs = self.client.create_and_read(self.node_key, value, lease_id,
-                                                    self.options.job_prefix,
-                                                    self.key(records.CLOSED))
+        revision, kvs = self.client.create_and_read(
+            self.node_key, value, lease_id, self.options.job_prefix, self.key(records.CLOSED)
+        )
         try:
             if not revision:
                 self._refused(kvs)
@@ -115,10 +117,18 @@ class Rendezvous:
         self._registered(rec, revision, lease_id)
 
     def _new_record(self) -> NodeRecord:
-        return NodeRecord(id=self.me.id, addr=self.me.addr, nproc=self.me.nproc,
-                          host=self.me.host, pid=self.me.pid, version=self.me.version,
-                          done=0, state="waiting", probe=self._probe.port if self._probe else 0,
-                          metrics=self.me.metrics_port)
+        return NodeRecord(
+            id=self.me.id,
+            addr=self.me.addr,
+            nproc=self.me.nproc,
+            host=self.me.host,
+            pid=self.me.pid,
+            version=self.me.version,
+            done=0,
+            state="waiting",
+            probe=self._probe.port if self._probe else 0,
+            metrics=self.me.metrics_port,
+        )
 
     def _refused(self, kvs: list[KV]) -> None:
         """Explain why registration found the job closed or this node's id taken."""
@@ -128,16 +138,19 @@ class Rendezvous:
             rec = ClosedRecord.decode(closed.key, closed.value)
             verb = "finished" if rec.state == "succeeded" else "failed"
             why = f": {rec.reason}" if rec.reason else ""
-            raise RendezvousClosedError(f"job {self.options.run_id!r} has {verb}{why}",
-                                        rec.state, rec.reason)
+            raise RendezvousClosedError(
+                f"job {self.options.run_id!r} has {verb}{why}", rec.state, rec.reason
+            )
         other = ""
         holder_kv = found.get(self.node_key)
         if holder_kv is not None:
             with contextlib.suppress(RendezvousError):
                 holder = NodeRecord.decode(holder_kv.key, holder_kv.value)
                 other = f" (pid {holder.pid} on {holder.host})"
-        raise RendezvousError(f"node id {self.me.id!r} is already taken in job "
-                              f"{self.options.run_id!r}{other}; every agent needs its own id")
+        raise RendezvousError(
+            f"node id {self.me.id!r} is already taken in job "
+            f"{self.options.run_id!r}{other}; every agent needs its own id"
+        )
 
     def _registered(self, rec: NodeRecord, revision: int, lease_id: int) -> None:
         self.rev = revision
@@ -145,8 +158,13 @@ class Rendezvous:
         self._record = rec
         self.round = None
         self.mirror.record_own(KV(self.node_key, rec.encode(), revision, revision, lease_id))
-        log.info("registered as %s in job %s (lease %x, ttl %ss)", self.me.id,
-                 self.options.run_id, lease_id, self.options.lease_ttl)
+        log.info(
+            "registered as %s in job %s (lease %x, ttl %ss)",
+            self.me.id,
+            self.options.run_id,
+            lease_id,
+            self.options.lease_ttl,
+        )
 
     def shutdown(self, leave: bool = True) -> None:
         """Stop the background threads; with ``leave`` the others see this node go at once."""
@@ -187,8 +205,7 @@ class Rendezvous:
                 raise LeaseLostError("etcd dropped this node's lease") from None
             raise
         self._record = rec
-        self.mirror.record_own(KV(self.node_key, value, self.rev, revision,
-                                  self.lease.lease_id))
+        self.mirror.record_own(KV(self.node_key, value, self.rev, revision, self.lease.lease_id))
 
     # -- rounds ---------------------------------------------------------------------------
     def _raise_if_closed(self, view: JobView) -> None:
@@ -212,8 +229,9 @@ class Rendezvous:
     def _member_of(self, r: RoundRecord) -> bool:
         return any(m.id == self.me.id and m.rev == self.rev for m in r.members)
 
-    def next_round(self, timeout: float | None = None,
-                   cancel: threading.Event | None = None) -> RoundRecord:
+    def next_round(
+        self, timeout: float | None = None, cancel: threading.Event | None = None
+    ) -> RoundRecord:
         """Block until a new round that includes this node has formed; return it.
 
         Leaves the current round first (marks this node done with it). Takes part in
@@ -246,9 +264,15 @@ class Rendezvous:
                 self.mirror.set_full(True, wait=False)
                 self.round = r
                 return r
-            p = plan(view, self.options.min_nodes, self.options.max_nodes,
-                     self.options.last_call_timeout, self.max_restarts, time.monotonic(),
-                     self.me.id)
+            p = plan(
+                view,
+                self.options.min_nodes,
+                self.options.max_nodes,
+                self.options.last_call_timeout,
+                self.max_restarts,
+                time.monotonic(),
+                self.me.id,
+            )
             writing = p.writer == self.me.id
             if writing != self.mirror.full:
                 self.mirror.set_full(writing)
@@ -291,8 +315,9 @@ class Rendezvous:
                 continue
             self._probed[node_id] = now
             if process_gone(node.record.addr, node.record.probe):
-                log.warning("%s refuses its probe port: its agent is gone; revoking its lease",
-                            node_id)
+                log.warning(
+                    "%s refuses its probe port: its agent is gone; revoking its lease", node_id
+                )
                 try:
                     self.client.revoke(node.lease, timeout=2.0)
                 except RendezvousError as e:
@@ -322,29 +347,47 @@ class Rendezvous:
         # Guarded by the round's revision only: a per-member liveness compare would cap
         # jobs at etcd's --max-txn-ops (128). A member that died since the view was taken
         # is seen as lost by everyone right after, and the round re-forms without it.
-        compare = [ops.mod(self.key(records.ROUND)) == view.round_mod_revision,
-                   ops.create(self.key(records.CLOSED)) == 0]
-        return self.client.txn(compare, [
-            ops.put(self.key(records.ROUND), rec.encode()),
-            ops.delete(failures, range_end=prefix_range_end(failures)),
-        ])
+        compare = [
+            ops.mod(self.key(records.ROUND)) == view.round_mod_revision,
+            ops.create(self.key(records.CLOSED)) == 0,
+        ]
+        return self.client.txn(
+            compare,
+            [
+                ops.put(self.key(records.ROUND), rec.encode()),
+                ops.delete(failures, range_end=prefix_range_end(failures)),
+            ],
+        )
 
     def _close_failed(self, view: JobView, p: Plan) -> None:
         root = p.root_cause
         where = f" on {root.get('node')}" if root.get("node") else ""
-        reason = (f"workers failed with the restart budget spent (--max-restarts "
-                  f"{self.max_restarts}, all used); last failure{where}: "
-                  f"{root.get('summary', 'workers failed')}")
+        reason = (
+            f"workers failed with the restart budget spent (--max-restarts "
+            f"{self.max_restarts}, all used); last failure{where}: "
+            f"{root.get('summary', 'workers failed')}"
+        )
         number = view.round.number if view.round else 0
         self.close("failed", reason, root_cause=root, round_number=number)
 
-    def close(self, state: str, reason: str = "", root_cause: dict | None = None,
-              round_number: int | None = None) -> bool:
+    def close(
+        self,
+        state: str,
+        reason: str = "",
+        root_cause: dict | None = None,
+        round_number: int | None = None,
+    ) -> bool:
         """Mark the job over; the first to close wins. Late joiners see it and stop."""
         if round_number is None:
             round_number = self.round.number if self.round else 0
-        rec = ClosedRecord(state=state, reason=reason, by=self.me.id, round=round_number,
-                           at=time.time(), root_cause=root_cause or {})
+        rec = ClosedRecord(
+            state=state,
+            reason=reason,
+            by=self.me.id,
+            round=round_number,
+            at=time.time(),
+            root_cause=root_cause or {},
+        )
         ops = self.client.ops
         key = self.key(records.CLOSED)
         return self.client.txn([ops.create(key) == 0], [ops.put(key, rec.encode())])
@@ -361,10 +404,12 @@ class Rendezvous:
         """Record this node's worker failure for the current round and leave the round."""
         if self.round is None:
             return
-        rec = FailureRecord(node=self.me.id, round=self.round.number, time=time.time(),
-                            detail=detail)
-        self.client.put(self.key(f"{records.FAILURES}{self.round.number}/{self.me.id}"),
-                        rec.encode())
+        rec = FailureRecord(
+            node=self.me.id, round=self.round.number, time=time.time(), detail=detail
+        )
+        self.client.put(
+            self.key(f"{records.FAILURES}{self.round.number}/{self.me.id}"), rec.encode()
+        )
         self.finish_round()
 
     def announce_leaving(self) -> None:
@@ -409,8 +454,7 @@ class Rendezvous:
         if gone:
             left = tuple(m.id for m in gone)
             return Change("left", f"{', '.join(left)} left", left)
-        others = [view.nodes[m.id].record for m in mine.members
-                  if m.id != self.me.id]
+        others = [view.nodes[m.id].record for m in mine.members if m.id != self.me.id]
         leaving = tuple(o.id for o in others if o.state == "leaving")
         if leaving:
             return Change("drain", f"{', '.join(leaving)} leaving", leaving)
@@ -418,8 +462,11 @@ class Rendezvous:
         if stopping:
             return Change("drain", f"{', '.join(stopping)} stopping", stopping)
         members = {m.id for m in mine.members}
-        waiting = tuple(n.record.id for n in sorted(view.nodes.values(), key=lambda n: n.rev)
-                        if n.record.id not in members and n.record.state != "leaving")
+        waiting = tuple(
+            n.record.id
+            for n in sorted(view.nodes.values(), key=lambda n: n.rev)
+            if n.record.id not in members and n.record.state != "leaving"
+        )
         if waiting and len(mine.members) < self.options.max_nodes:
             return Change("drain", f"{', '.join(waiting)} waiting to join", waiting)
         return None
@@ -429,5 +476,3 @@ class Rendezvous:
         view = self.mirror.view()
         members = {m.id for m in self.round.members} if self.round else set()
         return sum(1 for i in view.nodes if i not in members)
-
-

@@ -92,8 +92,9 @@ class NodeRecord:
         if rec.nproc < 1:
             raise MalformedRecordError(f"malformed value at etcd key {key}: nproc must be >= 1")
         if key.rsplit("/", 1)[-1] != rec.id:
-            raise MalformedRecordError(f"malformed value at etcd key {key}: id {rec.id!r} "
-                                       "does not match the key")
+            raise MalformedRecordError(
+                f"malformed value at etcd key {key}: id {rec.id!r} does not match the key"
+            )
         return rec
 
 
@@ -147,12 +148,17 @@ class RoundRecord:
         members = []
         for i, m in enumerate(_field(key, obj, "members", list)):
             if not isinstance(m, dict):
-                raise MalformedRecordError(f"malformed value at etcd key {key}: member {i} "
-                                           "is not an object")
-            members.append(Member(
-                id=_field(key, m, "id", str), rev=_field(key, m, "rev", int),
-                addr=_field(key, m, "addr", str), nproc=_field(key, m, "nproc", int),
-            ))
+                raise MalformedRecordError(
+                    f"malformed value at etcd key {key}: member {i} is not an object"
+                )
+            members.append(
+                Member(
+                    id=_field(key, m, "id", str),
+                    rev=_field(key, m, "rev", int),
+                    addr=_field(key, m, "addr", str),
+                    nproc=_field(key, m, "nproc", int),
+                )
+            )
         root = obj.get("root_cause") or {}
         return cls(
             number=_field(key, obj, "number", int),
@@ -189,9 +195,14 @@ class ClosedRecord:
         if state not in ("succeeded", "failed"):
             raise MalformedRecordError(f"malformed value at etcd key {key}: state {state!r}")
         root = obj.get("root_cause") or {}
-        return cls(state=state, reason=str(obj.get("reason", "")), by=str(obj.get("by", "")),
-                   round=int(obj.get("round") or 0), at=float(obj.get("at") or 0.0),
-                   root_cause=root if isinstance(root, dict) else {})
+        return cls(
+            state=state,
+            reason=str(obj.get("reason", "")),
+            by=str(obj.get("by", "")),
+            round=int(obj.get("round") or 0),
+            at=float(obj.get("at") or 0.0),
+            root_cause=root if isinstance(root, dict) else {},
+        )
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,9 @@ class FailureRecord:
     def decode(cls, key: str, raw: bytes) -> FailureRecord:
         obj = _load(key, raw)
         detail = obj.get("detail") or {}
-        return cls(node=_field(key, obj, "node", str), round=_field(key, obj, "round", int),
-                   time=float(_field(key, obj, "time", (int, float))),
-                   detail=detail if isinstance(detail, dict) else {})
+        return cls(
+            node=_field(key, obj, "node", str),
+            round=_field(key, obj, "round", int),
+            time=float(_field(key, obj, "time", (int, float))),
+            detail=detail if isinstance(detail, dict) else {},
+        )

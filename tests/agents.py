@@ -16,16 +16,47 @@ TTL = 3
 FAST_CONF = f"lease_ttl={TTL},last_call_timeout=1"
 
 
-def start_agent(procs: list[Proc], endpoint: str, run_id: str, node: str, script: Path,
-                *script_args: str, nnodes: str = "1:3", nproc: int = 1,
-                conf: str = FAST_CONF, extra: tuple[str, ...] = (),
-                env: dict[str, str] | None = None, local_addr: str = "127.0.0.1",
-                prefix: tuple[str, ...] = ()) -> Proc:
+def start_agent(
+    procs: list[Proc],
+    endpoint: str,
+    run_id: str,
+    node: str,
+    script: Path,
+    *script_args: str,
+    nnodes: str = "1:3",
+    nproc: int = 1,
+    conf: str = FAST_CONF,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    local_addr: str = "127.0.0.1",
+    prefix: tuple[str, ...] = (),
+) -> Proc:
     """An agent as its own process; ``prefix`` runs it elsewhere (a network namespace)."""
-    cmd = [*prefix, sys.executable, "-m", "elastic", "--nnodes", nnodes,
-           "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-           "--rdzv-conf", conf, "--node-id", node, "--local-addr", local_addr,
-           "--monitor-interval", "0.05", *extra, str(script), *script_args]
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "elastic",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        conf,
+        "--node-id",
+        node,
+        "--local-addr",
+        local_addr,
+        "--monitor-interval",
+        "0.05",
+        *extra,
+        str(script),
+        *script_args,
+    ]
     p = Proc(cmd, env=env, name=node)
     procs.append(p)
     return p
@@ -42,8 +73,13 @@ def steps(result_dir: Path) -> list[dict]:
     return sorted(out, key=lambda s: s["t"])
 
 
-def wait_world(result_dir: Path, world: int, after: float = 0.0, timeout: float = 60.0,
-               ranks: int | None = None) -> float:
+def wait_world(
+    result_dir: Path,
+    world: int,
+    after: float = 0.0,
+    timeout: float = 60.0,
+    ranks: int | None = None,
+) -> float:
     """Time of the first step at ``world`` (after ``after``) once ``ranks`` ranks trained."""
     need = world if ranks is None else ranks
     deadline = time.monotonic() + timeout
@@ -79,8 +115,9 @@ def wait_workers(agent: Proc, n: int, timeout: float = 30.0) -> list[int]:
         if len(pids) >= n:
             return pids
         time.sleep(0.05)
-    raise AssertionError(f"{agent.name}: {n} workers not started within {timeout}s\n"
-                         f"{agent.transcript()}")
+    raise AssertionError(
+        f"{agent.name}: {n} workers not started within {timeout}s\n{agent.transcript()}"
+    )
 
 
 def gone(pids: list[int]) -> bool:
@@ -97,12 +134,14 @@ def gone(pids: list[int]) -> bool:
 def kept_steps(history: list[dict]) -> dict[tuple[int, int], list[dict]]:
     """Per (epoch, step), the rows of the last round that ran it: earlier runs of the step
     were rolled back by a restore. Rounds are told apart by their fresh master port."""
-    order = sorted({r["port"] for r in history},
-                   key=lambda p: min(r["t"] for r in history if r["port"] == p))
+    order = sorted(
+        {r["port"] for r in history}, key=lambda p: min(r["t"] for r in history if r["port"] == p)
+    )
     by_step: dict[tuple[int, int], dict[int, list[dict]]] = {}
     for r in history:
-        by_step.setdefault((r["epoch"], r["step"]), {}).setdefault(order.index(r["port"]),
-                                                                   []).append(r)
+        by_step.setdefault((r["epoch"], r["step"]), {}).setdefault(
+            order.index(r["port"]), []
+        ).append(r)
     return {k: v[max(v)] for k, v in by_step.items()}
 
 
@@ -110,6 +149,7 @@ def samples_once(history: list[dict], samples: int, epochs: int) -> None:
     """Every sample of every epoch was trained on exactly once in the kept steps."""
     kept = kept_steps(history)
     for epoch in range(epochs):
-        used = sorted(i for (e, _), rows in kept.items() if e == epoch
-                      for r in rows for i in r["indices"])
+        used = sorted(
+            i for (e, _), rows in kept.items() if e == epoch for r in rows for i in r["indices"]
+        )
         assert used == list(range(samples)), f"epoch {epoch}: {len(used)} of {samples}"

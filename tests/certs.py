@@ -19,9 +19,13 @@ def _name(cn: str) -> x509.Name:
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> str:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     path.chmod(0o600)
     return str(path)
 
@@ -29,15 +33,23 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> str:
 def _issue(ca_key, ca_name, cn: str, usage, san: bool, out: Path, stem: str):
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    b = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_name)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5))
-         .not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    )
     if san:
-        b = b.add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
     cert = b.sign(ca_key, hashes.SHA256())
     cert_path = out / f"{stem}.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -48,17 +60,29 @@ def make_tls(out: Path, ca_cn: str = "elastic-run test CA") -> TlsFiles:
     out.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    ca = (x509.CertificateBuilder().subject_name(_name(ca_cn)).issuer_name(_name(ca_cn))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name(ca_cn))
+        .issuer_name(_name(ca_cn))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     ca_path = out / "ca.pem"
     ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    server = _issue(ca_key, ca.subject, "etcd", ExtendedKeyUsageOID.SERVER_AUTH, True, out,
-                    "server")
-    client = _issue(ca_key, ca.subject, "root", ExtendedKeyUsageOID.CLIENT_AUTH, False, out,
-                    "client")
-    return TlsFiles(ca=str(ca_path), server_cert=server[0], server_key=server[1],
-                    client_cert=client[0], client_key=client[1])
+    server = _issue(
+        ca_key, ca.subject, "etcd", ExtendedKeyUsageOID.SERVER_AUTH, True, out, "server"
+    )
+    client = _issue(
+        ca_key, ca.subject, "root", ExtendedKeyUsageOID.CLIENT_AUTH, False, out, "client"
+    )
+    return TlsFiles(
+        ca=str(ca_path),
+        server_cert=server[0],
+        server_key=server[1],
+        client_cert=client[0],
+        client_key=client[1],
+    )

@@ -96,8 +96,11 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         spaces = leftover_namespaces()
         for ns in spaces:
             sh("ip", "netns", "del", ns, check=False)
-        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                  if "/pytest-of-" in line.split()[1]]
+        mounts = [
+            line.split()[1]
+            for line in Path("/proc/mounts").read_text().splitlines()
+            if "/pytest-of-" in line.split()[1]
+        ]
         for m in mounts:
             sh("umount", "-l", m, check=False)
         if spaces or mounts:

@@ -13,8 +13,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODELS = Path(__file__).parent / "k8s" / "node_modules" / "@kubernetes-models" / \
-    "prometheus-operator" / "monitoring.coreos.com" / "v1"
+MODELS = (
+    Path(__file__).parent
+    / "k8s"
+    / "node_modules"
+    / "@kubernetes-models"
+    / "prometheus-operator"
+    / "monitoring.coreos.com"
+    / "v1"
+)
 
 _IMPORT = re.compile(r'^import \{ (\w+) \} from "\./(\w+)\.js";', re.M)
 _INTERFACE = re.compile(r"^export interface (\w+)(?: extends ([\w, ]+))? \{\n(.*?)^\}", re.M | re.S)

@@ -56,8 +56,13 @@ def isolated_node() -> Iterator[NetNode]:
     need(can_make_namespaces(), "network namespaces need root and iproute2")
     tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
     subnet = random.randrange(1, 250)
-    node = NetNode(ns=f"{PREFIX}{tag}", host_if=f"elh{tag}", node_if=f"eln{tag}",
-                   host_ip=f"10.231.{subnet}.1", node_ip=f"10.231.{subnet}.2")
+    node = NetNode(
+        ns=f"{PREFIX}{tag}",
+        host_if=f"elh{tag}",
+        node_if=f"eln{tag}",
+        host_ip=f"10.231.{subnet}.1",
+        node_ip=f"10.231.{subnet}.2",
+    )
     try:
         sh("ip", "netns", "add", node.ns)
         sh("ip", "link", "add", node.host_if, "type", "veth", "peer", "name", node.node_if)
@@ -80,8 +85,11 @@ def isolated_node() -> Iterator[NetNode]:
 def leftover_namespaces() -> list[str]:
     if not can_make_namespaces():
         return []
-    return [line.split()[0] for line in sh("ip", "netns", "list", check=False).splitlines()
-            if line.startswith(PREFIX)]
+    return [
+        line.split()[0]
+        for line in sh("ip", "netns", "list", check=False).splitlines()
+        if line.startswith(PREFIX)
+    ]
 
 
 @contextlib.contextmanager
@@ -97,5 +105,6 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 def mounted(path: Path) -> bool:
-    return any(line.split()[1] == str(path) for line in Path("/proc/mounts").read_text()
-               .splitlines())
+    return any(
+        line.split()[1] == str(path) for line in Path("/proc/mounts").read_text().splitlines()
+    )

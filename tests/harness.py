@@ -23,13 +23,24 @@ TAG_VAR = "ELASTIC_RUN_TEST_TAG"
 class Proc:
     """A process whose stdout lines are collected (JSON lines become events)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None,
-                 cwd: str | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        name: str = "",
+    ) -> None:
         self.name = name or Path(cmd[1] if len(cmd) > 1 else cmd[0]).name
         self.cmd = cmd
         self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1, env={**os.environ, **(env or {})}, cwd=cwd or str(ROOT),
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
+            cwd=cwd or str(ROOT),
             start_new_session=True,
         )
         self.pid = self.p.pid
@@ -56,21 +67,30 @@ class Proc:
         self.p.stdin.write(line + "\n")
         self.p.stdin.flush()
 
-    def expect(self, event: str, timeout: float = 15.0,
-               where: Callable[[dict], bool] | None = None, **match: object) -> dict:
+    def expect(
+        self,
+        event: str,
+        timeout: float = 15.0,
+        where: Callable[[dict], bool] | None = None,
+        **match: object,
+    ) -> dict:
         """The next event named ``event`` (matching ``match``); fails with the output."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{self.name}: no {event} {match} within {timeout}s\n"
-                                     f"{self.transcript()}")
+                raise AssertionError(
+                    f"{self.name}: no {event} {match} within {timeout}s\n{self.transcript()}"
+                )
             try:
                 ev = self.events.get(timeout=min(left, 0.2))
             except queue.Empty:
                 continue
-            if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()) \
-                    and (where is None or where(ev)):
+            if (
+                ev.get("event") == event
+                and all(ev.get(k) == v for k, v in match.items())
+                and (where is None or where(ev))
+            ):
                 self.seen.append(ev)
                 return ev
 
@@ -87,19 +107,25 @@ class Proc:
                     if text in line:
                         return line
             time.sleep(0.05)
-        raise AssertionError(f"{self.name}: {text!r} not printed within {timeout}s\n"
-                             f"{self.transcript()}")
+        raise AssertionError(
+            f"{self.name}: {text!r} not printed within {timeout}s\n{self.transcript()}"
+        )
 
     def transcript(self) -> str:
-        return ("--- stdout\n" + "\n".join(self.out[-80:]) + "\n--- stderr\n"
-                + "\n".join(self.err[-80:]))
+        return (
+            "--- stdout\n"
+            + "\n".join(self.out[-80:])
+            + "\n--- stderr\n"
+            + "\n".join(self.err[-80:])
+        )
 
     def wait(self, timeout: float = 30.0) -> int:
         try:
             rc = self.p.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} still running after {timeout}s\n"
-                                 f"{self.transcript()}") from None
+            raise AssertionError(
+                f"{self.name} still running after {timeout}s\n{self.transcript()}"
+            ) from None
         for t in self._threads:
             t.join(timeout=5)
         return rc
@@ -144,8 +170,9 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
-def wait_until(cond: Callable[[], object], timeout: float, what: str,
-               interval: float = 0.05) -> object:
+def wait_until(
+    cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05
+) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
@@ -166,8 +193,13 @@ def etcdctl(server, *args: str, user: str | None = None) -> str:
             cmd += [f"--cert={server.tls.client_cert}", f"--key={server.tls.client_key}"]
     if user:
         cmd += [f"--user={user}"]
-    done = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "ETCDCTL_API": "3"})
+    done = subprocess.run(
+        cmd + list(args),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "ETCDCTL_API": "3"},
+    )
     if done.returncode:
         raise AssertionError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
     return done.stdout

@@ -41,15 +41,20 @@ def main() -> None:
     ap.add_argument("--conf", default="")
     ap.add_argument("--max-restarts", type=int, default=0)
     a = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"{a.id} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format=f"{a.id} %(levelname)s %(message)s"
+    )
     lo, _, hi = a.nnodes.partition(":")
     try:
-        etcd_opts, opts = build_options(a.endpoint, a.run_id, int(lo), int(hi or lo),
-                                        parse_conf(a.conf))
-        rdzv = Rendezvous(EtcdClient(etcd_opts), opts,
-                          NodeSpec(id=a.id, addr="127.0.0.1", nproc=a.nproc, pid=os.getpid()),
-                          max_restarts=a.max_restarts)
+        etcd_opts, opts = build_options(
+            a.endpoint, a.run_id, int(lo), int(hi or lo), parse_conf(a.conf)
+        )
+        rdzv = Rendezvous(
+            EtcdClient(etcd_opts),
+            opts,
+            NodeSpec(id=a.id, addr="127.0.0.1", nproc=a.nproc, pid=os.getpid()),
+            max_restarts=a.max_restarts,
+        )
         rdzv.start()
     except (RendezvousError, ValueError) as e:
         emit("error", kind=type(e).__name__, message=str(e))
@@ -73,11 +78,21 @@ def main() -> None:
         try:
             if cmd == "next":
                 r = rdzv.next_round()
-                emit("round", number=r.number, rank=r.rank_of(a.id),
-                     members=[m.id for m in r.members], world_size=r.world_size,
-                     master_addr=r.master_addr, master_port=r.master_port,
-                     cause=r.cause, restarts=r.restarts, joined=list(r.joined),
-                     left=list(r.left), lost=list(r.lost), rev=rdzv.rev)
+                emit(
+                    "round",
+                    number=r.number,
+                    rank=r.rank_of(a.id),
+                    members=[m.id for m in r.members],
+                    world_size=r.world_size,
+                    master_addr=r.master_addr,
+                    master_port=r.master_port,
+                    cause=r.cause,
+                    restarts=r.restarts,
+                    joined=list(r.joined),
+                    left=list(r.left),
+                    lost=list(r.lost),
+                    rev=rdzv.rev,
+                )
             elif cmd == "finish":
                 rdzv.finish_round()
                 emit("finished")

@@ -17,11 +17,21 @@ pytestmark = pytest.mark.slow
 LONG = ("--steps", "100000", "--step-time", "0.05")
 
 
-def three(procs: list[Proc], etcd: EtcdServer, run_id: str, tmp_path: Path,
-          nnodes: str = "1:3", *args: str) -> list[Proc]:
+def three(
+    procs: list[Proc],
+    etcd: EtcdServer,
+    run_id: str,
+    tmp_path: Path,
+    nnodes: str = "1:3",
+    *args: str,
+) -> list[Proc]:
     env = {"RESULT_DIR": str(tmp_path)}
-    nodes = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN_LOOP, *(args or LONG),
-                         nnodes=nnodes, env=env) for n in ("a", "b", "c")]
+    nodes = [
+        start_agent(
+            procs, etcd.endpoint, run_id, n, TRAIN_LOOP, *(args or LONG), nnodes=nnodes, env=env
+        )
+        for n in ("a", "b", "c")
+    ]
     wait_world(tmp_path, 3)
     return nodes
 
@@ -32,8 +42,9 @@ def rank0_agent(nodes: list[Proc], tmp_path: Path) -> Proc:
 
 
 @pytest.mark.parametrize("victim", ["any", "rank0"])
-def test_sigkill_of_an_agent(etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path,
-                             victim: str) -> None:
+def test_sigkill_of_an_agent(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, victim: str
+) -> None:
     nodes = three(procs, etcd, run_id, tmp_path)
     dead = rank0_agent(nodes, tmp_path) if victim == "rank0" else nodes[2]
     workers = wait_workers(dead, 1)
@@ -48,8 +59,9 @@ def test_sigkill_of_an_agent(etcd: EtcdServer, run_id: str, procs: list[Proc], t
     survivor.wait_output(f"lost {dead.name}", timeout=5)
 
 
-def test_sigstop_of_a_whole_node_fences_and_rejoins(etcd: EtcdServer, run_id: str,
-                                                    procs: list[Proc], tmp_path: Path) -> None:
+def test_sigstop_of_a_whole_node_fences_and_rejoins(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     nodes = three(procs, etcd, run_id, tmp_path)
     frozen = nodes[1]
     tree = [psutil.Process(frozen.pid), *psutil.Process(frozen.pid).children(recursive=True)]
@@ -69,8 +81,9 @@ def test_sigstop_of_a_whole_node_fences_and_rejoins(etcd: EtcdServer, run_id: st
     wait_world(tmp_path, 3, after=resumed, timeout=40)
 
 
-def test_sigterm_makes_the_others_resize_quickly(etcd: EtcdServer, run_id: str,
-                                                 procs: list[Proc], tmp_path: Path) -> None:
+def test_sigterm_makes_the_others_resize_quickly(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     nodes = three(procs, etcd, run_id, tmp_path)
     leaving = nodes[2]
     sent = time.monotonic()
@@ -83,22 +96,44 @@ def test_sigterm_makes_the_others_resize_quickly(etcd: EtcdServer, run_id: str,
     wait_world(tmp_path, 2, timeout=20)
 
 
-def test_fourth_agent_joins(etcd: EtcdServer, run_id: str, procs: list[Proc],
-                            tmp_path: Path) -> None:
+def test_fourth_agent_joins(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     nodes = three(procs, etcd, run_id, tmp_path, "1:4")
     joined = time.time()
-    start_agent(procs, etcd.endpoint, run_id, "d", TRAIN_LOOP, *LONG, nnodes="1:4",
-                env={"RESULT_DIR": str(tmp_path)})
+    start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        "d",
+        TRAIN_LOOP,
+        *LONG,
+        nnodes="1:4",
+        env={"RESULT_DIR": str(tmp_path)},
+    )
     wait_world(tmp_path, 4, after=joined, timeout=40)
     nodes[0].wait_output("joined d", timeout=5)
 
 
 def test_crashing_worker_restarts_then_fails_with_root_cause(
-        etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path) -> None:
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     env = {"RESULT_DIR": str(tmp_path)}
     args = ("--steps", "100000", "--step-time", "0.05", "--crash-rank", "1", "--crash-step", "5")
-    nodes = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN_LOOP, *args, nnodes="3",
-                         extra=("--max-restarts", "1"), env=env) for n in ("a", "b", "c")]
+    nodes = [
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            TRAIN_LOOP,
+            *args,
+            nnodes="3",
+            extra=("--max-restarts", "1"),
+            env=env,
+        )
+        for n in ("a", "b", "c")
+    ]
     codes = [n.wait(120) for n in nodes]
     assert codes == [1, 1, 1], [n.transcript() for n in nodes]
     assert {s["restarts"] for s in steps(tmp_path)} == {0, 1}  # restarted once, job-wide
@@ -110,10 +145,15 @@ def test_crashing_worker_restarts_then_fails_with_root_cause(
 
 
 def test_finished_job_exits_zero_everywhere_and_late_joiner_too(
-        etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path) -> None:
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     env = {"RESULT_DIR": str(tmp_path)}
-    nodes = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN_LOOP, "--steps", "20",
-                         nnodes="3", env=env) for n in ("a", "b", "c")]
+    nodes = [
+        start_agent(
+            procs, etcd.endpoint, run_id, n, TRAIN_LOOP, "--steps", "20", nnodes="3", env=env
+        )
+        for n in ("a", "b", "c")
+    ]
     assert [n.wait(90) for n in nodes] == [0, 0, 0], [n.transcript() for n in nodes]
     assert {s["world"] for s in steps(tmp_path)} == {3}
     late = start_agent(procs, etcd.endpoint, run_id, "late", TRAIN_LOOP, nnodes="3", env=env)

@@ -9,8 +9,12 @@ from elastic.args import build_parser, parse_args
 
 # Defaults that differ on purpose: the rendezvous backend (etcd v3, not static), the
 # empty-string spelling of "no filters", and nproc_per_node (checked below).
-DIFFERENT_DEFAULTS = {"rdzv_backend", "duplicate_stdout_filters", "duplicate_stderr_filters",
-                      "nproc_per_node"}
+DIFFERENT_DEFAULTS = {
+    "rdzv_backend",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+    "nproc_per_node",
+}
 
 
 def _options(parser) -> dict[str, object]:
@@ -33,19 +37,25 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning() -> None:
 
 
 def test_pet_variables_override_defaults_and_flags_override_pet(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("PET_NNODES", "2:3")
     monkeypatch.setenv("PET_RDZV_ENDPOINT", "etcd:2379")
     monkeypatch.setenv("PET_STANDALONE", "1")
     monkeypatch.setenv("PET_MAX_RESTARTS", "4")
     ns = parse_args(["--max-restarts", "1", "t.py", "--lr", "0.1"])
-    assert (ns.nnodes, ns.rdzv_endpoint, ns.standalone, ns.max_restarts) == \
-           ("2:3", "etcd:2379", True, 1)
+    assert (ns.nnodes, ns.rdzv_endpoint, ns.standalone, ns.max_restarts) == (
+        "2:3",
+        "etcd:2379",
+        True,
+        1,
+    )
     assert ns.training_script_args == ["--lr", "0.1"]
 
 
 def test_both_spellings() -> None:
     a = parse_args(["--nproc_per_node", "3", "--rdzv_id", "x", "-r", "1", "-t", "2", "t.py"])
-    b = parse_args(["--nproc-per-node", "3", "--rdzv-id", "x", "--redirects", "1", "--tee", "2",
-                    "t.py"])
+    b = parse_args(
+        ["--nproc-per-node", "3", "--rdzv-id", "x", "--redirects", "1", "--tee", "2", "t.py"]
+    )
     assert vars(a) == vars(b)

@@ -16,15 +16,22 @@ from elastic.state import CheckpointMismatchError, SnapshotPolicy, State
 
 
 def blob(step: int) -> memoryview:
-    packed = snapshot.pack({"version": 1, "step": step, "values": {"step": step},
-                            "objects": {"w": {"t": torch.full((64,), float(step))}}})
+    packed = snapshot.pack(
+        {
+            "version": 1,
+            "step": step,
+            "values": {"step": step},
+            "objects": {"w": {"t": torch.full((64,), float(step))}},
+        }
+    )
     buf = bytearray(packed.size)
     snapshot.write_into(buf, packed)
     return memoryview(buf)
 
 
-def test_corrupt_and_truncated_checkpoints_are_skipped(tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_and_truncated_checkpoints_are_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     d = CheckpointDir(tmp_path, keep=5)
     for step in (1, 2, 3):
         assert d.write(step, blob(step)).ok
@@ -78,12 +85,14 @@ def test_restore_from_a_checkpoint_dir_and_mismatches_named(tmp_path: Path) -> N
     with pytest.raises(CheckpointMismatchError, match=r"missing keys \['0.bias', '0.weight'\]"):
         State(model=other, snapshot_policy=policy).restore()
     with pytest.raises(CheckpointMismatchError, match="saved state has no"):
-        State(model=m2, optimizer=opt2, extra=torch.nn.Linear(1, 1),
-              snapshot_policy=policy).restore()
+        State(
+            model=m2, optimizer=opt2, extra=torch.nn.Linear(1, 1), snapshot_policy=policy
+        ).restore()
 
 
 def test_snapshot_is_the_committed_state_although_copied_in_the_background(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ELASTIC_RUN_SNAPSHOT_DIR", str(tmp_path))
     m = torch.nn.Linear(2048, 2048)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
@@ -95,8 +104,11 @@ def test_snapshot_is_the_committed_state_although_copied_in_the_background(
     opt.step()  # changes the weights: must wait for the copy of the committed ones
     s.close()
     m2 = torch.nn.Linear(2048, 2048)
-    s2 = State(model=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=1.0),
-               snapshot_policy=SnapshotPolicy(every=1))
+    s2 = State(
+        model=m2,
+        optimizer=torch.optim.SGD(m2.parameters(), lr=1.0),
+        snapshot_policy=SnapshotPolicy(every=1),
+    )
     assert s2.restore()
     assert torch.equal(m2.weight, committed)
     assert not torch.equal(committed, m.weight)

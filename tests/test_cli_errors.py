@@ -13,13 +13,19 @@ from rendezvous.net import free_port
 SCRIPT = str(ROOT / "tests" / "scripts" / "ddp_min.py")
 
 
-def elastic_run(*args: str, env: dict[str, str] | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess:
+def elastic_run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
-                          cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "elastic", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=str(ROOT),
+    )
 
 
 def error_line(done: subprocess.CompletedProcess) -> str:
@@ -30,24 +36,27 @@ def error_line(done: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--nnodes", "4:1", SCRIPT], "--nnodes '4:1': the maximum 1 is below the minimum 4"),
-    (["--nnodes", "abc", SCRIPT], "--nnodes 'abc': expected N or MIN:MAX"),
-    (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node 0: must be at least 1"),
-    (["--nproc-per-node", "gpu", SCRIPT], "--nproc-per-node gpu: no GPU is visible"),
-    (["--nproc-per-node", "many", SCRIPT], "expected a number, auto, cpu, gpu or xpu"),
-    (["--rdzv-backend", "c10d", SCRIPT], "--rdzv-backend 'c10d': elastic-run rendezvous"),
-    (["--rdzv-conf", "lease_ttl=zero", SCRIPT], "--rdzv-conf lease_ttl='zero'"),
-    (["--rdzv-conf", "nosuchkey=1", SCRIPT], "unknown key 'nosuchkey'"),
-    (["no/such/train.py"], "training script 'no/such/train.py': no such file"),
-    ([], "the following arguments are required: training_script"),
-    (["--max-restarts", "-1", SCRIPT], "--max-restarts -1: must be >= 0"),
-    (["--max-restarts", "x", SCRIPT], "invalid int value: 'x'"),
-    (["--redirects", "7", SCRIPT], "modes are 0 (none)"),
-    (["--local-ranks-filter", "a", SCRIPT], "--local-ranks-filter 'a'"),
-    (["--signals-to-handle", "SIGNOPE", SCRIPT], "unknown signal 'SIGNOPE'"),
-    (["--no-python", "-m", SCRIPT], "--no-python and --module cannot be used together"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--nnodes", "4:1", SCRIPT], "--nnodes '4:1': the maximum 1 is below the minimum 4"),
+        (["--nnodes", "abc", SCRIPT], "--nnodes 'abc': expected N or MIN:MAX"),
+        (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node 0: must be at least 1"),
+        (["--nproc-per-node", "gpu", SCRIPT], "--nproc-per-node gpu: no GPU is visible"),
+        (["--nproc-per-node", "many", SCRIPT], "expected a number, auto, cpu, gpu or xpu"),
+        (["--rdzv-backend", "c10d", SCRIPT], "--rdzv-backend 'c10d': elastic-run rendezvous"),
+        (["--rdzv-conf", "lease_ttl=zero", SCRIPT], "--rdzv-conf lease_ttl='zero'"),
+        (["--rdzv-conf", "nosuchkey=1", SCRIPT], "unknown key 'nosuchkey'"),
+        (["no/such/train.py"], "training script 'no/such/train.py': no such file"),
+        ([], "the following arguments are required: training_script"),
+        (["--max-restarts", "-1", SCRIPT], "--max-restarts -1: must be >= 0"),
+        (["--max-restarts", "x", SCRIPT], "invalid int value: 'x'"),
+        (["--redirects", "7", SCRIPT], "modes are 0 (none)"),
+        (["--local-ranks-filter", "a", SCRIPT], "--local-ranks-filter 'a'"),
+        (["--signals-to-handle", "SIGNOPE", SCRIPT], "unknown signal 'SIGNOPE'"),
+        (["--no-python", "-m", SCRIPT], "--no-python and --module cannot be used together"),
+    ],
+)
 def test_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = elastic_run(*args, env={"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2
@@ -56,8 +65,9 @@ def test_bad_input_is_one_line(args: list[str], needle: str) -> None:
 
 def test_unreachable_etcd_names_the_endpoint() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    done = elastic_run("--rdzv-endpoint", endpoint, "--rdzv-conf", "connect_timeout=2", SCRIPT,
-                       timeout=30)
+    done = elastic_run(
+        "--rdzv-endpoint", endpoint, "--rdzv-conf", "connect_timeout=2", SCRIPT, timeout=30
+    )
     assert done.returncode == 1
     line = error_line(done)
     assert f"etcd unreachable at http://{endpoint}" in line

@@ -19,8 +19,9 @@ EXAMPLES = ROOT / "examples"
 
 
 def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=str(ROOT)
+    )
 
 
 def elastic_run(*args: str) -> subprocess.CompletedProcess:
@@ -35,26 +36,47 @@ def test_readme_first_command_runs_train_ddp() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch,args,expect", [
-    ([], ["examples/single_device.py", "--epochs", "1", "--samples", "512"], "epoch 0 on cpu"),
-    ([], ["examples/model_parallel.py", "--epochs", "1", "--samples", "512"],
-     "stages on cpu and cpu"),
-    ([], ["examples/dp_vs_ddp.py", "--mode", "dp", "--epochs", "1", "--samples", "1024"],
-     "dp epoch 0"),
-    (["-m", "elastic", "--nproc-per-node", "2"],
-     ["examples/dp_vs_ddp.py", "--mode", "ddp", "--epochs", "1", "--samples", "1024"],
-     "ddp epoch 0: loss"),
-    (["-m", "elastic", "--nproc-per-node", "2"],
-     ["examples/model_parallel_ddp.py", "--epochs", "1", "--samples", "512"],
-     "epoch 0: loss"),
-    (["-m", "elastic", "--nproc-per-node", "2"],
-     ["examples/dataloader_workers.py", "--samples", "256", "--num-workers", "1"],
-     "with num_workers=1"),
-    (["-m", "elastic", "--nproc-per-node", "2"],
-     ["examples/device_subsets.py", "--samples", "256"], "rank 1 (local 1): cpu"),
-    (["-m", "elastic"], ["examples/single_device.py", "--epochs", "1", "--samples", "256"],
-     "epoch 0 on cpu"),
-])
+@pytest.mark.parametrize(
+    "launch,args,expect",
+    [
+        ([], ["examples/single_device.py", "--epochs", "1", "--samples", "512"], "epoch 0 on cpu"),
+        (
+            [],
+            ["examples/model_parallel.py", "--epochs", "1", "--samples", "512"],
+            "stages on cpu and cpu",
+        ),
+        (
+            [],
+            ["examples/dp_vs_ddp.py", "--mode", "dp", "--epochs", "1", "--samples", "1024"],
+            "dp epoch 0",
+        ),
+        (
+            ["-m", "elastic", "--nproc-per-node", "2"],
+            ["examples/dp_vs_ddp.py", "--mode", "ddp", "--epochs", "1", "--samples", "1024"],
+            "ddp epoch 0: loss",
+        ),
+        (
+            ["-m", "elastic", "--nproc-per-node", "2"],
+            ["examples/model_parallel_ddp.py", "--epochs", "1", "--samples", "512"],
+            "epoch 0: loss",
+        ),
+        (
+            ["-m", "elastic", "--nproc-per-node", "2"],
+            ["examples/dataloader_workers.py", "--samples", "256", "--num-workers", "1"],
+            "with num_workers=1",
+        ),
+        (
+            ["-m", "elastic", "--nproc-per-node", "2"],
+            ["examples/device_subsets.py", "--samples", "256"],
+            "rank 1 (local 1): cpu",
+        ),
+        (
+            ["-m", "elastic"],
+            ["examples/single_device.py", "--epochs", "1", "--samples", "256"],
+            "epoch 0 on cpu",
+        ),
+    ],
+)
 def test_example_runs(launch: list[str], args: list[str], expect: str) -> None:
     done = run(*launch, *args)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -63,8 +85,9 @@ def test_example_runs(launch: list[str], args: list[str], expect: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_ddp.py", "model_parallel_ddp.py"])
-def test_ddp_examples_survive_a_node_sigkill(etcd: EtcdServer, run_id: str, procs: list[Proc],
-                                             script: str) -> None:
+def test_ddp_examples_survive_a_node_sigkill(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], script: str
+) -> None:
     args = ("--epochs", "3", "--step-time", "0.02")
     a = start_agent(procs, etcd.endpoint, run_id, "a", EXAMPLES / script, *args, nnodes="1:2")
     a.wait_output("registered as a", timeout=30)  # a joins first, so rank 0 is on a
@@ -82,18 +105,28 @@ def test_tuner_candidates_and_recommendation() -> None:
     assert candidates(1) == [0, 1]
     assert candidates(6) == [0, 1, 2, 4, 6]
     assert candidates(8) == [0, 1, 2, 4, 8]
-    trials = [Trial(0, 0.0, 10.0), Trial(1, 0.1, 30.0), Trial(2, 0.1, 39.0),
-              Trial(4, 0.2, 40.0)]
+    trials = [Trial(0, 0.0, 10.0), Trial(1, 0.1, 30.0), Trial(2, 0.1, 39.0), Trial(4, 0.2, 40.0)]
     assert recommend(trials).num_workers == 2  # within 5% of the fastest, fewer workers
 
 
 @pytest.mark.slow
 def test_tune_workers_times_the_users_dataset() -> None:
-    done = elastic_run("tune-workers", "examples/dataloader_workers.py:make_dataset",
-                       "--batch-size", "16", "--batches", "5", "--workers", "0,1,2")
+    done = elastic_run(
+        "tune-workers",
+        "examples/dataloader_workers.py:make_dataset",
+        "--batch-size",
+        "16",
+        "--batches",
+        "5",
+        "--workers",
+        "0,1,2",
+    )
     assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines()
-            if len(line.split()) == 4 and line.split()[0].isdigit()]
+    rows = [
+        line.split()
+        for line in done.stdout.splitlines()
+        if len(line.split()) == 4 and line.split()[0].isdigit()
+    ]
     assert [r[0] for r in rows] == ["0", "1", "2"]
     assert "recommended: num_workers=" in done.stdout
     bad = elastic_run("tune-workers", "examples/dataloader_workers.py:nothing")
@@ -119,8 +152,7 @@ def test_devices_on_a_machine_without_them_is_one_line() -> None:
     done = elastic_run("--devices", "0,2", "examples/device_subsets.py")
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert errors == ["elastic-run: error: --devices 0,2: no GPU is visible here "
-                      "(NVML finds none)"]
+    assert errors == ["elastic-run: error: --devices 0,2: no GPU is visible here (NVML finds none)"]
 
 
 def test_tune_workers_python_api() -> None:

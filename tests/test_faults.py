@@ -38,8 +38,18 @@ from elastic.workers import _why_still
 pytestmark = pytest.mark.slow
 TRAIN = ROOT / "tests" / "scripts" / "elastic_train.py"
 SAMPLES, EPOCHS, GLOBAL = 480, 3, 24
-TRAIN_ARGS = ("--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--micro-batch", "4",
-              "--global-batch", str(GLOBAL), "--step-time", "0.15")
+TRAIN_ARGS = (
+    "--samples",
+    str(SAMPLES),
+    "--epochs",
+    str(EPOCHS),
+    "--micro-batch",
+    "4",
+    "--global-batch",
+    str(GLOBAL),
+    "--step-time",
+    "0.15",
+)
 _figures: list[dict] = []
 
 
@@ -72,19 +82,31 @@ def rounds_seen(agent: Proc) -> list[int]:
 
 
 # -- partitions -------------------------------------------------------------------------------
-def test_partitioned_node_is_dropped_then_fences_and_rejoins(run_id: str, procs: list[Proc],
-                                                             tmp_path: Path) -> None:
+def test_partitioned_node_is_dropped_then_fences_and_rejoins(
+    run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
+
         def node(name: str, inside: bool) -> Proc:
-            env = {"RESULT_DIR": str(tmp_path),
-                   "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if}
+            env = {
+                "RESULT_DIR": str(tmp_path),
+                "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if,
+            }
             # forkserver: survivors must train again within TTL + 3 s, and a fresh
             # interpreter's `import torch` alone takes ~2 s of that on this machine
-            return start_agent(procs, etcd.endpoint, run_id, name, TRAIN, *TRAIN_ARGS,
-                               nnodes="2:3", env=env,
-                               local_addr=net.node_ip if inside else net.host_ip,
-                               prefix=tuple(net.command([])) if inside else (),
-                               extra=("--start-method", "forkserver"))
+            return start_agent(
+                procs,
+                etcd.endpoint,
+                run_id,
+                name,
+                TRAIN,
+                *TRAIN_ARGS,
+                nnodes="2:3",
+                env=env,
+                local_addr=net.node_ip if inside else net.host_ip,
+                prefix=tuple(net.command([])) if inside else (),
+                extra=("--start-method", "forkserver"),
+            )
 
         a, b, c = node("a", False), node("b", False), node("c", True)
         wait_world(tmp_path, 3, timeout=90)
@@ -102,25 +124,35 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(run_id: str, procs:
         back = wait_world(tmp_path, 3, after=restored, timeout=90)
         finish(a, b, c)
         history = steps(tmp_path)
-        assert [r for r in history if r["pid"] in stale and r["t"] > cut + 0.5] == [], \
+        assert [r for r in history if r["pid"] in stale and r["t"] > cut + 0.5] == [], (
             "a stale worker trained after the cut"
+        )
         samples_once(history, SAMPLES, EPOCHS)
-        record("a node cut off from the others and etcd (veth link down; forkserver)",
-               recover_s=round(resumed - cut, 1), steps_redone=redone(history, cut),
-               rejoin_s=round(back - restored, 1), samples_lost=0)
+        record(
+            "a node cut off from the others and etcd (veth link down; forkserver)",
+            recover_s=round(resumed - cut, 1),
+            steps_redone=redone(history, cut),
+            rejoin_s=round(back - restored, 1),
+            samples_lost=0,
+        )
 
 
 # -- etcd outages -----------------------------------------------------------------------------
 def _two_training(procs: list[Proc], endpoint: str, run_id: str, out: Path) -> list[Proc]:
-    agents = [start_agent(procs, endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="2",
-                          env={"RESULT_DIR": str(out)}) for n in ("a", "b")]
+    agents = [
+        start_agent(
+            procs, endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="2", env={"RESULT_DIR": str(out)}
+        )
+        for n in ("a", "b")
+    ]
     wait_world(out, 2, timeout=60)
     return agents
 
 
 @pytest.mark.parametrize("away", [1.0, 2.5 * TTL], ids=["within-ttl", "longer-than-ttl"])
-def test_etcd_restart_leaves_training_alone(run_id: str, procs: list[Proc], tmp_path: Path,
-                                           away: float) -> None:
+def test_etcd_restart_leaves_training_alone(
+    run_id: str, procs: list[Proc], tmp_path: Path, away: float
+) -> None:
     with EtcdServer() as etcd:
         agents = _two_training(procs, etcd.endpoint, run_id, tmp_path)
         pids = {pid for a in agents for pid in wait_workers(a, 1)}
@@ -135,12 +167,18 @@ def test_etcd_restart_leaves_training_alone(run_id: str, procs: list[Proc], tmp_
         assert {r["pid"] for r in steps(tmp_path)} == pids, "a worker was restarted"
         assert all(rounds_seen(a) == [1] for a in agents), [a.err[-5:] for a in agents]
         samples_once(steps(tmp_path), SAMPLES, EPOCHS)
-    record(f"etcd killed, back after {away:g}s (lease TTL {TTL}s)", recover_s=0,
-           steps_redone=0, samples_lost=0, note="no worker restarted; steps during the outage")
+    record(
+        f"etcd killed, back after {away:g}s (lease TTL {TTL}s)",
+        recover_s=0,
+        steps_redone=0,
+        samples_lost=0,
+        note="no worker restarted; steps during the outage",
+    )
 
 
-def test_etcd_cluster_member_down_goes_unnoticed(run_id: str, procs: list[Proc],
-                                                 tmp_path: Path) -> None:
+def test_etcd_cluster_member_down_goes_unnoticed(
+    run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     with EtcdCluster(3) as cluster:
         agents = _two_training(procs, cluster.endpoints, run_id, tmp_path)
         pids = {pid for a in agents for pid in wait_workers(a, 1)}
@@ -153,19 +191,33 @@ def test_etcd_cluster_member_down_goes_unnoticed(run_id: str, procs: list[Proc],
 
 
 # -- hung workers -----------------------------------------------------------------------------
-def test_hung_worker_is_detected_and_the_job_resumes(etcd: EtcdServer, run_id: str,
-                                                    procs: list[Proc], tmp_path: Path) -> None:
-    agents = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="2",
-                          env={"RESULT_DIR": str(tmp_path)},
-                          extra=("--worker-hang-timeout", "4", "--max-restarts", "1"))
-              for n in ("a", "b")]
+def test_hung_worker_is_detected_and_the_job_resumes(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    agents = [
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            TRAIN,
+            *TRAIN_ARGS,
+            nnodes="2",
+            env={"RESULT_DIR": str(tmp_path)},
+            extra=("--worker-hang-timeout", "4", "--max-restarts", "1"),
+        )
+        for n in ("a", "b")
+    ]
     wait_world(tmp_path, 2, timeout=60)
     time.sleep(1)
     victim = psutil.Process(wait_workers(agents[1], 1)[0])
     stopped = time.time()
     victim.send_signal(signal.SIGSTOP)
-    line = wait_until(lambda: next((ln for a in agents for ln in a.err if "hung:" in ln), None),
-                      20, "the hang to be detected")
+    line = wait_until(
+        lambda: next((ln for a in agents for ln in a.err if "hung:" in ln), None),
+        20,
+        "the hang to be detected",
+    )
     detected = time.time()
     # the timeout runs from the last progress report, at most a step before the SIGSTOP
     assert 3.5 <= detected - stopped <= 8, f"detected after {detected - stopped:.1f}s: {line}"
@@ -175,9 +227,13 @@ def test_hung_worker_is_detected_and_the_job_resumes(etcd: EtcdServer, run_id: s
     history = steps(tmp_path)
     assert any("restart 1 after a worker failure" in ln for ln in agents[0].err)
     samples_once(history, SAMPLES, EPOCHS)
-    record("a worker frozen (SIGSTOP), --worker-hang-timeout 4",
-           detect_s=round(detected - stopped, 1), recover_s=round(resumed - stopped, 1),
-           steps_redone=redone(history, stopped), samples_lost=0)
+    record(
+        "a worker frozen (SIGSTOP), --worker-hang-timeout 4",
+        detect_s=round(detected - stopped, 1),
+        recover_s=round(resumed - stopped, 1),
+        steps_redone=redone(history, stopped),
+        samples_lost=0,
+    )
 
 
 def test_a_silent_worker_is_described_by_its_process_state() -> None:
@@ -192,12 +248,21 @@ def test_a_silent_worker_is_described_by_its_process_state() -> None:
     assert _why_still(proc.pid) == "process gone"
 
 
-def test_a_script_that_reports_nothing_is_never_declared_hung(etcd: EtcdServer, run_id: str,
-                                                              procs: list[Proc],
-                                                              tmp_path: Path) -> None:
-    agent = start_agent(procs, etcd.endpoint, run_id, "a", TRAIN_LOOP, "--steps", "60",
-                        nnodes="1", env={"RESULT_DIR": str(tmp_path)},
-                        extra=("--worker-hang-timeout", "2"))
+def test_a_script_that_reports_nothing_is_never_declared_hung(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    agent = start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        "a",
+        TRAIN_LOOP,
+        "--steps",
+        "60",
+        nnodes="1",
+        env={"RESULT_DIR": str(tmp_path)},
+        extra=("--worker-hang-timeout", "2"),
+    )
     wait_world(tmp_path, 1, timeout=60)
     worker = psutil.Process(wait_workers(agent, 1)[0])
     worker.send_signal(signal.SIGSTOP)
@@ -209,21 +274,45 @@ def test_a_script_that_reports_nothing_is_never_declared_hung(etcd: EtcdServer, 
 
 
 # -- disks ------------------------------------------------------------------------------------
-def test_full_then_read_only_checkpoint_disk_while_training(etcd: EtcdServer, run_id: str,
-                                                            procs: list[Proc],
-                                                            tmp_path: Path) -> None:
+def test_full_then_read_only_checkpoint_disk_while_training(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     with small_tmpfs(tmp_path / "disk", "96k") as disk:
-        agent = start_agent(procs, etcd.endpoint, run_id, "a", TRAIN, *TRAIN_ARGS, nnodes="1",
-                            nproc=2, env={"RESULT_DIR": str(tmp_path)},
-                            extra=("--checkpoint-dir", str(disk), "--checkpoint-every", "1",
-                                   "--checkpoint-keep", "50", "--metrics-port", "0"))
-        port = int(re.search(r":(\d+)/metrics", agent.wait_output("metrics on http://",
-                                                                   timeout=30)).group(1))
+        agent = start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            "a",
+            TRAIN,
+            *TRAIN_ARGS,
+            nnodes="1",
+            nproc=2,
+            env={"RESULT_DIR": str(tmp_path)},
+            extra=(
+                "--checkpoint-dir",
+                str(disk),
+                "--checkpoint-every",
+                "1",
+                "--checkpoint-keep",
+                "50",
+                "--metrics-port",
+                "0",
+            ),
+        )
+        port = int(
+            re.search(r":(\d+)/metrics", agent.wait_output("metrics on http://", timeout=30)).group(
+                1
+            )
+        )
 
         def failures() -> float:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-            return sum(float(v) for v in re.findall(
-                r'^elastic_run_checkpoint_failures_total\{.*?rank="0".*?\} (\S+)$', text, re.M))
+            return sum(
+                float(v)
+                for v in re.findall(
+                    r'^elastic_run_checkpoint_failures_total\{.*?rank="0".*?\} (\S+)$', text, re.M
+                )
+            )
 
         full = wait_until(lambda: failures() > 0, 60, "a checkpoint to fail on the full disk")
         good = CheckpointDir(disk).newest_valid()
@@ -235,60 +324,112 @@ def test_full_then_read_only_checkpoint_disk_while_training(etcd: EtcdServer, ru
         assert CheckpointDir(disk).newest_valid()[0] == good[0], "the last good one survived"
         assert any("checkpoint of step" in ln and "failed" in ln for ln in agent.err)
         samples_once(steps(tmp_path), SAMPLES, EPOCHS)
-    record("checkpoint disk full, then read-only, while training", recover_s=0,
-           steps_redone=0, samples_lost=0, note="counted in elastic_run_checkpoint_failures_total")
+    record(
+        "checkpoint disk full, then read-only, while training",
+        recover_s=0,
+        steps_redone=0,
+        samples_lost=0,
+        note="counted in elastic_run_checkpoint_failures_total",
+    )
 
 
 # -- restart budget ---------------------------------------------------------------------------
-def test_crash_loop_on_one_node_stops_after_the_job_budget(etcd: EtcdServer, run_id: str,
-                                                           procs: list[Proc],
-                                                           tmp_path: Path) -> None:
+def test_crash_loop_on_one_node_stops_after_the_job_budget(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     started = time.time()
-    agents = [start_agent(procs, etcd.endpoint, run_id, n, TRAIN_LOOP, "--steps", "1000",
-                          "--crash-rank", "2", "--crash-step", "3", nnodes="3",
-                          env={"RESULT_DIR": str(tmp_path)}, extra=("--max-restarts", "2"))
-              for n in ("a", "b", "c")]
+    agents = [
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            TRAIN_LOOP,
+            "--steps",
+            "1000",
+            "--crash-rank",
+            "2",
+            "--crash-step",
+            "3",
+            nnodes="3",
+            env={"RESULT_DIR": str(tmp_path)},
+            extra=("--max-restarts", "2"),
+        )
+        for n in ("a", "b", "c")
+    ]
     assert [a.wait(180) for a in agents] == [1, 1, 1]
     attempts = sorted({s["restarts"] for s in steps(tmp_path)})
     assert attempts == [0, 1, 2], f"the job ran {len(attempts)} attempts, not 3"
     for a in agents:
         err = "\n".join(a.err)
         assert "restart budget spent" in err and "injected crash at step 3 on rank 2" in err
-    record("a worker crashing on every attempt, on one of 3 nodes, --max-restarts 2",
-           attempts=len(attempts), give_up_s=round(time.time() - started, 1),
-           note="every agent exits 1 naming rank 2's error")
+    record(
+        "a worker crashing on every attempt, on one of 3 nodes, --max-restarts 2",
+        attempts=len(attempts),
+        give_up_s=round(time.time() - started, 1),
+        note="every agent exits 1 naming rank 2's error",
+    )
 
 
 # -- jobs, ids, standbys ----------------------------------------------------------------------
 def test_two_jobs_share_an_etcd_and_a_finished_id_does_not_run_again(
-        etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path) -> None:
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     jobs = {}
     for job in ("x", "y"):
         out = tmp_path / job
         out.mkdir()
-        jobs[job] = (out, [start_agent(procs, etcd.endpoint, f"{run_id}-{job}", n, TRAIN_LOOP,
-                                       "--steps", "30", nnodes="2", env={"RESULT_DIR": str(out)})
-                           for n in ("a", "b")])
+        jobs[job] = (
+            out,
+            [
+                start_agent(
+                    procs,
+                    etcd.endpoint,
+                    f"{run_id}-{job}",
+                    n,
+                    TRAIN_LOOP,
+                    "--steps",
+                    "30",
+                    nnodes="2",
+                    env={"RESULT_DIR": str(out)},
+                )
+                for n in ("a", "b")
+            ],
+        )
     for out, agents in jobs.values():
         finish(*agents)
         assert {s["world"] for s in steps(out)} == {2}, "the two jobs got mixed"
-    again = start_agent(procs, etcd.endpoint, f"{run_id}-x", "a", TRAIN_LOOP, nnodes="2",
-                        env={"RESULT_DIR": str(tmp_path / "again")})
+    again = start_agent(
+        procs,
+        etcd.endpoint,
+        f"{run_id}-x",
+        "a",
+        TRAIN_LOOP,
+        nnodes="2",
+        env={"RESULT_DIR": str(tmp_path / "again")},
+    )
     assert again.wait(30) == 0
     assert any("has finished" in ln and "new --rdzv-id" in ln for ln in again.err)
     assert not (tmp_path / "again").exists()
-    record("two jobs on one etcd; a finished job's id launched again", recover_s=0,
-           note="isolated; the second launch exits 0 at once: a finished job stays finished")
+    record(
+        "two jobs on one etcd; a finished job's id launched again",
+        recover_s=0,
+        note="isolated; the second launch exits 0 at once: a finished job stays finished",
+    )
 
 
-def test_standby_is_admitted_when_a_member_dies(etcd: EtcdServer, run_id: str,
-                                               procs: list[Proc], tmp_path: Path) -> None:
+def test_standby_is_admitted_when_a_member_dies(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     env = {"RESULT_DIR": str(tmp_path)}
-    a, b = (start_agent(procs, etcd.endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="1:2",
-                        env=env) for n in "ab")
+    a, b = (
+        start_agent(procs, etcd.endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="1:2", env=env)
+        for n in "ab"
+    )
     wait_world(tmp_path, 2, timeout=60)
-    spare = start_agent(procs, etcd.endpoint, run_id, "spare", TRAIN, *TRAIN_ARGS, nnodes="1:2",
-                        env=env)
+    spare = start_agent(
+        procs, etcd.endpoint, run_id, "spare", TRAIN, *TRAIN_ARGS, nnodes="1:2", env=env
+    )
     spare.wait_output("registered as spare", timeout=30)
     time.sleep(1)
     assert rounds_seen(spare) == [], "a standby must wait while the round is full"
@@ -299,6 +440,9 @@ def test_standby_is_admitted_when_a_member_dies(etcd: EtcdServer, run_id: str,
     finish(a, spare)
     history = steps(tmp_path)
     samples_once(history, SAMPLES, EPOCHS)
-    record("a member SIGKILLed while a standby waits (nnodes 1:2, 3 agents)",
-           recover_s=round(resumed - killed, 1), steps_redone=redone(history, killed),
-           samples_lost=0)
+    record(
+        "a member SIGKILLed while a standby waits (nnodes 1:2, 3 agents)",
+        recover_s=round(resumed - killed, 1),
+        steps_redone=redone(history, killed),
+        samples_lost=0,
+    )

@@ -21,14 +21,20 @@ pytestmark = pytest.mark.slow
 
 
 def elastic_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic", "--start-method", "forkserver",
-                           *args], capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "elastic", "--start-method", "forkserver", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_workers_get_the_same_environment_and_logs(tmp_path: Path) -> None:
-    done = elastic_run("--nproc-per-node", "2", "tests/scripts/dump_env.py",
-                       env={"RESULT_DIR": str(tmp_path)})
+    done = elastic_run(
+        "--nproc-per-node", "2", "tests/scripts/dump_env.py", env={"RESULT_DIR": str(tmp_path)}
+    )
     assert done.returncode == 0, done.stderr
     for rank in (0, 1):
         env = json.loads((tmp_path / f"env-rank{rank}.json").read_text())
@@ -39,12 +45,21 @@ def test_workers_get_the_same_environment_and_logs(tmp_path: Path) -> None:
 
 
 def test_failures_carry_exit_code_and_message(tmp_path: Path) -> None:
-    done = elastic_run("--nproc-per-node", "2", "--max-restarts", "1",
-                       "tests/scripts/echo.py", "--fail-first")
+    done = elastic_run(
+        "--nproc-per-node", "2", "--max-restarts", "1", "tests/scripts/echo.py", "--fail-first"
+    )
     assert done.returncode == 0, done.stderr  # the restart succeeds
     assert "rank 1 (local_rank 1) on" in done.stderr and "exit code 3" in done.stderr
-    crash = elastic_run("tests/scripts/train_loop.py", "--steps", "5", "--crash-rank", "0",
-                        "--crash-step", "2", env={"RESULT_DIR": str(tmp_path)})
+    crash = elastic_run(
+        "tests/scripts/train_loop.py",
+        "--steps",
+        "5",
+        "--crash-rank",
+        "0",
+        "--crash-step",
+        "2",
+        env={"RESULT_DIR": str(tmp_path)},
+    )
     assert crash.returncode == 1
     assert "RuntimeError: injected crash at step 2 on rank 0" in crash.stderr
 
@@ -55,26 +70,54 @@ def test_module_mode() -> None:
     assert "[rank0]: usage:" in done.stdout
 
 
-def test_workers_die_with_the_agent(etcd: EtcdServer, run_id: str, procs: list[Proc],
-                                    tmp_path: Path) -> None:
-    agent = start_agent(procs, etcd.endpoint, run_id, "a", TRAIN_LOOP, "--steps", "100000",
-                        nnodes="1", env={"RESULT_DIR": str(tmp_path)},
-                        extra=("--start-method", "forkserver"))
+def test_workers_die_with_the_agent(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    agent = start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        "a",
+        TRAIN_LOOP,
+        "--steps",
+        "100000",
+        nnodes="1",
+        env={"RESULT_DIR": str(tmp_path)},
+        extra=("--start-method", "forkserver"),
+    )
     wait_world(tmp_path, 1)
     workers = [s["pid"] for s in steps(tmp_path)][:1]
     assert psutil.Process(workers[0]).ppid() != agent.pid  # a child of the fork server
     agent.signal(signal.SIGKILL)
-    wait_until(lambda: not psutil.pid_exists(workers[0]) or
-               psutil.Process(workers[0]).status() == psutil.STATUS_ZOMBIE, 1.0,
-               "the worker to die with its agent")
+    wait_until(
+        lambda: (
+            not psutil.pid_exists(workers[0])
+            or psutil.Process(workers[0]).status() == psutil.STATUS_ZOMBIE
+        ),
+        1.0,
+        "the worker to die with its agent",
+    )
 
 
-def test_a_lost_node_restarts_forked_workers(etcd: EtcdServer, run_id: str,
-                                             procs: list[Proc], tmp_path: Path) -> None:
+def test_a_lost_node_restarts_forked_workers(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     env = {"RESULT_DIR": str(tmp_path)}
-    a, b = (start_agent(procs, etcd.endpoint, run_id, n, TRAIN_LOOP, "--steps", "100000",
-                        nnodes="1:2", env=env, extra=("--start-method", "forkserver"))
-            for n in "ab")
+    a, b = (
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            TRAIN_LOOP,
+            "--steps",
+            "100000",
+            nnodes="1:2",
+            env=env,
+            extra=("--start-method", "forkserver"),
+        )
+        for n in "ab"
+    )
     wait_world(tmp_path, 2)
     old = set(wait_workers(a, 1))
     killed = time.time()

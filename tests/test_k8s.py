@@ -29,8 +29,12 @@ CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 @cache
 def build(overlay: str) -> tuple[dict, ...]:
     kubectl = need_binary("kubectl")
-    done = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return tuple(d for d in yaml.safe_load_all(done.stdout) if d)
 
@@ -42,8 +46,16 @@ def find(docs: tuple[dict, ...], kind: str, name: str) -> dict:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_builds_with_everything(overlay: str) -> None:
     kinds = sorted(d["kind"] for d in build(overlay))
-    for kind in ("StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy",
-                 "ConfigMap", "PodMonitor", "PrometheusRule", "Namespace"):
+    for kind in (
+        "StatefulSet",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "ConfigMap",
+        "PodMonitor",
+        "PrometheusRule",
+        "Namespace",
+    ):
         assert kind in kinds, kind
 
 
@@ -55,8 +67,10 @@ def test_resources_validate_strictly(overlay: str) -> None:
         try:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)
         except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {e.message} at "
-                        f"{'.'.join(map(str, e.path))}")
+            pytest.fail(
+                f"{doc['kind']}/{doc['metadata']['name']}: {e.message} at "
+                f"{'.'.join(map(str, e.path))}"
+            )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -65,8 +79,14 @@ def test_prometheus_operator_objects_fit_their_crds(overlay: str) -> None:
     node = need_binary("node")
     objects = [d for d in build(overlay) if d["kind"] in CRD_KINDS]
     assert {d["kind"] for d in objects} == CRD_KINDS
-    done = subprocess.run([node, "validate_monitoring.mjs"], input=json.dumps(objects),
-                          capture_output=True, text=True, timeout=60, cwd=ROOT / "tests" / "k8s")
+    done = subprocess.run(
+        [node, "validate_monitoring.mjs"],
+        input=json.dumps(objects),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT / "tests" / "k8s",
+    )
     assert done.returncode == 0, done.stderr
     assert all(v is None for v in json.loads(done.stdout).values()), done.stdout
     for d in objects:
@@ -77,8 +97,14 @@ def test_prometheus_operator_objects_fit_their_crds(overlay: str) -> None:
     bad["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
     assert unknown_fields(bad["spec"], "PodMonitorSpec")
     bad["spec"]["podMetricsEndpoints"][0]["port"] = 9400
-    done = subprocess.run([node, "validate_monitoring.mjs"], input=json.dumps([bad]),
-                          capture_output=True, text=True, timeout=60, cwd=ROOT / "tests" / "k8s")
+    done = subprocess.run(
+        [node, "validate_monitoring.mjs"],
+        input=json.dumps([bad]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT / "tests" / "k8s",
+    )
     assert "must be string" in done.stdout
 
 
@@ -87,12 +113,15 @@ def test_monitoring_is_the_same_as_deploy_prometheus_and_grafana() -> None:
     rule = find(docs, "PrometheusRule", "elastic-run")
     assert rule["spec"] == yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert find(build("dev"), "PodMonitor", "elastic-run")["metadata"]["labels"]["release"] \
+    assert (
+        find(build("dev"), "PodMonitor", "elastic-run")["metadata"]["labels"]["release"]
         == "prometheus"
+    )
     dashboard = find(docs, "ConfigMap", "grafana-dashboard-elastic-run")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(dashboard["data"]["elastic-run.json"]) == \
-        json.loads((ROOT / "deploy/grafana/elastic-run.json").read_text())
+    assert json.loads(dashboard["data"]["elastic-run.json"]) == json.loads(
+        (ROOT / "deploy/grafana/elastic-run.json").read_text()
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -142,8 +171,9 @@ def trainer_command(overlay: str) -> tuple[list[str], dict[str, str]]:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_container_command_parses_flag_for_flag(overlay: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_container_command_parses_flag_for_flag(
+    overlay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     args, env = trainer_command(overlay)
     for key, value in env.items():
         assert key.startswith("PET_"), key
@@ -153,29 +183,32 @@ def test_container_command_parses_flag_for_flag(overlay: str,
     assert ns.training_script == "/app/examples/train_ddp.py"
     assert ns.nnodes == env["PET_NNODES"] and ns.rdzv_endpoint == env["PET_RDZV_ENDPOINT"]
     known = {o for a in build_parser()._actions for o in a.option_strings}
-    ours = args[:args.index(ns.training_script)]
+    ours = args[: args.index(ns.training_script)]
     assert [f for f in ours if f.startswith("--") and f not in known] == []
 
 
 @pytest.mark.slow
-def test_the_manifest_command_trains_as_two_local_pods(etcd: EtcdServer, run_id: str,
-                                                       procs: list[Proc], tmp_path: Path) -> None:
+def test_the_manifest_command_trains_as_two_local_pods(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     """The dev overlay's trainer, run as two processes with the manifest's arguments and
     environment; the manifest's etcd address mapped to the local one, the image's /app
     to this checkout, the pod fields to local values."""
     args, env = trainer_command("dev")
-    env["PET_RDZV_ENDPOINT"] = re.sub(r"etcd-0\.etcd:2379", etcd.endpoint,
-                                      env["PET_RDZV_ENDPOINT"])
+    env["PET_RDZV_ENDPOINT"] = re.sub(r"etcd-0\.etcd:2379", etcd.endpoint, env["PET_RDZV_ENDPOINT"])
     env["PET_RDZV_ID"] = run_id
     pods = []
     for i in range(2):
-        local = [a.replace("$(POD_NAME)", f"trainer-{i}").replace("$(POD_IP)", "127.0.0.1")
-                 .replace("/app/", f"{ROOT}/").replace("/checkpoints", str(tmp_path / f"c{i}"))
-                 for a in args]
+        local = [
+            a.replace("$(POD_NAME)", f"trainer-{i}")
+            .replace("$(POD_IP)", "127.0.0.1")
+            .replace("/app/", f"{ROOT}/")
+            .replace("/checkpoints", str(tmp_path / f"c{i}"))
+            for a in args
+        ]
         epochs = local.index("--epochs")
         local[epochs + 1] = "2"
-        pods.append(Proc([sys.executable, "-m", "elastic", *local], env=env,
-                         name=f"trainer-{i}"))
+        pods.append(Proc([sys.executable, "-m", "elastic", *local], env=env, name=f"trainer-{i}"))
     procs.extend(pods)
     for p in pods:
         assert p.wait(180) == 0, p.transcript()
@@ -187,8 +220,9 @@ def test_the_manifest_command_trains_as_two_local_pods(etcd: EtcdServer, run_id:
 
 def test_dockerfile_lints_clean() -> None:
     hadolint = need_binary("hadolint")
-    done = subprocess.run([hadolint, str(ROOT / "deploy" / "Dockerfile")], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [hadolint, str(ROOT / "deploy" / "Dockerfile")], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["elastic-run"]' in text and "USER 1000" in text

@@ -17,9 +17,28 @@ pytestmark = pytest.mark.slow
 def run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[str, str, Path]:
     logs = tmp_path / "logs"
     done = subprocess.run(
-        [sys.executable, "-m", "elastic", "--nproc-per-node", "2", "--log-dir", str(logs),
-         "--rdzv-id", "logs", "--node-id", "n", *flags, ECHO, *script_args],
-        capture_output=True, text=True, timeout=120, cwd=str(ROOT), env=dict(os.environ))
+        [
+            sys.executable,
+            "-m",
+            "elastic",
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(logs),
+            "--rdzv-id",
+            "logs",
+            "--node-id",
+            "n",
+            *flags,
+            ECHO,
+            *script_args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env=dict(os.environ),
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout, done.stderr, logs / "logs_n"
 
@@ -55,8 +74,9 @@ def test_local_ranks_filter(tmp_path: Path) -> None:
 
 
 def test_every_attempt_keeps_its_logs(tmp_path: Path) -> None:
-    _, err, run_dir = run(tmp_path, "--redirects", "3", "--max-restarts", "1",
-                          script_args=("--fail-first",))
+    _, err, run_dir = run(
+        tmp_path, "--redirects", "3", "--max-restarts", "1", script_args=("--fail-first",)
+    )
     attempts = sorted(p.name for p in run_dir.iterdir())
     assert attempts == ["attempt_0", "attempt_1"]
     for a in attempts:
@@ -67,5 +87,4 @@ def test_every_attempt_keeps_its_logs(tmp_path: Path) -> None:
 def test_duplicate_filters_copy_matching_lines(tmp_path: Path) -> None:
     out, _, run_dir = run(tmp_path, "--duplicate-stdout-filters", "from 1")
     assert "[rank0]: hello from 0" in out
-    assert (run_dir / "attempt_0" / "filtered_stdout.log").read_text() == \
-        "[rank1]: hello from 1\n"
+    assert (run_dir / "attempt_0" / "filtered_stdout.log").read_text() == "[rank1]: hello from 1\n"

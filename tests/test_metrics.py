@@ -36,8 +36,10 @@ class FakeNvml:
         self.available = available
 
     def samples(self) -> list[GpuSample]:
-        return [GpuSample(0, "GPU-aaaa", 0.75, 8e9, 80e9, 300.0, 65.0, {4242: 7e9, 999: 1e9}),
-                GpuSample(1, "GPU-bbbb", 0.0, 1e6, 80e9, None, None, {})]
+        return [
+            GpuSample(0, "GPU-aaaa", 0.75, 8e9, 80e9, 300.0, 65.0, {4242: 7e9, 999: 1e9}),
+            GpuSample(1, "GPU-bbbb", 0.0, 1e6, 80e9, None, None, {}),
+        ]
 
 
 def scrape_registry(*collectors: object) -> str:
@@ -50,15 +52,21 @@ def scrape_registry(*collectors: object) -> str:
 def test_gpu_collector_with_a_fake_nvml() -> None:
     workers = [WorkerProc(rank=3, local_rank=1, pid=4242, alive=True)]
     text = scrape_registry(GpuCollector(FakeNvml(), lambda: workers, "j", "n"))
-    assert 'elastic_run_gpu_utilization_ratio{gpu="0",job="j",node="n",uuid="GPU-aaaa"} 0.75' \
-        in text
+    assert (
+        'elastic_run_gpu_utilization_ratio{gpu="0",job="j",node="n",uuid="GPU-aaaa"} 0.75' in text
+    )
     assert 'elastic_run_gpu_memory_total_bytes{gpu="1",job="j",node="n",uuid="GPU-bbbb"}' in text
     assert 'elastic_run_gpu_power_watts{gpu="0",job="j",node="n",uuid="GPU-aaaa"} 300.0' in text
     assert 'gpu="1"' not in text.split("elastic_run_gpu_power_watts")[1].split("# HELP")[0]
-    proc = [line for line in text.splitlines()
-            if line.startswith("elastic_run_gpu_process_memory_bytes{")]
-    assert proc == ['elastic_run_gpu_process_memory_bytes{gpu="0",job="j",local_rank="1",'
-                    'node="n",rank="3",uuid="GPU-aaaa"} 7e+09']  # pid 999 is not ours
+    proc = [
+        line
+        for line in text.splitlines()
+        if line.startswith("elastic_run_gpu_process_memory_bytes{")
+    ]
+    assert proc == [
+        'elastic_run_gpu_process_memory_bytes{gpu="0",job="j",local_rank="1",'
+        'node="n",rank="3",uuid="GPU-aaaa"} 7e+09'
+    ]  # pid 999 is not ours
 
 
 def test_no_nvml_means_no_gpu_series_and_no_error() -> None:
@@ -88,7 +96,7 @@ def test_endpoint_healthz_and_port_errors() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
             body = r.read().decode()
         assert 'elastic_run_restart_budget_remaining{job="j",node="n"} 2.0' in body
-        assert 'elastic_run_build_info{python=' in body
+        assert "elastic_run_build_info{python=" in body
         other = MetricsServer(m.registry, dict)
         with pytest.raises(MetricsError, match=f"--metrics-port {port}: cannot listen"):
             other.start("127.0.0.1", port)
@@ -104,18 +112,47 @@ def agent(etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tag = f"metrics-{os.getpid()}"
     env = {TAG_VAR: tag}
     ckpt = tmp_path_factory.mktemp("ckpt")
-    p = Proc([sys.executable, "-m", "elastic", "--nproc-per-node", "2", "--rdzv-endpoint",
-              etcd.endpoint, "--rdzv-id", "metrics-job", "--node-id", "metrics-node",
-              "--local-addr", "127.0.0.1", "--metrics-addr", "127.0.0.1", "--metrics-port", "0",
-              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20",
-              str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1000", "--step-time", "0.02"],
-             env=env, name="agent")
+    p = Proc(
+        [
+            sys.executable,
+            "-m",
+            "elastic",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            etcd.endpoint,
+            "--rdzv-id",
+            "metrics-job",
+            "--node-id",
+            "metrics-node",
+            "--local-addr",
+            "127.0.0.1",
+            "--metrics-addr",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "20",
+            str(ROOT / "examples" / "train_ddp.py"),
+            "--epochs",
+            "1000",
+            "--step-time",
+            "0.02",
+        ],
+        env=env,
+        name="agent",
+    )
     try:
         line = p.wait_output("metrics on http://", timeout=60)
         port = int(re.search(r":(\d+)/metrics", line).group(1))
         url = f"http://127.0.0.1:{port}/metrics"
-        wait_until(lambda: b'elastic_run_training_step{' in urllib.request.urlopen(url).read(),
-                   60, "workers to report steps")
+        wait_until(
+            lambda: b"elastic_run_training_step{" in urllib.request.urlopen(url).read(),
+            60,
+            "workers to report steps",
+        )
         yield {"port": port, "url": url, "proc": p}
     finally:
         p.kill_tree()
@@ -132,12 +169,18 @@ def scrape(url: str) -> str:
 def test_promtool_accepts_a_real_scrape(agent: dict) -> None:
     promtool = need_binary("promtool")
     text = scrape(agent["url"])
-    for name in ("elastic_run_world_size", "elastic_run_worker_cpu_seconds_total",
-                 "elastic_run_training_step", "elastic_run_training_loss",
-                 "elastic_run_snapshot_seconds_bucket", "elastic_run_training_samples_total"):
+    for name in (
+        "elastic_run_world_size",
+        "elastic_run_worker_cpu_seconds_total",
+        "elastic_run_training_step",
+        "elastic_run_training_loss",
+        "elastic_run_snapshot_seconds_bucket",
+        "elastic_run_training_samples_total",
+    ):
         assert name in text, name
-    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -146,14 +189,31 @@ def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
     prometheus = need_binary("prometheus")
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "elastic-run", "honor_labels": True,
-                            "static_configs": [{"targets": [f"127.0.0.1:{agent['port']}"]}]}],
-    }))
-    server = Proc([prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path}/db",
-                   f"--web.listen-address=127.0.0.1:{port}"], name="prometheus")
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "elastic-run",
+                        "honor_labels": True,
+                        "static_configs": [{"targets": [f"127.0.0.1:{agent['port']}"]}],
+                    }
+                ],
+            }
+        )
+    )
+    server = Proc(
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path}/db",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        name="prometheus",
+    )
     try:
+
         def query(q: str) -> list[dict]:
             url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
             try:
@@ -162,8 +222,11 @@ def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
             except OSError:
                 return []
 
-        got = wait_until(lambda: query('elastic_run_world_size{job="metrics-job"}'), 30,
-                         "Prometheus to scrape the agent")
+        got = wait_until(
+            lambda: query('elastic_run_world_size{job="metrics-job"}'),
+            30,
+            "Prometheus to scrape the agent",
+        )
         assert got[0]["value"][1] == "2" and got[0]["metric"]["node"] == "metrics-node"
         up = wait_until(lambda: query("sum(elastic_run_worker_up)"), 10, "worker series")
         assert up[0]["value"][1] == "2"
@@ -186,8 +249,7 @@ def alert_exprs() -> list[str]:
 
 
 def concrete(expr: str) -> str:
-    return (expr.replace("$__rate_interval", "5m").replace("$job", "j")
-            .replace("$node", ".*"))
+    return expr.replace("$__rate_interval", "5m").replace("$job", "j").replace("$node", ".*")
 
 
 def test_dashboard_is_grafana_shaped() -> None:
@@ -199,42 +261,75 @@ def test_dashboard_is_grafana_shaped() -> None:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}", p["title"]
     titles = " ".join(p["title"] for p in d["panels"]).lower()
-    for topic in ("world size", "restarts", "goodput", "cpu", "memory", "gpu utilisation",
-                  "gpu memory", "power", "step", "loss", "snapshot", "checkpoint"):
+    for topic in (
+        "world size",
+        "restarts",
+        "goodput",
+        "cpu",
+        "memory",
+        "gpu utilisation",
+        "gpu memory",
+        "power",
+        "step",
+        "loss",
+        "snapshot",
+        "checkpoint",
+    ):
         assert topic in titles, topic
 
 
 def test_every_expression_parses(tmp_path: Path) -> None:
     promtool = need_binary("promtool")
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:expr{i}", "expr": concrete(e)}
-        for i, e in enumerate(dashboard_exprs())]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:expr{i}", "expr": concrete(e)}
+                    for i, e in enumerate(dashboard_exprs())
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump(rules))
     for file in (path, DEPLOY / "prometheus" / "alerts.yml"):
-        done = subprocess.run([promtool, "check", "rules", str(file)], capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(
+            [promtool, "check", "rules", str(file)], capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_alert_has_a_passing_unit_test() -> None:
     promtool = need_binary("promtool")
-    alerts = {r["alert"] for g in yaml.safe_load(
-        (DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"] for r in g["rules"]}
+    alerts = {
+        r["alert"]
+        for g in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+    }
     tests = yaml.safe_load((DEPLOY / "prometheus" / "alerts_test.yml").read_text())["tests"]
     firing = {c["alertname"] for t in tests for c in t["alert_rule_test"] if c["exp_alerts"]}
     assert alerts == firing, f"alerts without a firing test: {alerts - firing}"
-    done = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], capture_output=True,
-                          text=True, timeout=60, cwd=DEPLOY / "prometheus")
+    done = subprocess.run(
+        [promtool, "test", "rules", "alerts_test.yml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=DEPLOY / "prometheus",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.slow
 def test_expressions_name_only_metrics_the_exporter_produces(agent: dict) -> None:
     text = scrape(agent["url"]) + scrape_registry(
-        GpuCollector(FakeNvml(), lambda: [WorkerProc(0, 0, 4242, True)], "j", "n"))
-    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
-                if line and not line.startswith("#")}
+        GpuCollector(FakeNvml(), lambda: [WorkerProc(0, 0, 4242, True)], "j", "n")
+    )
+    exported = {
+        line.split("{")[0].split(" ")[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     for expr in dashboard_exprs() + alert_exprs():
         for name in re.findall(r"\belastic_run_[a-z_]+", expr):
             assert name in exported, f"{name} (in {expr!r}) is not exported"
@@ -242,28 +337,58 @@ def test_expressions_name_only_metrics_the_exporter_produces(agent: dict) -> Non
 
 def test_scrape_config_example_is_valid() -> None:
     promtool = need_binary("promtool")
-    done = subprocess.run([promtool, "check", "config", "scrape.yml"], capture_output=True,
-                          text=True, timeout=30, cwd=DEPLOY / "prometheus")
+    done = subprocess.run(
+        [promtool, "check", "config", "scrape.yml"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=DEPLOY / "prometheus",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_two_agents_side_by_side_do_not_fight_for_the_port(etcd: EtcdServer, run_id: str,
-                                                          procs: list[Proc]) -> None:
+def test_two_agents_side_by_side_do_not_fight_for_the_port(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     """The default port falls back to a free one when another agent has it."""
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         with contextlib.suppress(OSError):  # if someone has it already: the same situation
             busy.bind(("0.0.0.0", 9400))
             busy.listen()
-        p = Proc([sys.executable, "-m", "elastic", "--rdzv-endpoint", etcd.endpoint,
-                  "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
-                  str(ROOT / "tests" / "scripts" / "echo.py")], name="agent")
+        p = Proc(
+            [
+                sys.executable,
+                "-m",
+                "elastic",
+                "--rdzv-endpoint",
+                etcd.endpoint,
+                "--rdzv-id",
+                run_id,
+                "--local-addr",
+                "127.0.0.1",
+                str(ROOT / "tests" / "scripts" / "echo.py"),
+            ],
+            name="agent",
+        )
         procs.append(p)
         assert p.wait(60) == 0, p.transcript()
         assert "port 9400 is taken: /metrics on port" in "\n".join(p.err)
-        explicit = Proc([sys.executable, "-m", "elastic", "--metrics-port", "9400",
-                         "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id + "x",
-                         str(ROOT / "tests" / "scripts" / "echo.py")], name="explicit")
+        explicit = Proc(
+            [
+                sys.executable,
+                "-m",
+                "elastic",
+                "--metrics-port",
+                "9400",
+                "--rdzv-endpoint",
+                etcd.endpoint,
+                "--rdzv-id",
+                run_id + "x",
+                str(ROOT / "tests" / "scripts" / "echo.py"),
+            ],
+            name="explicit",
+        )
         procs.append(explicit)
         assert explicit.wait(60) == 1
         errors = [line for line in explicit.err if "error:" in line]

@@ -12,15 +12,25 @@ def node(i: str, rev: int, done: int = 0, state: str = "waiting") -> LiveNode:
 
 
 def rnd(number: int, *members: LiveNode, restarts: int = 0) -> RoundRecord:
-    return RoundRecord(number, tuple(Member(n.record.id, n.rev, "h", 2) for n in members),
-                       "h", 1, 2, restarts)
+    return RoundRecord(
+        number, tuple(Member(n.record.id, n.rev, "h", 2) for n in members), "h", 1, 2, restarts
+    )
 
 
-def view(*nodes: LiveNode, r: RoundRecord | None = None, last_join: float = 0.0,
-         departed: tuple[LiveNode, ...] = (), failures: dict | None = None) -> JobView:
-    return JobView(nodes={n.record.id: n for n in nodes}, round_record=r,
-                   departed={n.record.id: n for n in departed}, last_join=last_join,
-                   failures=failures or {})
+def view(
+    *nodes: LiveNode,
+    r: RoundRecord | None = None,
+    last_join: float = 0.0,
+    departed: tuple[LiveNode, ...] = (),
+    failures: dict | None = None,
+) -> JobView:
+    return JobView(
+        nodes={n.record.id: n for n in nodes},
+        round_record=r,
+        departed={n.record.id: n for n in departed},
+        last_join=last_join,
+        failures=failures or {},
+    )
 
 
 def test_first_round_waits_for_min_then_last_call_then_forms_in_join_order() -> None:
@@ -69,16 +79,26 @@ def test_graceful_leave_is_left_not_lost_and_leaving_nodes_are_not_candidates() 
     a, b, c = node("a", 1), node("b", 2), node("c", 3)
     r = rnd(1, a, b, c)
     gone = node("c", 3, state="leaving")
-    p = plan(view(node("a", 1, done=1), node("b", 2, done=1, state="leaving"), r=r,
-                  departed=(gone,)), 1, 3, 0.1, 0, now=100)
+    p = plan(
+        view(node("a", 1, done=1), node("b", 2, done=1, state="leaving"), r=r, departed=(gone,)),
+        1,
+        3,
+        0.1,
+        0,
+        now=100,
+    )
     assert p.form and [m.id for m in p.members] == ["a"]
     assert p.left == ("c",) and p.lost == () and p.cause == "left"
 
 
 def test_failure_charges_one_restart_and_past_budget_closes() -> None:
     a, b = node("a", 1, done=1), node("b", 2, done=1)
-    fails = {1: {"b": FailureRecord("b", 1, 50.0, {"summary": "boom"}),
-                 "a": FailureRecord("a", 1, 51.0, {"summary": "cascade"})}}
+    fails = {
+        1: {
+            "b": FailureRecord("b", 1, 50.0, {"summary": "boom"}),
+            "a": FailureRecord("a", 1, 51.0, {"summary": "cascade"}),
+        }
+    }
     p = plan(view(a, b, r=rnd(1, a, b), failures=fails), 2, 2, 0.1, 1, now=100)
     assert p.form and p.cause == "failure" and p.restarts == 1 and not p.budget_spent
     assert p.root_cause["node"] == "b" and p.root_cause["summary"] == "boom"

@@ -22,12 +22,15 @@ def test_endpoints() -> None:
     assert parse_endpoints("[::1]:2379") == (("[::1]:2379",), None)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "empty"),
-    ("a:b", r"expected host\[:port\]"),
-    ("a:70000", "port out of range"),
-    ("http://a,https://b", "mixes"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "empty"),
+        ("a:b", r"expected host\[:port\]"),
+        ("a:70000", "port out of range"),
+        ("http://a,https://b", "mixes"),
+    ],
+)
 def test_bad_endpoints(text: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         parse_endpoints(text)
@@ -45,24 +48,32 @@ def test_defaults_and_aliases() -> None:
     assert (rdzv.lease_ttl, rdzv.last_call_timeout, rdzv.join_timeout) == (5, 2.0, 600.0)
     assert rdzv.keep_alive_interval == pytest.approx(5 / 3)
     assert rdzv.job_prefix == "/elastic-run/job/"
-    _, rdzv = build_options("h", "job", 1, 4, {"heartbeat_timeout": "9", "timeout": 900,
-                                               "etcd_prefix": "/x/", "is_host": "1"})
+    _, rdzv = build_options(
+        "h",
+        "job",
+        1,
+        4,
+        {"heartbeat_timeout": "9", "timeout": 900, "etcd_prefix": "/x/", "is_host": "1"},
+    )
     assert (rdzv.lease_ttl, rdzv.join_timeout, rdzv.job_prefix) == (9, 900.0, "/x/job/")
 
 
-@pytest.mark.parametrize("conf,needle", [
-    ({"lease_tll": "5"}, "unknown key 'lease_tll'"),
-    ({"lease_ttl": "1"}, "at least 2 seconds"),
-    ({"lease_ttl": "2.5"}, "whole seconds"),
-    ({"join_timeout": "-3"}, "positive"),
-    ({"last_call_timeout": "soon"}, "number of seconds"),
-    ({"keep_alive_interval": "6"}, "shorter than lease_ttl"),
-    ({"prefix": "relative"}, "absolute key prefix"),
-    ({"protocol": "https"}, "cacert"),
-    ({"protocol": "ftp"}, "http or https"),
-    ({"cacert": "/nonexistent/ca.pem"}, "no such file"),
-    ({"user": "root"}, "user and password"),
-])
+@pytest.mark.parametrize(
+    "conf,needle",
+    [
+        ({"lease_tll": "5"}, "unknown key 'lease_tll'"),
+        ({"lease_ttl": "1"}, "at least 2 seconds"),
+        ({"lease_ttl": "2.5"}, "whole seconds"),
+        ({"join_timeout": "-3"}, "positive"),
+        ({"last_call_timeout": "soon"}, "number of seconds"),
+        ({"keep_alive_interval": "6"}, "shorter than lease_ttl"),
+        ({"prefix": "relative"}, "absolute key prefix"),
+        ({"protocol": "https"}, "cacert"),
+        ({"protocol": "ftp"}, "http or https"),
+        ({"cacert": "/nonexistent/ca.pem"}, "no such file"),
+        ({"user": "root"}, "user and password"),
+    ],
+)
 def test_bad_conf_names_the_key(conf: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle) as e:
         build_options("h", "job", 1, 4, conf)

@@ -16,18 +16,41 @@ PARTICIPANT = ROOT / "tests" / "participant.py"
 TTL = 3
 
 
-def join(procs: list[Proc], endpoint: str, run_id: str, node: str, nnodes: str = "1:4",
-         conf: str = "", max_restarts: int = 0) -> Proc:
+def join(
+    procs: list[Proc],
+    endpoint: str,
+    run_id: str,
+    node: str,
+    nnodes: str = "1:4",
+    conf: str = "",
+    max_restarts: int = 0,
+) -> Proc:
     conf = ",".join(filter(None, [f"lease_ttl={TTL}", "last_call_timeout=0.5", conf]))
-    p = Proc(python(PARTICIPANT, "--endpoint", endpoint, "--run-id", run_id, "--id", node,
-                    "--nnodes", nnodes, "--conf", conf, "--max-restarts", str(max_restarts)),
-             name=node)
+    p = Proc(
+        python(
+            PARTICIPANT,
+            "--endpoint",
+            endpoint,
+            "--run-id",
+            run_id,
+            "--id",
+            node,
+            "--nnodes",
+            nnodes,
+            "--conf",
+            conf,
+            "--max-restarts",
+            str(max_restarts),
+        ),
+        name=node,
+    )
     procs.append(p)
     return p
 
 
-def join_in_order(procs: list[Proc], endpoint: str, run_id: str, names: str,
-                  **kw: object) -> list[Proc]:
+def join_in_order(
+    procs: list[Proc], endpoint: str, run_id: str, names: str, **kw: object
+) -> list[Proc]:
     """Start nodes one after another, so join order (and rank order) is ``names``."""
     started = []
     for name in names:
@@ -45,8 +68,9 @@ def start_round(nodes: list[Proc], timeout: float = 15.0, **match: object) -> li
     return [n.expect("round", timeout, **match) for n in nodes]
 
 
-def test_round_forms_with_join_order_ranks(etcd: EtcdServer, run_id: str,
-                                           procs: list[Proc]) -> None:
+def test_round_forms_with_join_order_ranks(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     nodes = []
     for name in ("a", "b", "c"):
         nodes.append(join(procs, etcd.endpoint, run_id, name, nnodes="3"))
@@ -92,8 +116,9 @@ def test_sigkill_noticed_within_ttl(etcd: EtcdServer, run_id: str, procs: list[P
     assert after[0]["master_port"] != before["master_port"]
 
 
-def test_sigstop_noticed_and_frozen_node_fences_itself(etcd: EtcdServer, run_id: str,
-                                                       procs: list[Proc]) -> None:
+def test_sigstop_noticed_and_frozen_node_fences_itself(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="2:3")
     rounds = start_round([a, b, c])
     old_port = rounds[0]["master_port"]
@@ -119,8 +144,7 @@ def test_sigstop_noticed_and_frozen_node_fences_itself(etcd: EtcdServer, run_id:
     assert back["rev"] > 0
 
 
-def test_graceful_leave_noticed_at_once(etcd: EtcdServer, run_id: str,
-                                        procs: list[Proc]) -> None:
+def test_graceful_leave_noticed_at_once(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
     start_round([a, b])
     left = time.monotonic()
@@ -133,8 +157,9 @@ def test_graceful_leave_noticed_at_once(etcd: EtcdServer, run_id: str,
     assert r["members"] == ["a"] and r["cause"] == "left" and r["left"] == ["b"]
 
 
-def test_standby_admitted_when_member_dies(etcd: EtcdServer, run_id: str,
-                                           procs: list[Proc]) -> None:
+def test_standby_admitted_when_member_dies(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
     start_round([a, b])
     s = join(procs, etcd.endpoint, run_id, "s", nnodes="1:2")
@@ -152,8 +177,7 @@ def test_standby_admitted_when_member_dies(etcd: EtcdServer, run_id: str,
     assert rs["joined"] == ["s"]
 
 
-def test_rank0_stays_rank0_while_alive(etcd: EtcdServer, run_id: str,
-                                       procs: list[Proc]) -> None:
+def test_rank0_stays_rank0_while_alive(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
     a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3")
     start_round([a, b, c])
     b.signal(signal.SIGKILL)
@@ -172,8 +196,9 @@ def test_rank0_stays_rank0_while_alive(etcd: EtcdServer, run_id: str,
     assert d.expect("round")["rank"] == 2
 
 
-def test_worker_failure_charges_one_restart_then_closes(etcd: EtcdServer, run_id: str,
-                                                        procs: list[Proc]) -> None:
+def test_worker_failure_charges_one_restart_then_closes(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="2", max_restarts=1)
     start_round([a, b])
     b.send("fail")
@@ -193,8 +218,7 @@ def test_worker_failure_charges_one_restart_then_closes(etcd: EtcdServer, run_id
     b.expect("error", kind="RendezvousClosedError")
 
 
-def test_closed_job_refuses_late_joiners(etcd: EtcdServer, run_id: str,
-                                         procs: list[Proc]) -> None:
+def test_closed_job_refuses_late_joiners(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
     a = join(procs, etcd.endpoint, run_id, "a", nnodes="1")
     start_round([a])
     a.send("close")
@@ -230,8 +254,9 @@ def test_custom_prefix(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None
 
 
 @pytest.mark.parametrize("value", [b"\x80\x04\x95pickle", b"[1, 2]", b'{"number": "one"}'])
-def test_malformed_round_is_a_clear_error(etcd: EtcdServer, run_id: str, procs: list[Proc],
-                                          value: bytes) -> None:
+def test_malformed_round_is_a_clear_error(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
+) -> None:
     e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
     client = EtcdClient(e)
     key = f"/elastic-run/{run_id}/round"
@@ -246,8 +271,9 @@ def test_malformed_round_is_a_clear_error(etcd: EtcdServer, run_id: str, procs: 
         client.close()
 
 
-def test_malformed_node_record_is_ignored_by_name(etcd: EtcdServer, run_id: str,
-                                                  procs: list[Proc]) -> None:
+def test_malformed_node_record_is_ignored_by_name(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
     client = EtcdClient(e)
     try:
@@ -261,8 +287,9 @@ def test_malformed_node_record_is_ignored_by_name(etcd: EtcdServer, run_id: str,
         client.close()
 
 
-def test_etcd_restart_mid_job_is_survived(fresh_etcd: EtcdServer, run_id: str,
-                                          procs: list[Proc]) -> None:
+def test_etcd_restart_mid_job_is_survived(
+    fresh_etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     a, b = join_in_order(procs, fresh_etcd.endpoint, run_id, "ab", nnodes="1:2")
     start_round([a, b])
     fresh_etcd.stop(signal.SIGKILL)
@@ -286,8 +313,7 @@ def test_duplicate_node_id_is_refused(etcd: EtcdServer, run_id: str, procs: list
     assert "already taken" in err["message"]
 
 
-def test_unreachable_etcd_is_a_clear_error_in_bounded_time(run_id: str,
-                                                           procs: list[Proc]) -> None:
+def test_unreachable_etcd_is_a_clear_error_in_bounded_time(run_id: str, procs: list[Proc]) -> None:
     from rendezvous.net import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
@@ -298,11 +324,11 @@ def test_unreachable_etcd_is_a_clear_error_in_bounded_time(run_id: str,
     assert err["kind"] == "EtcdUnavailableError" and endpoint in err["message"]
 
 
-def test_a_killed_member_is_revoked_by_probe_before_its_ttl(etcd: EtcdServer, run_id: str,
-                                                            procs: list[Proc]) -> None:
+def test_a_killed_member_is_revoked_by_probe_before_its_ttl(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     # a long TTL: only the probe can explain a fast re-form
-    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3",
-                            conf="lease_ttl=30")
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3", conf="lease_ttl=30")
     start_round([a, b, c])
     c.signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -313,8 +339,9 @@ def test_a_killed_member_is_revoked_by_probe_before_its_ttl(etcd: EtcdServer, ru
     assert r["members"] == ["a", "b"] and r["lost"] == ["c"] and r["restarts"] == 0
 
 
-def test_a_frozen_member_is_not_mistaken_for_dead(etcd: EtcdServer, run_id: str,
-                                                  procs: list[Proc]) -> None:
+def test_a_frozen_member_is_not_mistaken_for_dead(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
     start_round([a, b])
     b.signal(signal.SIGSTOP)

@@ -13,8 +13,9 @@ from test_rendezvous import TTL, join, join_in_order, start_round
 from elastic.etcd_server import EtcdCluster, EtcdServer
 
 
-def test_tls_only_etcd_with_client_certificates(tmp_path: Path, run_id: str,
-                                                procs: list[Proc]) -> None:
+def test_tls_only_etcd_with_client_certificates(
+    tmp_path: Path, run_id: str, procs: list[Proc]
+) -> None:
     tls = make_tls(tmp_path / "pki")
     with EtcdServer(tls=tls) as server:
         conf = f"cacert={tls.ca},cert={tls.client_cert},key={tls.client_key}"
@@ -29,13 +30,21 @@ def test_tls_only_etcd_with_client_certificates(tmp_path: Path, run_id: str,
         assert err["kind"] == "EtcdUnavailableError" and server.endpoint in err["message"]
         # a client certificate from another CA is refused too
         other = make_tls(tmp_path / "other", ca_cn="someone else")
-        bad = join(procs, server.endpoint, run_id, "bad", conf=(
-            f"cacert={tls.ca},cert={other.client_cert},key={other.client_key},connect_timeout=2"))
+        bad = join(
+            procs,
+            server.endpoint,
+            run_id,
+            "bad",
+            conf=(
+                f"cacert={tls.ca},cert={other.client_cert},key={other.client_key},connect_timeout=2"
+            ),
+        )
         assert bad.expect("error", timeout=10)["kind"] == "EtcdUnavailableError"
 
 
-def test_user_password_auth_survives_etcd_restart(tmp_path: Path, run_id: str,
-                                                  procs: list[Proc]) -> None:
+def test_user_password_auth_survives_etcd_restart(
+    tmp_path: Path, run_id: str, procs: list[Proc]
+) -> None:
     with EtcdServer() as server:
         etcdctl(server, "user", "add", "root", "--new-user-password=s3cret")
         etcdctl(server, "auth", "enable")
@@ -70,6 +79,11 @@ def test_cluster_with_one_member_stopped(run_id: str, procs: list[Proc]) -> None
         a.expect("change", kind="lost", nodes=["c"], timeout=TTL + 3)
         start_round([a, b])
         # and a node that only knows the stopped member plus a live one still joins
-        d = join(procs, f"{cluster.members[0].endpoint},{cluster.members[2].endpoint}", run_id,
-                 "d", nnodes="1:3")
+        d = join(
+            procs,
+            f"{cluster.members[0].endpoint},{cluster.members[2].endpoint}",
+            run_id,
+            "d",
+            nnodes="1:3",
+        )
         d.expect("ready", timeout=15)

@@ -10,14 +10,16 @@ import torch
 from elastic.sampler import BatchPolicy, ElasticSampler
 
 
-def run_epoch(n: int, policy: BatchPolicy, worlds: list[int], steps_per_world: int,
-              seed: int = 0) -> list[int]:
+def run_epoch(
+    n: int, policy: BatchPolicy, worlds: list[int], steps_per_world: int, seed: int = 0
+) -> list[int]:
     """Train one epoch, resizing every ``steps_per_world`` steps; the indices used."""
     state = None
     used: list[int] = []
     for k, world in enumerate(worlds):
-        samplers = [ElasticSampler(n, policy, seed=seed, rank=r, world_size=world)
-                    for r in range(world)]
+        samplers = [
+            ElasticSampler(n, policy, seed=seed, rank=r, world_size=world) for r in range(world)
+        ]
         for s in samplers:
             if state is not None:
                 s.load_state_dict(state)
@@ -38,8 +40,9 @@ def run_epoch(n: int, policy: BatchPolicy, worlds: list[int], steps_per_world: i
     return used
 
 
-@pytest.mark.parametrize("policy", [BatchPolicy(micro_batch=4, global_batch=24),
-                                    BatchPolicy(micro_batch=3)])
+@pytest.mark.parametrize(
+    "policy", [BatchPolicy(micro_batch=4, global_batch=24), BatchPolicy(micro_batch=3)]
+)
 def test_exactly_once_across_resizes(policy: BatchPolicy) -> None:
     rng = random.Random(7)
     for n in (24, 100, 241, 480):

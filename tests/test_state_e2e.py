@@ -25,23 +25,54 @@ def rows(result_dir: Path) -> list[dict]:
     return sorted(out, key=lambda r: r["t"])
 
 
-def train(procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, nodes: str,
-          *args: str, extra: tuple[str, ...] = ()) -> list[Proc]:
+def train(
+    procs: list[Proc],
+    etcd: EtcdServer,
+    run_id: str,
+    out: Path,
+    nodes: str,
+    *args: str,
+    extra: tuple[str, ...] = (),
+) -> list[Proc]:
     out.mkdir()
-    agents = [start_agent(procs, etcd.endpoint, run_id, n, SCRIPT, *args, nnodes="2",
-                          extra=extra, env={"RESULT_DIR": str(out)}) for n in nodes]
+    agents = [
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            SCRIPT,
+            *args,
+            nnodes="2",
+            extra=extra,
+            env={"RESULT_DIR": str(out)},
+        )
+        for n in nodes
+    ]
     for a in agents:
         assert a.wait(120) == 0, a.transcript()
     return agents
 
 
-def test_sigkill_of_a_worker_resumes_bitwise_equal(etcd: EtcdServer, run_id: str,
-                                                   procs: list[Proc], tmp_path: Path) -> None:
+def test_sigkill_of_a_worker_resumes_bitwise_equal(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     args = ("--samples", "96", "--epochs", "2", "--micro-batch", "4")
     extra = ("--snapshot-every", "3", "--max-restarts", "1")
     train(procs, etcd, run_id + "-ref", tmp_path / "ref", "ab", *args, extra=extra)
-    agents = train(procs, etcd, run_id + "-kill", tmp_path / "kill", "cd", *args,
-                   "--kill-rank", "1", "--kill-step", "7", extra=extra)
+    agents = train(
+        procs,
+        etcd,
+        run_id + "-kill",
+        tmp_path / "kill",
+        "cd",
+        *args,
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "7",
+        extra=extra,
+    )
     assert any("signal SIGKILL" in line for a in agents for line in a.err)
     resumed = [r for r in rows(tmp_path / "kill") if r["step"] == 7]
     assert len({r["pid"] for r in resumed}) == 4, "step 7 ran twice: snapshot at 6, redone"
@@ -55,19 +86,37 @@ def test_sigkill_of_a_worker_resumes_bitwise_equal(etcd: EtcdServer, run_id: str
             assert torch.equal(v, got["optimizer"]["state"][p][k]), (p, k)
 
 
-def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_id: str,
-                                                         procs: list[Proc],
-                                                         tmp_path: Path) -> None:
+def test_three_two_three_nodes_every_sample_exactly_once(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     out = tmp_path / "steps"
     out.mkdir()
-    args = ("--samples", "480", "--epochs", "3", "--micro-batch", "4", "--global-batch", "24",
-            "--step-time", "0.1")
+    args = (
+        "--samples",
+        "480",
+        "--epochs",
+        "3",
+        "--micro-batch",
+        "4",
+        "--global-batch",
+        "24",
+        "--step-time",
+        "0.1",
+    )
 
     def node(name: str) -> Proc:
         ckpt = tmp_path / f"ckpt-{name}"  # a directory per node: no shared filesystem
-        return start_agent(procs, etcd.endpoint, run_id, name, SCRIPT, *args, nnodes="2:3",
-                           extra=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"),
-                           env={"RESULT_DIR": str(out)})
+        return start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            name,
+            SCRIPT,
+            *args,
+            nnodes="2:3",
+            extra=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"),
+            env={"RESULT_DIR": str(out)},
+        )
 
     def registered(name: str) -> Proc:  # join in name order, so a is rank 0, c is rank 2
         p = node(name)
@@ -88,12 +137,14 @@ def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_i
         assert n.wait(120) == 0, n.transcript()
 
     history = rows(out)
-    rounds = sorted({r["port"] for r in history}, key=lambda p: min(
-        r["t"] for r in history if r["port"] == p))
+    rounds = sorted(
+        {r["port"] for r in history}, key=lambda p: min(r["t"] for r in history if r["port"] == p)
+    )
     for r in history:
         r["round"] = rounds.index(r["port"])
-    assert [sorted({r["world"] for r in history if r["round"] == i}) for i in
-            range(len(rounds))] == [[3], [2], [3]]
+    assert [
+        sorted({r["world"] for r in history if r["round"] == i}) for i in range(len(rounds))
+    ] == [[3], [2], [3]]
     samples_once(history, 480, 3)  # every sample of every epoch, exactly once
     # the step counter: back by at most the snapshot interval (1) after the crash,
     # not at all after the graceful resize
@@ -108,17 +159,26 @@ def test_three_two_three_nodes_every_sample_exactly_once(etcd: EtcdServer, run_i
     assert len(list((tmp_path / "ckpt-a").glob("step-*.elr"))) == 3
 
 
-def test_fsdp_state_is_resharded_when_a_node_joins(etcd: EtcdServer, run_id: str,
-                                                   procs: list[Proc], tmp_path: Path) -> None:
+def test_fsdp_state_is_resharded_when_a_node_joins(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     out, shared = tmp_path / "steps", tmp_path / "shared-ckpt"
     out.mkdir()
     script = ROOT / "tests" / "scripts" / "fsdp_train.py"
 
     def node(name: str) -> Proc:
-        return start_agent(procs, etcd.endpoint, run_id, name, script, "--steps", "40",
-                           nnodes="2:3", extra=("--checkpoint-dir", str(shared),
-                                                "--snapshot-every", "5"),
-                           env={"RESULT_DIR": str(out)})
+        return start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            name,
+            script,
+            "--steps",
+            "40",
+            nnodes="2:3",
+            extra=("--checkpoint-dir", str(shared), "--snapshot-every", "5"),
+            env={"RESULT_DIR": str(out)},
+        )
 
     first = [node("a"), node("b")]
     wait_world(out, 2, timeout=60)

@@ -17,16 +17,32 @@ pytestmark = pytest.mark.slow
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic", "status", *args],
-                          capture_output=True, text=True, timeout=30, cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "elastic", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=str(ROOT),
+    )
 
 
-def test_status_shows_round_members_and_standbys(etcd: EtcdServer, run_id: str,
-                                                 procs: list[Proc], tmp_path: Path) -> None:
+def test_status_shows_round_members_and_standbys(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
     env = {"RESULT_DIR": str(tmp_path)}
     for name in ("a", "b"):
-        start_agent(procs, etcd.endpoint, run_id, name, TRAIN_LOOP, "--steps", "100000",
-                    nnodes="1:2", env=env, extra=("--metrics-port", "0"))
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            name,
+            TRAIN_LOOP,
+            "--steps",
+            "100000",
+            nnodes="1:2",
+            env=env,
+            extra=("--metrics-port", "0"),
+        )
     wait_world(tmp_path, 2)
     start_agent(procs, etcd.endpoint, run_id, "spare", TRAIN_LOOP, nnodes="1:2", env=env)
     done = status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id, "--json")
@@ -34,14 +50,17 @@ def test_status_shows_round_members_and_standbys(etcd: EtcdServer, run_id: str,
     d = json.loads(done.stdout)
     assert d["state"] == "running" and d["round"]["world_size"] == 2
     assert [(m["rank"], m["node"], m["state"]) for m in d["members"]] in (
-        [(0, "a", "running"), (1, "b", "running")], [(0, "b", "running"), (1, "a", "running")])
+        [(0, "a", "running"), (1, "b", "running")],
+        [(0, "b", "running"), (1, "a", "running")],
+    )
     assert all(m["metrics"].startswith("127.0.0.1:") for m in d["members"])
     table = status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id)
     assert "RANK  NODE" in table.stdout and f"job {run_id}: running" in table.stdout
     # the spare registers a moment later: ask again until it shows as a standby
     for _ in range(50):
-        d = json.loads(status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
-                              "--json").stdout)
+        d = json.loads(
+            status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id, "--json").stdout
+        )
         if d["standbys"]:
             break
     assert [s["node"] for s in d["standbys"]] == ["spare"]

@@ -17,19 +17,45 @@ SCRIPT = ROOT / "tests" / "scripts" / "ddp_min.py"
 
 
 def torchrun(endpoint: str, run_id: str, nnodes: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "etcd-v3",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--nnodes", nnodes,
-            "--nproc-per-node", "2", "--local-addr", "127.0.0.1",
-            "--rdzv-conf", "last_call_timeout=1,lease_ttl=3", str(SCRIPT), "6"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "2",
+        "--local-addr",
+        "127.0.0.1",
+        "--rdzv-conf",
+        "last_call_timeout=1,lease_ttl=3",
+        str(SCRIPT),
+        "6",
+    ]
 
 
 @pytest.mark.slow
-def test_two_stock_torchrun_agents_train_to_completion(etcd: EtcdServer, run_id: str,
-                                                       procs: list[Proc], tmp_path: Path) -> None:
-    need(any(ep.name == "etcd-v3" for ep in entry_points(group="torchrun.handlers")),
-         "the project is not installed (pip install -e .): no torchrun.handlers entry point")
-    agents = [Proc(torchrun(etcd.endpoint, run_id, "2"), env={"RESULT_DIR": str(tmp_path)},
-                   name=f"torchrun{i}") for i in range(2)]
+def test_two_stock_torchrun_agents_train_to_completion(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    need(
+        any(ep.name == "etcd-v3" for ep in entry_points(group="torchrun.handlers")),
+        "the project is not installed (pip install -e .): no torchrun.handlers entry point",
+    )
+    agents = [
+        Proc(
+            torchrun(etcd.endpoint, run_id, "2"),
+            env={"RESULT_DIR": str(tmp_path)},
+            name=f"torchrun{i}",
+        )
+        for i in range(2)
+    ]
     procs.extend(agents)
     for a in agents:
         assert a.wait(120) == 0, a.transcript()

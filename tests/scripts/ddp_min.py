@@ -24,9 +24,18 @@ def main() -> None:
         loss.backward()
         opt.step()
     checksum = float(sum(p.sum() for p in model.parameters()))
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
-                                           "MASTER_ADDR", "MASTER_PORT",
-                                           "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: os.environ.get(k)
+        for k in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        )
+    }
     result = {"event": "done", "rank": rank, "world": world, "checksum": checksum, "env": env}
     out = os.environ.get("RESULT_DIR")
     if out:  # one file per rank: concurrent prints to a shared stdout interleave

@@ -58,14 +58,12 @@ def main() -> None:
     model = DDP(net)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    policy = elastic.BatchPolicy(micro_batch=a.micro_batch,
-                                 global_batch=a.global_batch or None)
+    policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch or None)
     data = Indexed(a.samples)
     sampler = elastic.ElasticSampler(data, policy, shuffle=True, seed=3)
     # its own generator: creating an iterator must not draw from the RNG that State restores
     loader = DataLoader(data, batch_sampler=sampler, generator=torch.Generator())
-    state = elastic.State(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                          epoch=0)
+    state = elastic.State(model=model, optimizer=opt, scheduler=sched, sampler=sampler, epoch=0)
     state.restore()
     out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
     first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
@@ -85,10 +83,21 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             sched.step()
-            out.write(json.dumps({"t": time.time(), "pid": os.getpid(), "epoch": epoch,
-                                  "step": state.step + 1, "rank": rank, "world": world,
-                                  "port": int(os.environ["MASTER_PORT"]),
-                                  "indices": seen}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        "pid": os.getpid(),
+                        "epoch": epoch,
+                        "step": state.step + 1,
+                        "rank": rank,
+                        "world": world,
+                        "port": int(os.environ["MASTER_PORT"]),
+                        "indices": seen,
+                    }
+                )
+                + "\n"
+            )
             out.flush()
             seen = []
             state.commit()
@@ -97,8 +106,10 @@ def main() -> None:
             time.sleep(a.step_time)
     state.close()
     if rank == 0:
-        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
-                    "step": state.step}, os.path.join(os.environ["RESULT_DIR"], "final.pt"))
+        torch.save(
+            {"model": net.state_dict(), "optimizer": opt.state_dict(), "step": state.step},
+            os.path.join(os.environ["RESULT_DIR"], "final.pt"),
+        )
     dist.destroy_process_group()
 
 

@@ -25,8 +25,12 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.05)
     ap.add_argument("--crash-rank", type=int, default=-1)
     ap.add_argument("--crash-step", type=int, default=-1)
-    ap.add_argument("--crash-restarts", type=int, default=99,
-                    help="crash only while TORCHELASTIC_RESTART_COUNT is below this")
+    ap.add_argument(
+        "--crash-restarts",
+        type=int,
+        default=99,
+        help="crash only while TORCHELASTIC_RESTART_COUNT is below this",
+    )
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,9 +46,20 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        out.write(json.dumps({"t": time.time(), "step": step, "rank": rank, "world": world,
-                              "restarts": restarts, "pid": os.getpid(),
-                              "port": int(os.environ["MASTER_PORT"])}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "t": time.time(),
+                    "step": step,
+                    "rank": rank,
+                    "world": world,
+                    "restarts": restarts,
+                    "pid": os.getpid(),
+                    "port": int(os.environ["MASTER_PORT"]),
+                }
+            )
+            + "\n"
+        )
         out.flush()
         time.sleep(a.step_time)
     dist.destroy_process_group()
