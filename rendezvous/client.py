@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import etcd3
 import etcd3.exceptions
@@ -83,7 +83,7 @@ class Compacted(RendezvousError):
         self.revision = revision
 
 
-def _kv(kv) -> KV:
+def _kv(kv: Any) -> KV:
     return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
 
 
@@ -203,20 +203,24 @@ class EtcdClient:
 
     def put(self, key: str, value: bytes, lease: int = 0, timeout: float | None = None) -> int:
         """Write ``key``; returns the revision of the write."""
-        return self.call(
-            f"write {key}", lambda c: c.put(key, value, lease=lease).header.revision, timeout
+        return int(
+            self.call(
+                f"write {key}", lambda c: c.put(key, value, lease=lease).header.revision, timeout
+            )
         )
 
     def txn(
         self,
-        compare: list,
-        success: list,
-        failure: list | None = None,
+        compare: list[Any],
+        success: list[Any],
+        failure: list[Any] | None = None,
         timeout: float | None = None,
     ) -> bool:
         """An etcd transaction; True when every comparison held and ``success`` ran."""
-        return self.call(
-            "transaction", lambda c: c.transaction(compare, success, failure or [])[0], timeout
+        return bool(
+            self.call(
+                "transaction", lambda c: c.transaction(compare, success, failure or [])[0], timeout
+            )
         )
 
     def create_and_read(
@@ -279,14 +283,14 @@ class EtcdClient:
 
     # -- leases ---------------------------------------------------------------------------
     def grant(self, ttl: int, timeout: float | None = None) -> int:
-        return self.call("grant lease", lambda c: c.lease(ttl).id, timeout)
+        return int(self.call("grant lease", lambda c: c.lease(ttl).id, timeout))
 
     def refresh(self, lease_id: int, timeout: float | None = None) -> int:
         """Keep the lease alive once; returns its remaining TTL (<= 0: it is gone)."""
 
         def run(c: etcd3.MultiEndpointEtcd3Client) -> int:
             for resp in c.refresh_lease(lease_id):
-                return resp.TTL
+                return int(resp.TTL)
             return 0
 
         return self.call("keep lease alive", run, timeout)

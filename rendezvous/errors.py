@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rendezvous.records import ClosedRecord
+
 
 class RendezvousError(Exception):
     """Base of everything the rendezvous raises on purpose."""
@@ -12,12 +17,11 @@ class EtcdUnavailableError(RendezvousError):
 
 
 class RendezvousClosedError(RendezvousError):
-    """The job is finished; ``state`` is ``succeeded`` or ``failed``."""
+    """The job is over; ``record`` says how and why."""
 
-    def __init__(self, message: str, state: str = "succeeded", reason: str = "") -> None:
+    def __init__(self, message: str, record: ClosedRecord) -> None:
         super().__init__(message)
-        self.state = state
-        self.reason = reason
+        self.record = record
 
 
 class RendezvousTimeoutError(RendezvousError):

@@ -11,11 +11,11 @@ import datetime
 import logging
 import os
 import socket
-from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import api as torch_api
 
+from rendezvous import version
 from rendezvous.client import EtcdClient
 from rendezvous.config import ConfigError, build_options
 from rendezvous.errors import (
@@ -27,6 +27,8 @@ from rendezvous.errors import (
 )
 from rendezvous.net import default_local_addr
 from rendezvous.protocol import NodeSpec, Rendezvous
+from rendezvous.records import JobOutcome
+from rendezvous.rules import RoundEnd
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +101,18 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
 
     def is_closed(self) -> bool:
         try:
-            return self._rdzv.mirror.view().closed is not None
+            return self._rdzv.closed() is not None
         except RendezvousError:
             return False
 
     def set_closed(self) -> None:
-        self._rdzv.close("succeeded", f"closed by {self._rdzv.me.id}")
+        self._rdzv.close(JobOutcome.SUCCEEDED, f"closed by {self._rdzv.me.id}")
 
     def num_nodes_waiting(self) -> int:
         """Non-zero whenever the round should end: torch's agent then re-rendezvouses
         without charging a restart, which is what a lost or departed node deserves."""
         change = self._rdzv.check()
-        if change is None or change.kind == "closed":
+        if change is None or change.end in (RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED):
             return 0
         return max(1, len(change.nodes))
 
@@ -143,20 +145,6 @@ def create_handler(params: torch_api.RendezvousParameters) -> EtcdV3RendezvousHa
         addr=addr,
         nproc=1,
         pid=os.getpid(),
-        version=_version(),
+        version=version(),
     )
     return EtcdV3RendezvousHandler(Rendezvous(EtcdClient(etcd_opts), rdzv_opts, me))
-
-
-def handler_creator() -> Callable[[torch_api.RendezvousParameters], EtcdV3RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: returns the creator torch registers."""
-    return create_handler
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("elastic-run")
-    except PackageNotFoundError:
-        return "dev"

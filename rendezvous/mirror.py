@@ -21,11 +21,17 @@ from dataclasses import dataclass, field
 from rendezvous import records
 from rendezvous.client import KV, Compacted, EtcdClient, Event, WatchSpec, WatchStream
 from rendezvous.errors import EtcdUnavailableError, MalformedRecordError, RendezvousError
-from rendezvous.records import ClosedRecord, FailureRecord, Member, NodeRecord, RoundRecord
+from rendezvous.records import (
+    ClosedRecord,
+    FailureRecord,
+    GoneRecord,
+    Member,
+    NodeRecord,
+    NodeState,
+    RoundRecord,
+)
 
 log = logging.getLogger(__name__)
-
-_DEPARTED_KEEP = 256
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class JobView:
 
     revision: int = 0
     nodes: dict[str, LiveNode] = field(default_factory=dict)
-    departed: dict[str, LiveNode] = field(default_factory=dict)
+    gone: dict[str, GoneRecord] = field(default_factory=dict)
     round_record: RoundRecord | None = None
     round_mod_revision: int = 0
     round_error: str | None = None
@@ -68,8 +74,9 @@ class JobView:
         return node is not None and node.rev == m.rev
 
     def was_leaving(self, m: Member) -> bool:
-        gone = self.departed.get(m.id)
-        return gone is not None and gone.rev == m.rev and gone.record.state == "leaving"
+        """``m`` left on purpose (its tombstone names this incarnation)."""
+        gone = self.gone.get(m.id)
+        return gone is not None and gone.rev == m.rev
 
 
 class _Decoded:
@@ -77,6 +84,7 @@ class _Decoded:
 
     def __init__(self) -> None:
         self.nodes: dict[str, LiveNode] = {}
+        self.gone: dict[str, GoneRecord] = {}
         self.round: RoundRecord | None = None
         self.round_rev = 0
         self.round_err: str | None = None
@@ -84,7 +92,6 @@ class _Decoded:
         self.closed_err: str | None = None
         self.failures: dict[int, dict[str, FailureRecord]] = {}
         self.problems: dict[str, str] = {}  # rel key -> why it was ignored
-        self._where: dict[str, tuple[str, object]] = {}  # rel key -> (kind, index)
 
     def put(self, rel: str, kv: KV) -> None:
         self.delete(rel)
@@ -92,18 +99,21 @@ class _Decoded:
             if rel.startswith(records.NODES):
                 rec = NodeRecord.decode(kv.key, kv.value)
                 self.nodes[rec.id] = LiveNode(rec, kv.create_revision, kv.lease)
-                self._where[rel] = ("node", rec.id)
+            elif rel.startswith(records.GONE):
+                self.gone[rel[len(records.GONE) :]] = GoneRecord.decode(kv.key, kv.value)
             elif rel == records.ROUND:
                 self.round_rev = kv.mod_revision
-                self._where[rel] = ("round", None)
                 self.round = RoundRecord.decode(kv.key, kv.value)
             elif rel == records.CLOSED:
-                self._where[rel] = ("closed", None)
                 self.closed = ClosedRecord.decode(kv.key, kv.value)
             elif rel.startswith(records.FAILURES):
                 f = FailureRecord.decode(kv.key, kv.value)
+                if rel != f"{records.FAILURES}{f.round}/{f.node}":
+                    raise MalformedRecordError(
+                        f"malformed value at etcd key {kv.key}: "
+                        "round or node does not match the key"
+                    )
                 self.failures.setdefault(f.round, {})[f.node] = f
-                self._where[rel] = ("failure", (f.round, f.node))
         except MalformedRecordError as e:
             if rel == records.ROUND:
                 self.round_err = str(e)
@@ -112,26 +122,31 @@ class _Decoded:
             else:
                 self.problems[rel] = str(e)
 
-    def delete(self, rel: str) -> LiveNode | None:
-        """Forget ``rel``; returns the node it held, if it was a node record."""
+    def delete(self, rel: str) -> None:
+        """Forget what ``rel`` held (the key layout says what it was)."""
         self.problems.pop(rel, None)
-        kind, index = self._where.pop(rel, (None, None))
-        if kind == "node":
-            return self.nodes.pop(index, None)  # type: ignore[arg-type]
-        if kind == "failure":
-            number, node = index  # type: ignore[misc]
-            self.failures.get(number, {}).pop(node, None)
+        if rel.startswith(records.NODES):
+            self.nodes.pop(rel[len(records.NODES) :], None)
+        elif rel.startswith(records.GONE):
+            self.gone.pop(rel[len(records.GONE) :], None)
+        elif rel.startswith(records.FAILURES):
+            number, _, node = rel[len(records.FAILURES) :].partition("/")
+            if number.isdigit():
+                self.failures.get(int(number), {}).pop(node, None)
         elif rel == records.ROUND:
             self.round, self.round_rev, self.round_err = None, 0, None
         elif rel == records.CLOSED:
             self.closed, self.closed_err = None, None
-        return None
 
-    def view(self, revision: int, departed: dict[str, LiveNode], last_join: float) -> JobView:
+    def leaving(self, rel: str) -> bool:
+        node = self.nodes.get(rel[len(records.NODES) :]) if rel.startswith(records.NODES) else None
+        return node is not None and node.record.state is NodeState.LEAVING
+
+    def view(self, revision: int, last_join: float) -> JobView:
         return JobView(
             revision,
             dict(self.nodes),
-            dict(departed),
+            dict(self.gone),
             self.round,
             self.round_rev,
             self.round_err,
@@ -153,7 +168,6 @@ class JobMirror:
         self._kvs: dict[str, KV] = {}
         self._key_rev: dict[str, int] = {}  # newest revision applied per key (tombstones too)
         self._decoded = _Decoded()
-        self._departed: dict[str, LiveNode] = {}
         self._view = JobView()
         self._dirty = False
         self._version = 0
@@ -220,7 +234,7 @@ class JobMirror:
         """The current view, built on demand: bursts of events cost one build, not many."""
         with self._cond:
             if self._dirty:
-                self._view = self._decoded.view(self._revision, self._departed, self._last_join)
+                self._view = self._decoded.view(self._revision, self._last_join)
                 self._dirty = False
                 for problem in self._view.problems:
                     if problem not in self._warned:
@@ -300,12 +314,7 @@ class JobMirror:
         if old is not None and (value is None or old.create_revision != create_rev):
             self._kvs.pop(key)
             self._major += 1
-            gone = self._decoded.delete(rel)
-            if gone is not None:
-                self._departed.pop(gone.record.id, None)
-                self._departed[gone.record.id] = gone
-                while len(self._departed) > _DEPARTED_KEEP:
-                    self._departed.pop(next(iter(self._departed)))
+            self._decoded.delete(rel)
         if value is None:
             return
         kv = KV(key, value, create_rev, mod_rev, lease)
@@ -313,7 +322,7 @@ class JobMirror:
             self._last_join = time.monotonic()
         self._kvs[key] = kv
         self._decoded.put(rel, kv)
-        if rel in (records.ROUND, records.CLOSED) or b'"leaving"' in value:
+        if rel in (records.ROUND, records.CLOSED) or self._decoded.leaving(rel):
             self._major += 1
 
     def _apply(self, events: list[Event]) -> None:
@@ -369,6 +378,8 @@ class JobMirror:
 
 def read_view(client: EtcdClient, prefix: str) -> JobView:
     """The job as it is now, read once (no watch): for ``elastic-run status``."""
-    mirror = JobMirror(client, prefix)
-    mirror._load()
-    return mirror.view()
+    decoded = _Decoded()
+    revision, kvs = client.get_prefix(prefix)
+    for kv in kvs:
+        decoded.put(kv.key[len(prefix) :], kv)
+    return decoded.view(revision, 0.0)

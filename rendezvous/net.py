@@ -11,7 +11,7 @@ def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            port = s.getsockname()[1]
+            port = int(s.getsockname()[1])
         if not avoid or port not in avoid:
             return port
     raise OSError(f"no free port found on {host}")

@@ -1,8 +1,9 @@
-"""One node's part in a job's rendezvous on etcd v3.
+"""One node's part in a job's rendezvous on etcd v3: the I/O around ``rules``.
 
 Knows nothing about processes: the agent (or torch's agent through the handler) asks it
 for the next round, tells it when this node is done with a round, and asks it whether
-anything happened that should end the current one (``check``).
+anything happened that should end the current one (``check``). What the answers are is
+decided by the pure functions in ``rules``; this module reads and writes etcd.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from etcd3.utils import prefix_range_end
 
@@ -29,11 +31,21 @@ from rendezvous.errors import (
 from rendezvous.lease import LeaseKeeper
 from rendezvous.mirror import JobMirror, JobView
 from rendezvous.net import free_port
-from rendezvous.planner import Plan, plan
 from rendezvous.probe import ProbeListener, process_gone
-from rendezvous.records import ClosedRecord, FailureRecord, NodeRecord, RoundRecord
+from rendezvous.records import (
+    ClosedRecord,
+    FailureRecord,
+    GoneRecord,
+    JobOutcome,
+    NodeRecord,
+    NodeState,
+    RoundRecord,
+)
+from rendezvous.rules import Change, Plan, plan, round_end
 
 log = logging.getLogger(__name__)
+
+GONE_TTL = 60  # seconds a departed node's tombstone stays
 
 
 @dataclass(frozen=True)
@@ -47,24 +59,6 @@ class NodeSpec:
     pid: int = 0
     version: str = ""
     metrics_port: int = 0
-
-
-@dataclass(frozen=True)
-class Change:
-    """Something that ends the current round for this node.
-
-    ``urgent`` changes (a member lost or gone, a failure elsewhere, this node fenced, the
-    job closed) mean: stop the workers now. ``drain`` means: let them save at their next
-    step boundary and stop, so the job can resize without losing a step.
-    """
-
-    kind: str  # closed | fenced | superseded | lost | left | failed | drain
-    detail: str
-    nodes: tuple[str, ...] = ()
-
-    @property
-    def urgent(self) -> bool:
-        return self.kind != "drain"
 
 
 class Rendezvous:
@@ -86,6 +80,28 @@ class Rendezvous:
         self._shut = False
         self._probe: ProbeListener | None = None
         self._probed: dict[str, float] = {}  # node id -> monotonic time last probed
+
+    @property
+    def node_id(self) -> str:
+        return self.me.id
+
+    @property
+    def run_id(self) -> str:
+        return self.options.run_id
+
+    @property
+    def lease_ttl(self) -> int:
+        return self.options.lease_ttl
+
+    def poke(self) -> None:
+        """Wake whoever waits on the job (a signal arrived, a deadline moved)."""
+        self.mirror.poke()
+
+    def probe_members(self) -> None:
+        """Find out now whether a member of this node's round is gone: a member whose agent
+        refuses its probe port loses its lease at once (see ``probe``)."""
+        if self.round is not None:
+            self._probe_gone(self.mirror.view(), tuple(m.id for m in self.round.members))
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, rel: str) -> str:
@@ -125,9 +141,11 @@ class Rendezvous:
             pid=self.me.pid,
             version=self.me.version,
             done=0,
-            state="waiting",
+            state=NodeState.WAITING,
             probe=self._probe.port if self._probe else 0,
             metrics=self.me.metrics_port,
+            min_nodes=self.options.min_nodes,
+            max_nodes=self.options.max_nodes,
         )
 
     def _refused(self, kvs: list[KV]) -> None:
@@ -135,12 +153,7 @@ class Rendezvous:
         found = {kv.key: kv for kv in kvs}
         closed = found.get(self.key(records.CLOSED))
         if closed is not None:
-            rec = ClosedRecord.decode(closed.key, closed.value)
-            verb = "finished" if rec.state == "succeeded" else "failed"
-            why = f": {rec.reason}" if rec.reason else ""
-            raise RendezvousClosedError(
-                f"job {self.options.run_id!r} has {verb}{why}", rec.state, rec.reason
-            )
+            self._raise_closed(ClosedRecord.decode(closed.key, closed.value))
         other = ""
         holder_kv = found.get(self.node_key)
         if holder_kv is not None:
@@ -167,16 +180,17 @@ class Rendezvous:
         )
 
     def shutdown(self, leave: bool = True) -> None:
-        """Stop the background threads; with ``leave`` the others see this node go at once."""
+        """Stop the background threads; with ``leave`` the others see this node go at once,
+        as a departure (its tombstone), not a loss."""
         if self._shut:
             return
         self._shut = True
         if leave:
             if self._record is not None and self.lease.lease_id and not self.lease.lost:
                 try:
-                    self._put_record(state="leaving")
+                    self._leave_record()
                 except RendezvousError as e:
-                    log.warning("could not mark this node as leaving: %s", e)
+                    log.warning("could not tell etcd this node leaves: %s", e)
             self.lease.revoke()
         self.lease.stop()
         self.mirror.stop()
@@ -193,9 +207,23 @@ class Rendezvous:
             self._refused([existing] if existing is not None else [])
         self._registered(rec, revision, lease_id)
 
-    def _put_record(self, **changes: object) -> None:
-        assert self._record is not None
-        rec = replace(self._record, **changes)
+    def _leave_record(self) -> None:
+        """In one transaction: this node's tombstone (on a short lease of its own, so it
+        goes away by itself) and the removal of its record."""
+        ttl = max(GONE_TTL, 2 * self.options.lease_ttl)
+        gone_lease = self.client.grant(ttl, timeout=2.0)
+        rec = GoneRecord(rev=self.rev, host=self.me.host, at=time.time())
+        ops = self.client.ops
+        self.client.txn(
+            [],
+            [
+                ops.put(self.key(records.GONE + self.me.id), rec.encode(), lease=gone_lease),
+                ops.delete(self.node_key),
+            ],
+            timeout=2.0,
+        )
+
+    def _put_record(self, rec: NodeRecord) -> None:
         value = rec.encode()
         try:
             revision = self.client.put(self.node_key, value, lease=self.lease.lease_id)
@@ -208,14 +236,15 @@ class Rendezvous:
         self.mirror.record_own(KV(self.node_key, value, self.rev, revision, self.lease.lease_id))
 
     # -- rounds ---------------------------------------------------------------------------
+    def _raise_closed(self, closed: ClosedRecord) -> None:
+        verb = "finished" if closed.state is JobOutcome.SUCCEEDED else "failed"
+        why = f": {closed.reason}" if closed.reason else ""
+        raise RendezvousClosedError(f"job {self.options.run_id!r} has {verb}{why}", closed)
+
     def _raise_if_closed(self, view: JobView) -> None:
         closed = view.closed
         if closed is not None:
-            verb = "finished" if closed.state == "succeeded" else "failed"
-            why = f": {closed.reason}" if closed.reason else ""
-            raise RendezvousClosedError(
-                f"job {self.options.run_id!r} has {verb}{why}", closed.state, closed.reason
-            )
+            self._raise_closed(closed)
 
     def _fenced(self, view: JobView) -> bool:
         """etcd has dropped this incarnation (lease expired while frozen or cut off)."""
@@ -230,7 +259,7 @@ class Rendezvous:
         return any(m.id == self.me.id and m.rev == self.rev for m in r.members)
 
     def next_round(
-        self, timeout: float | None = None, cancel: threading.Event | None = None
+        self, cancel: threading.Event | None = None, timeout: float | None = None
     ) -> RoundRecord:
         """Block until a new round that includes this node has formed; return it.
 
@@ -245,6 +274,7 @@ class Rendezvous:
                 self.finish_round()
         timeout = self.options.join_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        note = _Progress(deadline)
         while True:
             if cancel is not None and cancel.is_set():
                 raise RendezvousCancelled("cancelled while waiting for the next round")
@@ -259,7 +289,7 @@ class Rendezvous:
                 continue
             r = view.round
             newer = r is not None and (self.round is None or r.number > self.round.number)
-            if newer and self._member_of(r):
+            if r is not None and newer and self._member_of(r):
                 # a running member must see everything; its workers need not wait for that
                 self.mirror.set_full(True, wait=False)
                 self.round = r
@@ -273,6 +303,7 @@ class Rendezvous:
                 time.monotonic(),
                 self.me.id,
             )
+            note.say(p.reason)
             writing = p.writer == self.me.id
             if writing != self.mirror.full:
                 self.mirror.set_full(writing)
@@ -368,13 +399,13 @@ class Rendezvous:
             f"{root.get('summary', 'workers failed')}"
         )
         number = view.round.number if view.round else 0
-        self.close("failed", reason, root_cause=root, round_number=number)
+        self.close(JobOutcome.FAILED, reason, root_cause=root, round_number=number)
 
     def close(
         self,
-        state: str,
+        state: JobOutcome,
         reason: str = "",
-        root_cause: dict | None = None,
+        root_cause: dict[str, Any] | None = None,
         round_number: int | None = None,
     ) -> bool:
         """Mark the job over; the first to close wins. Late joiners see it and stop."""
@@ -392,15 +423,15 @@ class Rendezvous:
         key = self.key(records.CLOSED)
         return self.client.txn([ops.create(key) == 0], [ops.put(key, rec.encode())])
 
-    def finish_round(self, state: str = "waiting") -> None:
+    def finish_round(self) -> None:
         """Tell the others this node has stopped the workers of its current round."""
         if self.round is None or self._record is None:
             return
-        if self._record.done >= self.round.number and self._record.state == state:
+        if self._record.done >= self.round.number:
             return
-        self._put_record(done=max(self._record.done, self.round.number), state=state)
+        self._put_record(replace(self._record, done=self.round.number))
 
-    def report_failure(self, detail: dict) -> None:
+    def report_failure(self, detail: dict[str, Any]) -> None:
         """Record this node's worker failure for the current round and leave the round."""
         if self.round is None:
             return
@@ -414,8 +445,8 @@ class Rendezvous:
 
     def announce_leaving(self) -> None:
         """Say this node is about to leave, so the others drain for a resize."""
-        if self._record is not None and self._record.state != "leaving":
-            self._put_record(state="leaving")
+        if self._record is not None and self._record.state is not NodeState.LEAVING:
+            self._put_record(replace(self._record, state=NodeState.LEAVING))
 
     # -- watching a running round ---------------------------------------------------------
     @property
@@ -427,52 +458,38 @@ class Rendezvous:
         return self.mirror.wait(version, timeout)
 
     def check(self) -> Change | None:
-        """What, if anything, should end this node's current round."""
-        view = self.mirror.view()
+        """What, if anything, should end this node's current round (see ``round_end``)."""
         if not self.mirror.complete:
             return None  # right after joining: the full view is a moment away
-        closed = view.closed
-        if closed is not None:
-            return Change("closed", f"job {closed.state}: {closed.reason}".rstrip(": "))
-        if self._fenced(view):
-            return Change("fenced", "etcd dropped this node's lease; the job moved on without it")
-        mine = self.round
-        r = view.round
-        if mine is None or r is None:
-            return None
-        if r.number > mine.number:
-            if self._member_of(r):
-                return Change("superseded", f"round {r.number} formed")
-            return Change("fenced", f"round {r.number} formed without this node")
-        gone = [m for m in mine.members if not view.is_live(m)]
-        lost = tuple(m.id for m in gone if not view.was_leaving(m))
-        if lost:
-            return Change("lost", f"lost {', '.join(lost)}", lost)
-        failed = tuple(sorted(n for n in view.failures.get(mine.number, {}) if n != self.me.id))
-        if failed:
-            return Change("failed", f"workers failed on {', '.join(failed)}", failed)
-        if gone:
-            left = tuple(m.id for m in gone)
-            return Change("left", f"{', '.join(left)} left", left)
-        others = [view.nodes[m.id].record for m in mine.members if m.id != self.me.id]
-        leaving = tuple(o.id for o in others if o.state == "leaving")
-        if leaving:
-            return Change("drain", f"{', '.join(leaving)} leaving", leaving)
-        stopping = tuple(o.id for o in others if o.done >= mine.number)
-        if stopping:
-            return Change("drain", f"{', '.join(stopping)} stopping", stopping)
-        members = {m.id for m in mine.members}
-        waiting = tuple(
-            n.record.id
-            for n in sorted(view.nodes.values(), key=lambda n: n.rev)
-            if n.record.id not in members and n.record.state != "leaving"
-        )
-        if waiting and len(mine.members) < self.options.max_nodes:
-            return Change("drain", f"{', '.join(waiting)} waiting to join", waiting)
-        return None
-
-    def waiting_nodes(self) -> int:
-        """Live nodes outside the current round (standbys, newcomers)."""
         view = self.mirror.view()
-        members = {m.id for m in self.round.members} if self.round else set()
-        return sum(1 for i in view.nodes if i not in members)
+        return round_end(
+            view, self.me.id, self.rev, self.round, self.options.max_nodes, self._fenced(view)
+        )
+
+    def closed(self) -> ClosedRecord | None:
+        """The job's end, if another node has closed it."""
+        return self.mirror.view().closed
+
+
+class _Progress:
+    """Says now and then what the wait for a round waits on: after a few seconds, then
+    every half minute (a node waiting for others is otherwise silent for minutes)."""
+
+    FIRST, EVERY = 5.0, 30.0
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._next = time.monotonic() + self.FIRST
+
+    def say(self, reason: str) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.EVERY
+        left = max(self._deadline - now, 0.0)
+        log.info("still waiting: %s (join_timeout in %s)", reason, _duration(left))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -5,6 +5,8 @@ an agent. Anything under the job's prefix that does not decode to the expected s
 raises ``MalformedRecordError`` naming the key.
 
     <prefix>/<run_id>/nodes/<node_id>          NodeRecord, attached to the node's lease
+    <prefix>/<run_id>/gone/<node_id>           GoneRecord: a node that left on purpose,
+                                               on a short lease of its own
     <prefix>/<run_id>/round                    RoundRecord, written by transaction only
     <prefix>/<run_id>/failures/<round>/<node>  a node's worker failures in that round
     <prefix>/<run_id>/closed                   ClosedRecord: the job is over
@@ -12,16 +14,46 @@ raises ``MalformedRecordError`` naming the key.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rendezvous.errors import MalformedRecordError
 
 NODES = "nodes/"
+GONE = "gone/"
 ROUND = "round"
 FAILURES = "failures/"
 CLOSED = "closed"
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class NodeState(enum.Enum):
+    """What a node says of itself in its record.
+
+    WAITING -> LEAVING (it got SIGTERM/SIGINT, or its job ended): the others drain for
+    a resize, and it never becomes a member of a new round.
+    """
+
+    WAITING = "waiting"
+    LEAVING = "leaving"
+
+
+class JobOutcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class RoundCause(enum.Enum):
+    """Why a round was formed (the first cause that applies, in this order)."""
+
+    START = "start"  # the job's first round
+    LOST = "lost"  # a member vanished without a word (crash, freeze, partition)
+    FAILURE = "failure"  # a member's workers failed: one restart charged
+    LEFT = "left"  # a member left on purpose
+    RESIZE = "resize"  # nodes joined, or members stopped to let them in
 
 
 def _load(key: str, raw: bytes) -> dict[str, Any]:
@@ -40,20 +72,45 @@ def _load(key: str, raw: bytes) -> dict[str, Any]:
     return value
 
 
+def _bad(key: str, why: str) -> MalformedRecordError:
+    return MalformedRecordError(f"malformed value at etcd key {key}: {why}")
+
+
 def _field(key: str, obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     if name not in obj:
-        raise MalformedRecordError(f"malformed value at etcd key {key}: missing field {name!r}")
+        raise _bad(key, f"missing field {name!r}")
     value = obj[name]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise MalformedRecordError(
-            f"malformed value at etcd key {key}: field {name!r} has the wrong type "
-            f"({type(value).__name__})"
-        )
+        raise _bad(key, f"field {name!r} has the wrong type ({type(value).__name__})")
     return value
 
 
+def _int(obj: dict[str, Any], name: str, default: int = 0) -> int:
+    """An optional whole-number field; anything else counts as absent."""
+    value = obj.get(name, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _enum(key: str, kind: type[E], text: object) -> E:
+    try:
+        return kind(text)
+    except ValueError:
+        allowed = ", ".join(repr(e.value) for e in kind)
+        raise _bad(key, f"{kind.__name__} {text!r} (expected one of {allowed})") from None
+
+
+def _names(value: object) -> tuple[str, ...]:
+    return tuple(map(str, value)) if isinstance(value, list | tuple) else ()
+
+
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, default=_plain).encode()
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 @dataclass(frozen=True)
@@ -67,9 +124,11 @@ class NodeRecord:
     pid: int = 0
     version: str = ""
     done: int = 0
-    state: str = "waiting"  # waiting | running | leaving
+    state: NodeState = NodeState.WAITING
     probe: int = 0  # TCP port that refuses connections once this agent is gone
     metrics: int = 0  # the agent's /metrics port, for people and scrapers (0: none)
+    min_nodes: int = 0  # the job's --nnodes as this node was started with (0: unknown)
+    max_nodes: int = 0
 
     def encode(self) -> bytes:
         return dumps(asdict(self))
@@ -82,20 +141,43 @@ class NodeRecord:
             addr=_field(key, obj, "addr", str),
             nproc=_field(key, obj, "nproc", int),
             host=str(obj.get("host", "")),
-            pid=int(obj.get("pid", 0)) if isinstance(obj.get("pid", 0), int) else 0,
+            pid=_int(obj, "pid"),
             version=str(obj.get("version", "")),
             done=_field(key, obj, "done", int),
-            state=str(obj.get("state", "waiting")),
-            probe=obj["probe"] if isinstance(obj.get("probe"), int) else 0,
-            metrics=obj["metrics"] if isinstance(obj.get("metrics"), int) else 0,
+            state=_enum(key, NodeState, obj.get("state", NodeState.WAITING.value)),
+            probe=_int(obj, "probe"),
+            metrics=_int(obj, "metrics"),
+            min_nodes=_int(obj, "min_nodes"),
+            max_nodes=_int(obj, "max_nodes"),
         )
         if rec.nproc < 1:
-            raise MalformedRecordError(f"malformed value at etcd key {key}: nproc must be >= 1")
+            raise _bad(key, "nproc must be >= 1")
         if key.rsplit("/", 1)[-1] != rec.id:
-            raise MalformedRecordError(
-                f"malformed value at etcd key {key}: id {rec.id!r} does not match the key"
-            )
+            raise _bad(key, f"id {rec.id!r} does not match the key")
         return rec
+
+
+@dataclass(frozen=True)
+class GoneRecord:
+    """A node that left on purpose (``rev`` names the incarnation). It outlives the node's
+    own lease briefly, so that even a one-shot reader (``elastic-run status``) can tell a
+    departure from a loss."""
+
+    rev: int
+    host: str = ""
+    at: float = 0.0
+
+    def encode(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes) -> GoneRecord:
+        obj = _load(key, raw)
+        return cls(
+            rev=_field(key, obj, "rev", int),
+            host=str(obj.get("host", "")),
+            at=float(obj.get("at") or 0.0),
+        )
 
 
 @dataclass(frozen=True)
@@ -117,7 +199,7 @@ class RoundRecord:
     master_port: int
     store_port: int
     restarts: int = 0
-    cause: str = "start"  # start | lost | left | failure | resize
+    cause: RoundCause = RoundCause.START
     joined: tuple[str, ...] = ()
     left: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
@@ -148,9 +230,7 @@ class RoundRecord:
         members = []
         for i, m in enumerate(_field(key, obj, "members", list)):
             if not isinstance(m, dict):
-                raise MalformedRecordError(
-                    f"malformed value at etcd key {key}: member {i} is not an object"
-                )
+                raise _bad(key, f"member {i} is not an object")
             members.append(
                 Member(
                     id=_field(key, m, "id", str),
@@ -167,10 +247,10 @@ class RoundRecord:
             master_port=_field(key, obj, "master_port", int),
             store_port=_field(key, obj, "store_port", int),
             restarts=_field(key, obj, "restarts", int),
-            cause=str(obj.get("cause", "")),
-            joined=tuple(map(str, obj.get("joined") or ())),
-            left=tuple(map(str, obj.get("left") or ())),
-            lost=tuple(map(str, obj.get("lost") or ())),
+            cause=_enum(key, RoundCause, obj.get("cause", RoundCause.START.value)),
+            joined=_names(obj.get("joined")),
+            left=_names(obj.get("left")),
+            lost=_names(obj.get("lost")),
             root_cause=root if isinstance(root, dict) else {},
             formed_at=float(obj.get("formed_at") or 0.0),
         )
@@ -178,7 +258,7 @@ class RoundRecord:
 
 @dataclass(frozen=True)
 class ClosedRecord:
-    state: str  # succeeded | failed
+    state: JobOutcome
     reason: str = ""
     by: str = ""
     round: int = 0
@@ -191,15 +271,12 @@ class ClosedRecord:
     @classmethod
     def decode(cls, key: str, raw: bytes) -> ClosedRecord:
         obj = _load(key, raw)
-        state = _field(key, obj, "state", str)
-        if state not in ("succeeded", "failed"):
-            raise MalformedRecordError(f"malformed value at etcd key {key}: state {state!r}")
         root = obj.get("root_cause") or {}
         return cls(
-            state=state,
+            state=_enum(key, JobOutcome, _field(key, obj, "state", str)),
             reason=str(obj.get("reason", "")),
             by=str(obj.get("by", "")),
-            round=int(obj.get("round") or 0),
+            round=_int(obj, "round"),
             at=float(obj.get("at") or 0.0),
             root_cause=root if isinstance(root, dict) else {},
         )

@@ -10,8 +10,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from elastic.etcd_server import TlsFiles
+from etcd_servers import TlsFiles
 
 
 def _name(cn: str) -> x509.Name:

@@ -22,6 +22,7 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import build_options, parse_conf
 from rendezvous.errors import RendezvousError
 from rendezvous.protocol import NodeSpec, Rendezvous
+from rendezvous.records import JobOutcome
 
 _out = threading.Lock()
 
@@ -66,9 +67,9 @@ def main() -> None:
         version = rdzv.version
         while True:
             change = rdzv.check()
-            key = (change.kind, change.detail) if change else None
+            key = (change.end, change.detail) if change else None
             if change is not None and key != last:
-                emit("change", kind=change.kind, detail=change.detail, nodes=list(change.nodes))
+                emit("change", end=change.end.name, detail=change.detail, nodes=list(change.nodes))
             last = key
             version = rdzv.wait(version, 1.0)
 
@@ -86,7 +87,7 @@ def main() -> None:
                     world_size=r.world_size,
                     master_addr=r.master_addr,
                     master_port=r.master_port,
-                    cause=r.cause,
+                    cause=r.cause.value,
                     restarts=r.restarts,
                     joined=list(r.joined),
                     left=list(r.left),
@@ -103,7 +104,7 @@ def main() -> None:
                 rdzv.announce_leaving()
                 emit("announced")
             elif cmd == "close":
-                emit("closed", wrote=rdzv.close("succeeded", "done"))
+                emit("closed", wrote=rdzv.close(JobOutcome.SUCCEEDED, "done"))
             elif cmd == "leave":
                 rdzv.shutdown(leave=True)
                 emit("left")

@@ -8,7 +8,7 @@ import time
 import pytest
 from harness import ROOT, Proc, python
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
 
@@ -103,10 +103,10 @@ def test_sigkill_noticed_within_ttl(etcd: EtcdServer, run_id: str, procs: list[P
     before = start_round([a, b, c])[0]
     killed = time.monotonic()
     c.signal(signal.SIGKILL)
-    ev = a.expect("change", kind="lost", timeout=TTL + 3)
+    ev = a.expect("change", end="LOST", timeout=TTL + 3)
     assert time.monotonic() - killed <= TTL + 1
     assert ev["nodes"] == ["c"]
-    b.expect("change", kind="lost")
+    b.expect("change", end="LOST")
     # survivors keep their relative order, no restart is charged, a fresh port is used
     after = start_round([a, b])
     survivors = [m for m in before["members"] if m != "c"]
@@ -124,19 +124,19 @@ def test_sigstop_noticed_and_frozen_node_fences_itself(
     old_port = rounds[0]["master_port"]
     stopped = time.monotonic()
     b.signal(signal.SIGSTOP)
-    a.expect("change", kind="lost", nodes=["b"], timeout=TTL + 3)
+    a.expect("change", end="LOST", nodes=["b"], timeout=TTL + 3)
     assert time.monotonic() - stopped <= TTL + 1
-    c.expect("change", kind="lost", nodes=["b"])
+    c.expect("change", end="LOST", nodes=["b"])
     a.send("next")
     c.send("next")
     r = a.expect("round", members=["a", "c"])
     assert r["master_port"] != old_port
     c.expect("round", members=["a", "c"])
     b.signal(signal.SIGCONT)
-    b.expect("change", kind="fenced", timeout=10)
+    b.expect("change", end="FENCED", timeout=10)
     # it comes back as a new node: the others see a newcomer waiting, drain, and admit it
     b.send("next")
-    a.expect("change", kind="drain", nodes=["b"], timeout=10)
+    a.expect("change", end="WAITING", nodes=["b"], timeout=10)
     a.send("next")
     c.send("next")
     back = b.expect("round", timeout=15)
@@ -149,7 +149,7 @@ def test_graceful_leave_noticed_at_once(etcd: EtcdServer, run_id: str, procs: li
     start_round([a, b])
     left = time.monotonic()
     b.send("leave")
-    a.expect("change", kind="left", nodes=["b"], timeout=5)
+    a.expect("change", end="LEFT", nodes=["b"], timeout=5)
     assert time.monotonic() - left < 1.0
     b.expect("left")
     a.send("next")
@@ -168,7 +168,7 @@ def test_standby_admitted_when_member_dies(
     time.sleep(1.0)
     assert a.events.empty() and s.events.empty(), "no room: the standby must only wait"
     a.signal(signal.SIGKILL)  # the rank-0 node dies: b becomes rank 0, s is admitted
-    b.expect("change", kind="lost", nodes=["a"], timeout=TTL + 3)
+    b.expect("change", end="LOST", nodes=["a"], timeout=TTL + 3)
     b.send("next")
     rb = b.expect("round")
     rs = s.expect("round")
@@ -181,15 +181,15 @@ def test_rank0_stays_rank0_while_alive(etcd: EtcdServer, run_id: str, procs: lis
     a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3")
     start_round([a, b, c])
     b.signal(signal.SIGKILL)
-    a.expect("change", kind="lost", timeout=TTL + 3)
-    c.expect("change", kind="lost", timeout=TTL + 3)
+    a.expect("change", end="LOST", timeout=TTL + 3)
+    c.expect("change", end="LOST", timeout=TTL + 3)
     ra, rc = start_round([a, c])
     assert (ra["rank"], rc["rank"]) == (0, 1)
     d = join(procs, etcd.endpoint, run_id, "d", nnodes="1:3")
     d.expect("ready")
     d.send("next")
-    a.expect("change", kind="drain", nodes=["d"], timeout=5)
-    c.expect("change", kind="drain", nodes=["d"], timeout=5)
+    a.expect("change", end="WAITING", nodes=["d"], timeout=5)
+    c.expect("change", end="WAITING", nodes=["d"], timeout=5)
     a.send("next")
     c.send("next")
     assert a.expect("round")["members"] == ["a", "c", "d"]
@@ -202,7 +202,7 @@ def test_worker_failure_charges_one_restart_then_closes(
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="2", max_restarts=1)
     start_round([a, b])
     b.send("fail")
-    a.expect("change", kind="failed", nodes=["b"])
+    a.expect("change", end="PEER_FAILED", nodes=["b"])
     a.send("fail")  # the cascade on the other node is the same failure: charged once
     b.send("next")
     a.send("next")
@@ -210,7 +210,7 @@ def test_worker_failure_charges_one_restart_then_closes(
     assert r["cause"] == "failure" and r["restarts"] == 1
     b.expect("round")
     a.send("fail")
-    b.expect("change", kind="failed")
+    b.expect("change", end="PEER_FAILED")
     b.send("next")
     a.send("next")
     err = a.expect("error", kind="RendezvousClosedError")
@@ -235,7 +235,7 @@ def test_run_ids_are_isolated(etcd: EtcdServer, run_id: str, procs: list[Proc]) 
     rx, ry = start_round(x), start_round(y)
     assert rx[0]["members"] == ry[0]["members"] == ["p", "q"]  # same node ids, two jobs
     x[1].signal(signal.SIGKILL)
-    x[0].expect("change", kind="lost", timeout=TTL + 3)
+    x[0].expect("change", end="LOST", timeout=TTL + 3)
     time.sleep(0.5)
     assert all(ev["event"] != "change" for ev in list(y[0].events.queue))
 
@@ -300,7 +300,7 @@ def test_etcd_restart_mid_job_is_survived(
         assert all(ev["event"] != "change" for ev in list(n.events.queue)), n.transcript()
     # and the job can still re-form afterwards
     b.send("leave")
-    a.expect("change", kind="left", timeout=5)
+    a.expect("change", end="LEFT", timeout=5)
     a.send("next")
     assert a.expect("round")["members"] == ["a"]
 

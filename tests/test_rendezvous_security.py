@@ -7,17 +7,18 @@ import time
 from pathlib import Path
 
 from certs import make_tls
+from etcd_servers import EtcdCluster, TlsEtcdServer
 from harness import Proc, etcdctl
 from test_rendezvous import TTL, join, join_in_order, start_round
 
-from elastic.etcd_server import EtcdCluster, EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 
 
 def test_tls_only_etcd_with_client_certificates(
     tmp_path: Path, run_id: str, procs: list[Proc]
 ) -> None:
     tls = make_tls(tmp_path / "pki")
-    with EtcdServer(tls=tls) as server:
+    with TlsEtcdServer(tls=tls) as server:
         conf = f"cacert={tls.ca},cert={tls.client_cert},key={tls.client_key}"
         a = join(procs, f"https://{server.endpoint}", run_id, "a", nnodes="2", conf=conf)
         a.expect("ready")
@@ -58,7 +59,7 @@ def test_user_password_auth_survives_etcd_restart(
         server.start()
         time.sleep(TTL)
         b.send("leave")
-        a.expect("change", kind="left", timeout=10)
+        a.expect("change", end="LEFT", timeout=10)
         a.send("next")
         assert a.expect("round", timeout=15)["members"] == ["a"]
         wrong = join(procs, server.endpoint, run_id, "w", conf="user=root,password=nope")
@@ -76,7 +77,7 @@ def test_cluster_with_one_member_stopped(run_id: str, procs: list[Proc]) -> None
         for n in (a, b, c):
             assert all(ev["event"] != "change" for ev in list(n.events.queue)), n.transcript()
         c.signal(signal.SIGKILL)
-        a.expect("change", kind="lost", nodes=["c"], timeout=TTL + 3)
+        a.expect("change", end="LOST", nodes=["c"], timeout=TTL + 3)
         start_round([a, b])
         # and a node that only knows the stopped member plus a live one still joins
         d = join(

@@ -11,7 +11,7 @@ import pytest
 from conftest import need
 from harness import ROOT, Proc
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_min.py"
 

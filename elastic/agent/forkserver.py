@@ -1,0 +1,144 @@
+"""``--start-method forkserver``: workers forked from a process that has imported torch.
+
+A fresh interpreter spends most of a worker's start in ``import torch`` (about two
+seconds on a small machine), and every restart and resize pays it on the recovery path.
+The fork server pays it once per node: it imports torch, then forks one child per worker
+and runs the script in it (``zygote.py``). The child is the worker: its own session,
+stdio from the agent's pipes, SIGKILL when the fork server dies, which dies with the agent.
+
+The difference from ``spawn`` (a fresh ``python -u script.py``, torchrun's way and the
+default): the script runs in an interpreter where torch is already imported, so settings
+a script makes in the environment *before* importing torch, for libraries that read them
+at import time (OMP_NUM_THREADS, TORCH_LOGS...), come too late. Set those in the agent's
+environment instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from elastic.agent.procs import die_with_parent
+
+
+class ForkedWorker:
+    """What WorkerGroup needs of a Popen, for a worker the fork server forked."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = self.stderr = None  # set by the caller when it piped them
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            self._server.wait_change(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The per-node fork server, started at once so torch imports while the job forms."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic.agent.zygote", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),
+        )
+        theirs.close()
+        self._cond = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._pids: list[int] = []
+        self._lock = threading.Lock()  # one spawn at a time: replies come in order
+        threading.Thread(target=self._read, name="forkserver", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            with self._cond:
+                if not data:
+                    self._pids.append(-1)  # wake spawners: the server is gone
+                    self._cond.notify_all()
+                    return
+                msg = json.loads(data)
+                if "pid" in msg:
+                    self._pids.append(msg["pid"])
+                else:
+                    self._exits[msg["exited"]] = msg["status"]
+                self._cond.notify_all()
+
+    def spawn(
+        self,
+        target: str,
+        args: list[str],
+        module: bool,
+        env: Mapping[str, str],
+        stdio: tuple[int, int, int],
+        cwd: str | None = None,
+    ) -> ForkedWorker:
+        request = json.dumps(
+            {
+                "target": target,
+                "args": list(args),
+                "module": module,
+                "env": dict(env),
+                "cwd": cwd or os.getcwd(),
+            }
+        ).encode()
+        with self._lock:
+            socket.send_fds(self._sock, [request], list(stdio))
+            with self._cond:
+                self._cond.wait_for(lambda: self._pids, timeout=60)
+                pid = self._pids.pop(0) if self._pids else -1
+        if pid < 0:
+            raise RuntimeError("the fork server is gone (see the agent's log for why)")
+        return ForkedWorker(self, pid)
+
+    def status(self, pid: int) -> int | None:
+        with self._cond:
+            return self._exits.get(pid)
+
+    def wait_change(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def close(self) -> None:
+        # shutdown, not just close: our reader thread is blocked in recv on this socket,
+        # which keeps it open (and the server waiting) until something wakes it
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()

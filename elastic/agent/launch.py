@@ -1,0 +1,176 @@
+"""Wire one node together: embedded etcd if needed, rendezvous, workers, agent, signals."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+
+from elastic.agent import nodedir
+from elastic.agent.config import RunConfig
+from elastic.agent.etcd_server import EtcdServer
+from elastic.agent.forkserver import ForkServer
+from elastic.agent.logs import LogRouter
+from elastic.agent.loop import Agent
+from elastic.agent.metrics import AgentMetrics, MetricsError, MetricsServer
+from elastic.agent.storehost import StoreHost
+from elastic.agent.workers import ForkTarget, WorkerGroup
+from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV
+from rendezvous import version
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options
+from rendezvous.net import default_local_addr
+from rendezvous.protocol import NodeSpec, Rendezvous
+
+log = logging.getLogger("elastic.launch")
+
+DEFAULT_METRICS_PORT = 9400
+
+
+@contextlib.contextmanager
+def embedded_etcd(cfg: RunConfig) -> Iterator[str]:
+    """The endpoint to use: the given one, or that of an etcd started for this agent."""
+    if not cfg.embedded_etcd:
+        yield cfg.rdzv_endpoint
+        return
+    with EtcdServer(name="embedded") as server:
+        log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
+        if cfg.max_nodes > 1:
+            log.info(
+                "other nodes on this machine join with --rdzv-endpoint %s --rdzv-id %s",
+                server.endpoint,
+                cfg.rdzv_id,
+            )
+        yield server.endpoint
+
+
+@contextlib.contextmanager
+def handled_signals(signals: tuple[int, ...], handler: Callable[[int], None]) -> Iterator[None]:
+    previous = {s: signal.signal(s, lambda n, _f: handler(n)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
+    """Start /metrics; returns the port. The default port, if another agent on this
+    machine has it, falls back to a free one (logged); an explicit one must be free."""
+    if cfg.metrics_port is None:
+        try:
+            port = server.start(cfg.metrics_addr, DEFAULT_METRICS_PORT)
+        except MetricsError:
+            port = server.start(cfg.metrics_addr, 0)
+            log.info("port %d is taken: /metrics on port %d instead", DEFAULT_METRICS_PORT, port)
+            return port
+    else:
+        port = server.start(cfg.metrics_addr, cfg.metrics_port)
+    log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, port)
+    return port
+
+
+def launch(cfg: RunConfig) -> int:
+    """Run this node's agent to the end; returns the exit code."""
+    with contextlib.ExitStack() as stack:
+        node_dir = nodedir.create(cfg.rdzv_id, cfg.node_id)
+        stack.callback(nodedir.remove, node_dir)
+        env = dict(cfg.env)
+        env[NODE_ID_ENV] = cfg.node_id
+        if cfg.metrics_port != -1:
+            env[MULTIPROC_ENV] = str(node_dir / "prometheus")
+        # the helpers start first: they import torch while the job forms
+        fork = None
+        if cfg.forkserver:
+            server = ForkServer({**os.environ, **env})
+            stack.callback(server.close)
+            fork = ForkTarget(server, cfg.script, cfg.script_args, cfg.module)
+        store = StoreHost()
+        stack.callback(store.close)
+        router = LogRouter(
+            cfg.log_dir,
+            cfg.rdzv_id,
+            cfg.node_id,
+            cfg.redirects,
+            cfg.tee,
+            cfg.local_ranks_filter,
+            cfg.role,
+            cfg.stdout_filters,
+            cfg.stderr_filters,
+        )
+        workers = WorkerGroup(
+            cfg.command,
+            router,
+            node_dir,
+            role=cfg.role,
+            run_id=cfg.rdzv_id,
+            max_restarts=cfg.max_restarts,
+            virtual_local_rank=cfg.virtual_local_rank,
+            extra_env=env,
+            forkserver=fork,
+        )
+        stack.callback(workers.stop, 0)
+        agent: Agent | None = None
+        metrics = None
+        port = 0
+        if cfg.metrics_port != -1:
+            metrics = AgentMetrics(
+                cfg.rdzv_id,
+                cfg.node_id,
+                cfg.max_restarts,
+                version(),
+                workers=workers.processes,
+                multiproc_dir=node_dir / "prometheus",
+                min_nodes=cfg.min_nodes,
+                max_nodes=cfg.max_nodes,
+            )
+            http = MetricsServer(
+                metrics.registry,
+                lambda: agent.health() if agent else {"node": cfg.node_id, "state": "starting"},
+            )
+            port = serve_metrics(cfg, http)
+            stack.callback(http.stop)
+        endpoint = stack.enter_context(embedded_etcd(cfg))
+        etcd_opts, rdzv_opts = build_options(
+            endpoint, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf
+        )
+        client = EtcdClient(etcd_opts)
+        stack.callback(client.close)
+        me = NodeSpec(
+            id=cfg.node_id,
+            addr=cfg.local_addr or default_local_addr(),
+            nproc=cfg.nproc_per_node,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            version=version(),
+            metrics_port=port,
+        )
+        rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
+        stack.callback(rdzv.shutdown, leave=True)
+        agent = Agent(
+            rdzv,
+            workers,
+            monitor_interval=cfg.monitor_interval,
+            shutdown_timeout=cfg.shutdown_timeout,
+            close_timeout=rdzv_opts.close_timeout,
+            host=me.host,
+            hang_timeout=cfg.worker_hang_timeout,
+            metrics=metrics,
+            store=store,
+        )
+        log.info(
+            "node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
+            cfg.node_id,
+            cfg.rdzv_id,
+            cfg.min_nodes,
+            cfg.max_nodes,
+            cfg.nproc_per_node,
+            router.run_dir,
+        )
+        stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
+        with handled_signals(cfg.signals, agent.on_signal):
+            return agent.run()
+    raise AssertionError("unreachable")  # mypy: ExitStack may swallow exceptions

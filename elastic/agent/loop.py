@@ -1,0 +1,404 @@
+"""The agent loop: gather an event, ask ``core.decide`` what to do, do it.
+
+One branch per state, as torch elastic's agent loops over ``WorkerState``; every rule is
+in ``core``. The rendezvous and the workers come in as arguments (``Membership``,
+``Workers``), so tests drive the loop with fakes of both.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any, Protocol
+
+from elastic.agent import storehost
+from elastic.agent.core import AgentState, Event, Exit, LocalEvent, Reaction, Stop, decide
+from elastic.agent.failures import WorkerFailure, format_report, summarize
+from elastic.agent.metrics import AgentMetrics
+from elastic.agent.placement import Placement
+from elastic.agent.workers import GroupState
+from rendezvous.errors import (
+    RendezvousCancelled,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from rendezvous.records import ClosedRecord, JobOutcome, RoundCause, RoundRecord
+from rendezvous.rules import Change, RoundEnd
+
+log = logging.getLogger("elastic.agent")
+
+URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
+
+
+class Membership(Protocol):
+    """What the agent needs of the rendezvous (``rendezvous.protocol.Rendezvous``)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    def start(self) -> None: ...
+    def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
+    def check(self) -> Change | None: ...
+    def closed(self) -> ClosedRecord | None: ...
+    def wait(self, version: int, timeout: float | None) -> int: ...
+    def poke(self) -> None: ...
+    def report_failure(self, detail: dict[str, Any]) -> None: ...
+    def finish_round(self) -> None: ...
+    def announce_leaving(self) -> None: ...
+    def close(self, state: JobOutcome, reason: str = "") -> bool: ...
+    def shutdown(self, leave: bool = True) -> None: ...
+
+
+class Workers(Protocol):
+    """What the agent needs of its worker processes (``workers.WorkerGroup``)."""
+
+    @property
+    def pids(self) -> list[int]: ...
+    def start(self, placements: list[Placement]) -> None: ...
+    def poll(self) -> tuple[GroupState, list[WorkerFailure]]: ...
+    def hung(self, timeout: float) -> list[WorkerFailure]: ...
+    def drain(self, sig: int, timeout: float) -> bool: ...
+    def finish(self, timeout: float, grace: float) -> bool: ...
+    def stop(self, grace: float) -> None: ...
+
+
+class Agent:
+    def __init__(
+        self,
+        rdzv: Membership,
+        workers: Workers,
+        *,
+        monitor_interval: float,
+        shutdown_timeout: float,
+        close_timeout: float,
+        host: str,
+        hang_timeout: float = 0.0,
+        metrics: AgentMetrics | None = None,
+        store: storehost.StoreHost | None = None,
+    ) -> None:
+        self.rdzv = rdzv
+        self.workers = workers
+        self.monitor_interval = monitor_interval
+        self.shutdown_timeout = shutdown_timeout
+        self.close_timeout = close_timeout
+        self.hang_timeout = hang_timeout
+        self.host = host
+        self.metrics = metrics
+        self.store = store
+        self._state = AgentState.JOINING
+        self.signal: int | None = None
+        self.round: RoundRecord | None = None
+        self._previous: RoundRecord | None = None
+        self._cancel = threading.Event()
+        self._change_at = time.monotonic()
+        self._change_why = "start"
+        self._lost_cause: Any = None  # LostCause of the pause in progress, if any
+        self._asked = time.monotonic()  # when this node asked for the round it joins
+        self._failures: tuple[WorkerFailure, ...] = ()
+        self._change: Change | None = None
+        self._closed: ClosedRecord | None = None
+
+    @property
+    def state(self) -> AgentState:
+        return self._state
+
+    @state.setter
+    def state(self, value: AgentState) -> None:
+        self._state = value
+        if self.metrics is not None:
+            self.metrics.set_state(value)
+
+    @property
+    def node_id(self) -> str:
+        return self.rdzv.node_id
+
+    def health(self) -> dict[str, Any]:
+        """What /healthz says: this agent's state and round."""
+        r = self.round
+        return {
+            "node": self.node_id,
+            "job": self.rdzv.run_id,
+            "state": self.state.value,
+            "round": r.number if r else 0,
+            "world_size": r.world_size if r else 0,
+            "workers": len(self.workers.pids),
+        }
+
+    def on_signal(self, signum: int) -> None:
+        """From the signal handler: remember the first signal and wake the main loop."""
+        if self.signal is None:
+            self.signal = signum
+        self._cancel.set()
+        self.rdzv.poke()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job ends for this node; returns the process exit code."""
+        try:
+            self.rdzv.start()
+        except RendezvousClosedError as e:
+            return self._closed_on_arrival(e)
+        while True:
+            self._change = self._closed = None
+            self._failures = ()
+            if self.state is AgentState.JOINING:
+                event = self._join()
+            elif self.state is AgentState.RUNNING:
+                event = self._watch()
+            else:
+                raise AssertionError(f"the loop never rests in {self.state}")
+            code = self._carry_out(decide(self.state, event), event)
+            if code is not None:
+                return code
+
+    # -- gathering events ---------------------------------------------------------------------
+    def _join(self) -> Event:
+        if self.signal is not None:
+            return LocalEvent.SIGNALLED
+        self._asked = time.monotonic()
+        try:
+            self.round = self.rdzv.next_round(cancel=self._cancel)
+        except RendezvousCancelled:
+            return LocalEvent.SIGNALLED
+        except RendezvousClosedError as e:
+            self._closed = e.record
+            failed = e.record.state is JobOutcome.FAILED
+            return RoundEnd.JOB_FAILED if failed else RoundEnd.JOB_SUCCEEDED
+        except RendezvousTimeoutError as e:
+            self._change_why = str(e)
+            return LocalEvent.JOIN_TIMED_OUT
+        return LocalEvent.ROUND_FORMED
+
+    def _watch(self) -> Event:
+        """Wait for the first thing that ends this node's part in the round."""
+        while True:
+            version = self.rdzv.version
+            if self.signal is not None:
+                return LocalEvent.SIGNALLED
+            state, failures = self.workers.poll()
+            if state is GroupState.SUCCEEDED:
+                return LocalEvent.WORKERS_SUCCEEDED
+            if state is GroupState.FAILED:
+                self._failures = tuple(failures)
+                return LocalEvent.WORKERS_FAILED
+            if state is GroupState.STOPPED:
+                return LocalEvent.WORKERS_SAVED
+            if self.hang_timeout > 0:
+                hung = self.workers.hung(self.hang_timeout)
+                if hung:
+                    self._failures = tuple(hung)
+                    return LocalEvent.WORKERS_HUNG
+            change = self.rdzv.check()
+            if change is not None:
+                self._change = change
+                return change.end
+            if self.metrics is not None:
+                self.metrics.tick()
+            self.rdzv.wait(version, self.monitor_interval)
+
+    # -- carrying out reactions ------------------------------------------------------------------
+    def _carry_out(self, r: Reaction, event: Event) -> int | None:
+        """Do what ``r`` says; an int is the exit code, None means carry on."""
+        if r.start:
+            return self._start()
+        self._change_at = time.monotonic()
+        self._explain(r, event)
+        pids = self.workers.pids
+        if r.announce_leaving:
+            try:
+                self.rdzv.announce_leaving()
+            except RendezvousError as e:
+                log.warning("could not announce leaving: %s", e)
+        self._stop(r.stop)
+        if r.report_failure:
+            self._report(event)
+        self._lost_cause = r.cause.lost_as if r.cause is not None else None
+        if self.metrics is not None and pids:
+            self.metrics.workers_stopped(r.cause)
+            for pid in pids:
+                self.metrics.worker_exited(pid)
+        if r.close_job:
+            self._close_succeeded()
+        self.state = r.next
+        if self.store is not None:
+            self.store.drop_round()
+        if r.exit is not None:
+            return self._end(event, r.exit)
+        self.state = AgentState.JOINING
+        return None
+
+    def _start(self) -> int | None:
+        r = self.round
+        assert r is not None
+        group_rank = r.rank_of(self.node_id)
+        nproc = r.members[group_rank].nproc
+        base = r.base_rank(group_rank)
+        placements = [
+            Placement(
+                local_rank=lr,
+                rank=base + lr,
+                group_rank=group_rank,
+                local_world_size=nproc,
+                world_size=r.world_size,
+                group_world_size=len(r.members),
+                master_addr=r.master_addr,
+                master_port=r.master_port,
+                restart_count=r.restarts,
+            )
+            for lr in range(nproc)
+        ]
+        try:
+            if group_rank == 0 and self.store is not None:
+                self.store.host_round(r.master_addr, r.master_port)
+        except storehost.StoreError as e:
+            log.error("%s; leaving this round", e)
+            self._change_why = str(e)
+            self.rdzv.finish_round()
+            return None
+        self.workers.start(placements)
+        took = time.monotonic() - self._change_at
+        if self.metrics is not None:
+            if self._lost_cause is not None:
+                self.metrics.lost(self._lost_cause, took)
+            self.metrics.round_started(
+                r,
+                group_rank,
+                joined=len(r.joined) if self._previous is not None else 0,
+                waited=time.monotonic() - self._asked,
+                workers=nproc,
+            )
+        self.state = AgentState.RUNNING
+        log.info("%s", membership_line(r, self._previous, took, self._change_why))
+        ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
+        log.info(
+            "node %s: group rank %d, %s, master %s:%d, restarts %d",
+            self.node_id,
+            group_rank,
+            ranks,
+            r.master_addr,
+            r.master_port,
+            r.restarts,
+        )
+        self._previous = r
+        return None
+
+    def _explain(self, r: Reaction, event: Event) -> None:
+        """The log line that says what happened and what the agent does about it."""
+        change = self._change
+        match event:
+            case LocalEvent.WORKERS_SAVED:
+                log.info("workers saved their state and stopped for a resize")
+                self._change_why = "workers stopped for a resize"
+            case LocalEvent.WORKERS_FAILED | LocalEvent.WORKERS_HUNG:
+                self._change_why = f"workers failed on {self.node_id}"
+            case LocalEvent.SIGNALLED:
+                name = signal.Signals(self.signal or signal.SIGTERM).name
+                log.warning("received %s: leaving the job", name)
+            case LocalEvent.JOIN_TIMED_OUT:
+                log.error("%s", self._change_why)
+            case RoundEnd.FENCED if change is not None:
+                log.warning("fenced: %s; killing stale workers and joining again", change.detail)
+                self._change_why = change.detail
+            case RoundEnd() if change is not None and r.stop is Stop.URGENT:
+                log.warning("%s: stopping workers now", change.detail)
+                self._change_why = change.detail
+            case RoundEnd() if change is not None and r.stop is Stop.DRAIN:
+                log.info("%s: resizing", change.detail)
+                self._change_why = change.detail
+
+    def _stop(self, how: Stop) -> None:
+        if how is Stop.URGENT:
+            self.workers.stop(URGENT_GRACE)
+        elif how is Stop.KILL:
+            self.workers.stop(0)
+        elif how is Stop.DRAIN:
+            sig = self.signal or signal.SIGTERM
+            if not self.workers.drain(sig, self.shutdown_timeout):
+                log.warning(
+                    "workers still running %gs after being asked to stop; killing them",
+                    self.shutdown_timeout,
+                )
+        elif how is Stop.FINISH and not self.workers.finish(
+            self.close_timeout, self.shutdown_timeout
+        ):
+            log.warning(
+                "job closed as succeeded but local workers still ran after "
+                "close_timeout=%gs; stopped them",
+                self.close_timeout,
+            )
+
+    def _report(self, event: Event) -> None:
+        detail = summarize(list(self._failures), self.node_id, self.host)
+        log.error("workers failed: %s", detail["summary"])
+        try:
+            self.rdzv.report_failure(detail)
+        except RendezvousError as e:
+            log.warning("could not report the failure to etcd: %s", e)
+
+    def _close_succeeded(self) -> None:
+        try:
+            closed = self.rdzv.close(
+                JobOutcome.SUCCEEDED, f"all workers succeeded ({self.node_id} first)"
+            )
+        except RendezvousError as e:
+            log.warning("could not mark the job closed in etcd: %s", e)
+            closed = False
+        log.info("all workers succeeded%s", "; job closed" if closed else "")
+
+    # -- endings ----------------------------------------------------------------------------
+    def _end(self, event: Event, how: Exit) -> int:
+        """Leave the job; the exit code for ``how``."""
+        self.rdzv.shutdown(leave=True)
+        if how is Exit.FAILED and event is not LocalEvent.JOIN_TIMED_OUT:
+            return self._report_failed()
+        if event is RoundEnd.JOB_SUCCEEDED and self._closed is not None:
+            log.info("job %s has finished: %s", self.rdzv.run_id, self._closed.reason)
+        elif event is RoundEnd.JOB_SUCCEEDED:
+            # another node closed the job: our own workers may have failed meanwhile
+            state, failures = self.workers.poll()
+            if state is GroupState.FAILED:
+                detail = {**summarize(failures, self.node_id, self.host), "node": self.node_id}
+                self.state = AgentState.FAILED
+                return self._report_failed("workers failed after the job was closed", detail)
+            log.info("job finished")
+        return how.code(self.signal or 0)
+
+    def _report_failed(self, reason: str | None = None, root: dict[str, Any] | None = None) -> int:
+        closed = self._closed or self.rdzv.closed()
+        if reason is None:
+            reason = closed.reason if closed else self._change_why
+        if root is None:
+            root = closed.root_cause if closed else {}
+        log.error("%s", format_report(f"job {self.rdzv.run_id} FAILED: {reason}", root))
+        return Exit.FAILED.code()
+
+    def _closed_on_arrival(self, e: RendezvousClosedError) -> int:
+        self._closed = e.record
+        if e.record.state is JobOutcome.FAILED:
+            self.state = AgentState.FAILED
+            return self._report_failed(e.record.reason, {})
+        log.info("%s; nothing to do (to run the job again, give it a new --rdzv-id)", e)
+        self.state = AgentState.SUCCEEDED
+        return Exit.SUCCEEDED.code()
+
+
+def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float, why: str) -> str:
+    """One line per membership change: who left or joined, the new size, how long it took."""
+    nodes = ", ".join(m.id for m in r.members)
+    parts = [f"round {r.number}: world size {r.world_size} on {len(r.members)} node(s) [{nodes}]"]
+    if r.lost:
+        parts.append(f"lost {', '.join(r.lost)}")
+    if r.left:
+        parts.append(f"left {', '.join(r.left)}")
+    if previous is not None and r.joined:
+        parts.append(f"joined {', '.join(r.joined)}")
+    if r.cause is RoundCause.FAILURE:
+        parts.append(f"restart {r.restarts} after a worker failure")
+    parts.append(f"{took:.2f}s after {why}")
+    return "; ".join(parts)

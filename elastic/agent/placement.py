@@ -1,0 +1,76 @@
+"""The environment of one worker: exactly what torchrun 2.13 gives it for the same ranks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker sits in the job for one round."""
+
+    local_rank: int
+    rank: int
+    group_rank: int
+    local_world_size: int
+    world_size: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+
+
+def worker_env(
+    p: Placement,
+    *,
+    role: str,
+    run_id: str,
+    max_restarts: int,
+    error_file: str,
+    virtual_local_rank: bool = False,
+    extra: Mapping[str, str] | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment (the agent's own, plus torchrun's variables) for one worker."""
+    parent = dict(os.environ if base is None else base)
+    env = dict(parent)
+    env.update(extra or {})
+    env.update(
+        {
+            "RANK": str(p.rank),
+            "GROUP_RANK": str(p.group_rank),
+            "ROLE_RANK": str(p.rank),
+            "ROLE_NAME": role,
+            "LOCAL_WORLD_SIZE": str(p.local_world_size),
+            "WORLD_SIZE": str(p.world_size),
+            "GROUP_WORLD_SIZE": str(p.group_world_size),
+            "ROLE_WORLD_SIZE": str(p.world_size),
+            "MASTER_ADDR": p.master_addr,
+            "MASTER_PORT": str(p.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(p.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
+            # the rank-0 agent hosts the store (as torchrun's c10d backend), on a port fresh to
+            # this round, so no stale worker of an older round can reach it
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": parent.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "LOCAL_RANK": str(p.local_rank),
+        }
+    )
+    if virtual_local_rank:  # each worker sees only its own GPU, as device 0 (as torchrun)
+        env["LOCAL_RANK"] = "0"
+        visible = parent.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            env["CUDA_VISIBLE_DEVICES"] = str(p.local_rank)
+        else:
+            gpus = [g.strip() for g in visible.split(",")]
+            if p.local_rank >= len(gpus):
+                raise ValueError(
+                    f"--virtual-local-rank: local rank {p.local_rank} exceeds "
+                    f"CUDA_VISIBLE_DEVICES={visible}"
+                )
+            env["CUDA_VISIBLE_DEVICES"] = gpus[p.local_rank]
+    return env

@@ -1,0 +1,86 @@
+"""The round's TCPStore, hosted for the rank-0 agent as torchrun's c10d backend does.
+
+Workers find it at MASTER_ADDR:MASTER_PORT with TORCHELASTIC_USE_AGENT_STORE=True, the
+same environment torchrun gives them. Each round gets a store on a fresh port, dropped
+when the round ends, so a stale worker of an older round has nothing to connect to.
+
+A TCPStore needs torch, and the agent never imports torch (it stays small, and its own
+start does not compete with its workers' ``import torch`` for the cores). So the store
+lives in a helper process (``store_server``), started with the agent: it imports torch
+while the job forms, and hosting a round's store is then one message away. The helper
+has its own session (a terminal's Ctrl-C reaches only the agent) and dies with the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+
+from elastic.agent.procs import die_with_parent
+
+
+class StoreError(RuntimeError):
+    """The store could not be hosted on the round's port."""
+
+
+class StoreHost:
+    """The helper process and the one store it hosts at a time."""
+
+    def __init__(self, start_timeout: float = 120.0) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic.agent.store_server", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
+        theirs.close()
+        self._timeout = start_timeout
+        self._lock = threading.Lock()
+        self._hosting = False
+
+    def host_round(self, addr: str, port: int) -> None:
+        """Host a fresh store on ``port`` (the previous one goes). Waits for the helper's
+        ``import torch`` if it is still under way."""
+        with self._lock:
+            reply = self._ask({"host": addr, "port": port})
+        if "error" in reply:
+            raise StoreError(f"cannot host the round's store on port {port}: {reply['error']}")
+        self._hosting = True
+
+    def drop_round(self) -> None:
+        """The round is over: its store goes (stale workers have nothing to reach)."""
+        if not self._hosting:
+            return
+        self._hosting = False
+        with self._lock, contextlib.suppress(OSError):
+            self._sock.send(json.dumps({"drop": True}).encode())
+
+    def _ask(self, msg: dict[str, object]) -> dict[str, object]:
+        try:
+            self._sock.send(json.dumps(msg).encode())
+            self._sock.settimeout(self._timeout)
+            data = self._sock.recv(1 << 16)
+        except OSError as e:
+            raise StoreError(f"the store helper is gone ({e})") from None
+        finally:
+            self._sock.settimeout(None)
+        if not data:
+            raise StoreError(f"the store helper exited with {self._proc.poll()}")
+        reply: dict[str, object] = json.loads(data)
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()

@@ -1,0 +1,291 @@
+"""The local worker processes of one round: start, poll, signal, stop.
+
+Workers start from the agent's main thread, each in its own session (so a terminal's
+Ctrl-C reaches only the agent, which forwards it) and with a parent-death signal, so
+they never outlive the agent.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from signal import SIGKILL, SIGTERM
+from typing import BinaryIO
+
+import psutil
+
+from elastic.agent.collectors import WorkerProc
+from elastic.agent.failures import WorkerFailure, collect
+from elastic.agent.forkserver import ForkServer
+from elastic.agent.logs import LogRouter, WorkerStreams
+from elastic.agent.placement import Placement, worker_env
+from elastic.agent.procs import die_with_parent, signal_group, stop_group
+from elastic.contract import (
+    CONTROL_ENV,
+    EXIT_RESIZE,
+    NODE_DIR_ENV,
+    ControlBlock,
+    control_path,
+)
+
+
+class GroupState(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    STOPPED = "stopped"  # they saved and exited for a resize (EXIT_RESIZE)
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ForkTarget:
+    """What the fork server runs in each forked worker (``--start-method forkserver``)."""
+
+    server: ForkServer
+    target: str  # the script, or the module with ``module``
+    args: tuple[str, ...]
+    module: bool
+
+
+@dataclass
+class Worker:
+    placement: Placement
+    proc: subprocess.Popen
+    streams: WorkerStreams
+    control: ControlBlock
+    exited_at: float | None = None
+
+    @property
+    def local_rank(self) -> int:
+        return self.placement.local_rank
+
+
+class WorkerGroup:
+    def __init__(
+        self,
+        command: tuple[str, ...],
+        router: LogRouter,
+        node_dir: Path,
+        *,
+        role: str,
+        run_id: str,
+        max_restarts: int,
+        virtual_local_rank: bool = False,
+        extra_env: dict[str, str] | None = None,
+        forkserver: ForkTarget | None = None,
+    ) -> None:
+        """``forkserver``: (server, script or module, its arguments, is a module) to fork
+        workers from instead of starting ``command``."""
+        self.command = command
+        self.forkserver = forkserver
+        self.router = router
+        self.node_dir = node_dir
+        self.role = role
+        self.run_id = run_id
+        self.max_restarts = max_restarts
+        self.virtual_local_rank = virtual_local_rank
+        self.extra_env = dict(extra_env or {})
+        self.workers: list[Worker] = []
+
+    def start(self, placements: list[Placement]) -> None:
+        """Start one process per placement (call from the main thread: see module doc)."""
+        assert not self.running, "stop the previous workers first"
+        self.router.new_attempt()
+        self.workers = []
+        try:
+            for p in placements:
+                streams, plan = self.router.streams(p.local_rank)
+                block_path = control_path(self.node_dir, p.local_rank)
+                block = ControlBlock(block_path, create=True)
+                env = worker_env(
+                    p,
+                    role=self.role,
+                    run_id=self.run_id,
+                    max_restarts=self.max_restarts,
+                    error_file=streams.error_file,
+                    virtual_local_rank=self.virtual_local_rank,
+                    extra={
+                        **self.extra_env,
+                        CONTROL_ENV: str(block_path),
+                        NODE_DIR_ENV: str(self.node_dir),
+                    },
+                )
+                proc = self._launch(env, streams)
+                streams.attach(proc, self.router.prefix(p.rank, p.local_rank), plan)
+                self.workers.append(Worker(p, proc, streams, block))
+        except BaseException:
+            self.stop(grace=0)
+            raise
+
+    def _launch(self, env: dict[str, str], streams: WorkerStreams) -> subprocess.Popen:
+        if self.forkserver is None:
+            return subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=streams.stdout,
+                stderr=streams.stderr,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        fork = self.forkserver
+        ours: list[BinaryIO] = []  # our ends of the pipes, for the log pumps
+        theirs: list[int] = []  # the worker's stdin, stdout, stderr: closed here once sent
+        try:
+            theirs.append(os.open(os.devnull, os.O_RDONLY))
+            for target_fd in (streams.stdout, streams.stderr):
+                if target_fd == subprocess.PIPE:
+                    r, w = os.pipe()
+                    ours.append(os.fdopen(r, "rb"))
+                    theirs.append(w)
+                elif target_fd == subprocess.DEVNULL:
+                    theirs.append(os.open(os.devnull, os.O_WRONLY))
+                else:
+                    theirs.append(os.dup(target_fd.fileno()))  # type: ignore[union-attr]
+            stdin, stdout, stderr = theirs
+            proc = fork.server.spawn(
+                fork.target, fork.args, fork.module, env, (stdin, stdout, stderr)
+            )
+        except BaseException:
+            for f in ours:
+                f.close()
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        pipes = iter(ours)
+        proc.stdout = next(pipes) if streams.stdout == subprocess.PIPE else None
+        proc.stderr = next(pipes) if streams.stderr == subprocess.PIPE else None
+        return proc  # type: ignore[return-value]
+
+    @property
+    def running(self) -> bool:
+        return any(w.proc.poll() is None for w in self.workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers]
+
+    def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
+        """SUCCEEDED once all exited 0, STOPPED once all exited and some for a resize,
+        FAILED as soon as one exited otherwise."""
+        if not self.workers:
+            return GroupState.IDLE, []
+        now = time.time()
+        failures = []
+        done = resized = 0
+        for w in self.workers:
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            if w.exited_at is None:
+                w.exited_at = now
+            if rc == 0:
+                done += 1
+            elif rc == EXIT_RESIZE:
+                resized += 1
+            else:
+                failures.append(
+                    collect(
+                        w.placement.rank,
+                        w.local_rank,
+                        w.proc.pid,
+                        rc,
+                        w.streams.error_file,
+                        w.exited_at,
+                    )
+                )
+        if failures:
+            return GroupState.FAILED, failures
+        if done + resized == len(self.workers):
+            return (GroupState.STOPPED if resized else GroupState.SUCCEEDED), []
+        return GroupState.RUNNING, []
+
+    @property
+    def use_state(self) -> bool:
+        """Every worker runs elastic.State: they can save and stop when asked."""
+        return bool(self.workers) and all(w.control.uses_state for w in self.workers)
+
+    def drain(self, sig: int, timeout: float) -> bool:
+        """Stop without losing a step: State users save at their next step and exit
+        EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. True if they
+        all exited by themselves."""
+        if self.use_state:
+            for w in self.workers:
+                w.control.request_stop()
+        else:
+            self.signal(sig)
+        done = self.wait(timeout)
+        self.stop(0)
+        return done
+
+    def finish(self, timeout: float, grace: float) -> bool:
+        """Let the workers end on their own for ``timeout``, then stop them (SIGTERM,
+        SIGKILL after ``grace``). True if they ended by themselves."""
+        done = self.wait(timeout)
+        self.stop(0 if done else grace)
+        return done
+
+    def hung(self, timeout: float) -> list[WorkerFailure]:
+        """Running workers that reported progress, then none for ``timeout`` seconds."""
+        now = time.time()
+        out = []
+        for w in self.workers:
+            beat = w.control.heartbeat
+            if w.proc.poll() is None and w.control.reports and beat and now - beat > timeout:
+                out.append(
+                    WorkerFailure(
+                        w.placement.rank,
+                        w.local_rank,
+                        w.proc.pid,
+                        -int(SIGKILL),
+                        now,
+                        f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout "
+                        f"{timeout:g}) after step {w.control.step}; {_why_still(w.proc.pid)}",
+                    )
+                )
+        return out
+
+    def processes(self) -> list[WorkerProc]:
+        """The workers as the metrics collectors see them."""
+        return [
+            WorkerProc(w.placement.rank, w.local_rank, w.proc.pid, w.proc.poll() is None)
+            for w in self.workers
+        ]
+
+    def signal(self, sig: int) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                signal_group(w.proc, sig)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for every worker to exit by itself; True if they did."""
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.running
+
+    def stop(self, grace: float, sig: int = SIGTERM) -> None:
+        """``sig`` to every worker's process group, SIGKILL after ``grace``; logs drained."""
+        stop_group([w.proc for w in self.workers], grace, sig)
+        for w in self.workers:
+            w.streams.close()
+            w.control.close()
+
+
+def _why_still(pid: int) -> str:
+    """What a silent worker's process is doing: a frozen one is the likely root cause,
+    a sleeping one is usually blocked in a collective, waiting for a frozen peer."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return "process gone"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "process stopped (SIGSTOP or a debugger)"
+    if status == psutil.STATUS_SLEEPING:
+        return "process sleeping (blocked, perhaps waiting for a peer)"
+    return f"process {status}"

@@ -1,0 +1,108 @@
+"""The fork server's own process (``--start-method forkserver``): import torch once, then
+fork a worker per request and run its script in the child, as ``python script.py`` would.
+
+Runs as ``python -m elastic.agent.zygote FD``; FD is a Unix SOCK_SEQPACKET socket to the agent.
+A request is one message, JSON, with three file descriptors attached (the worker's
+stdin, stdout, stderr); replies are messages too: ``{"pid": N}`` for each fork,
+``{"exited": N, "status": S}`` when a worker ends (S as Popen.returncode: negative for a
+signal). Nothing here runs threads: children are forked from a single-threaded process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _run_child(req: dict, fds: list[int], parent: int) -> None:
+    """In the forked child: become the worker, run its script, exit like python does."""
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "prctl"):
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)  # as python -u: the agent prefixes lines
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    code = 0
+    try:
+        if req["module"]:
+            sys.argv = [req["target"], *req["args"]]
+            runpy.run_module(req["target"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [req["target"], *req["args"]]
+            sys.path[0] = os.path.dirname(os.path.abspath(req["target"]))
+            runpy.run_path(req["target"], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def _status(raw: int) -> int:
+    if os.WIFSIGNALED(raw):
+        return -os.WTERMSIG(raw)
+    return os.WEXITSTATUS(raw)
+
+
+def serve(sock: socket.socket) -> None:
+    import torch  # the point of this process: the import every worker shares
+    import torch.distributed  # noqa: F401
+
+    me = os.getpid()
+    children: set[int] = set()
+
+    def send(msg: dict) -> None:
+        sock.send(json.dumps(msg).encode())
+
+    while True:
+        while children:  # report exits first, so they arrive even with no request
+            pid, raw = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            send({"exited": pid, "status": _status(raw)})
+        sock.settimeout(0.05 if children else None)
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        except TimeoutError:
+            continue
+        if not data:
+            return  # the agent closed us, or is gone
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _run_child(json.loads(data), list(fds), me)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        send({"pid": pid})
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -1,0 +1,141 @@
+"""Training progress, reported by workers, exported on their agent's ``/metrics``.
+
+Under elastic-run each worker has ``PROMETHEUS_MULTIPROC_DIR`` pointing into its node's
+shared-memory directory; prometheus-client writes the values there and the agent merges
+them into its endpoint. Outside elastic-run (torchrun, plain python) this does nothing.
+``State.commit()`` reports by itself; scripts without State call ``elastic.report``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from elastic import contract
+from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV
+
+_metrics: dict[str, Any] | None = None
+_last: tuple[float, float] | None = None  # (time, samples) at the previous report
+
+
+def _get() -> dict[str, Any] | None:
+    global _metrics
+    if _metrics is not None:
+        return _metrics or None
+    if not os.environ.get(MULTIPROC_ENV):
+        _metrics = {}
+        return None
+    from prometheus_client import Counter, Gauge, Histogram
+
+    env = os.environ
+    labels = {
+        "job": env.get("TORCHELASTIC_RUN_ID", ""),
+        "node": env.get(NODE_ID_ENV, ""),
+        "rank": env.get("RANK", "0"),
+        "local_rank": env.get("LOCAL_RANK", "0"),
+    }
+    names = list(labels)
+
+    def gauge(name: str, doc: str) -> Any:
+        return Gauge(name, doc, names, multiprocess_mode="livemostrecent").labels(**labels)
+
+    def counter(name: str, doc: str) -> Any:
+        return Counter(name, doc, names).labels(**labels)
+
+    def histogram(name: str, doc: str) -> Any:
+        return Histogram(
+            name,
+            doc,
+            names,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, float("inf")),
+        ).labels(**labels)
+
+    _metrics = {
+        "step": gauge("elastic_run_training_step", "Optimizer steps done"),
+        "loss": gauge("elastic_run_training_loss", "Loss the script reported last"),
+        "samples": counter("elastic_run_training_samples", "Samples this worker trained on"),
+        "rate": gauge(
+            "elastic_run_training_samples_per_second",
+            "Samples per second between the last two reports",
+        ),
+        "snapshot": histogram(
+            "elastic_run_snapshot_seconds", "Seconds a snapshot blocked the training thread"
+        ),
+        "snapshot_bytes": gauge("elastic_run_snapshot_bytes", "Size of the newest snapshot"),
+        "blocked": counter(
+            "elastic_run_snapshot_blocked_seconds",
+            "Seconds the training thread waited for snapshots",
+        ),
+        "ckpt": histogram(
+            "elastic_run_checkpoint_write_seconds",
+            "Seconds to write a checkpoint file (in the background)",
+        ),
+        "ckpt_bytes": counter(
+            "elastic_run_checkpoint_written_bytes", "Bytes of checkpoint files written"
+        ),
+        "ckpt_failures": counter(
+            "elastic_run_checkpoint_failures",
+            "Checkpoints (or snapshots) that could not be written",
+        ),
+        "restore": gauge("elastic_run_restore_seconds", "Seconds the last restore took"),
+        "restore_bytes": gauge("elastic_run_restore_bytes", "Bytes the last restore loaded"),
+    }
+    return _metrics
+
+
+def report(step: int | None = None, loss: float | None = None, samples: int | None = None) -> None:
+    """Progress of this worker: ``samples`` trained on since the last report. Also tells
+    the agent the worker is alive (see --worker-hang-timeout)."""
+    global _last
+    block = contract.worker_block()
+    if block is not None:
+        block.mark(contract.REPORTS)
+        block.beat(step)
+    m = _get()
+    if m is None:
+        return
+    if step is not None:
+        m["step"].set(step)
+    if loss is not None:
+        m["loss"].set(float(loss))
+    if samples:
+        m["samples"].inc(samples)
+        now = time.monotonic()
+        if _last is not None and now > _last[0]:
+            m["rate"].set(samples / (now - _last[0]))
+        _last = (now, samples)
+
+
+def snapshot(seconds: float, nbytes: int) -> None:
+    """A snapshot taken: what it blocked the training thread for, and its size."""
+    m = _get()
+    if m is not None:
+        m["snapshot"].observe(seconds)
+        m["snapshot_bytes"].set(nbytes)
+        m["blocked"].inc(seconds)
+
+
+def waited(seconds: float) -> None:
+    """optimizer.step() waited this long for a snapshot's background copy."""
+    m = _get()
+    if m is not None:
+        m["blocked"].inc(seconds)
+
+
+def checkpoint(ok: bool, seconds: float, nbytes: int) -> None:
+    m = _get()
+    if m is None:
+        return
+    if ok:
+        m["ckpt"].observe(seconds)
+        m["ckpt_bytes"].inc(nbytes)
+    else:
+        m["ckpt_failures"].inc()
+
+
+def restored(seconds: float, nbytes: int) -> None:
+    m = _get()
+    if m is not None:
+        m["restore"].set(seconds)
+        m["restore_bytes"].set(nbytes)

@@ -1,0 +1,308 @@
+"""Membership rules: pure functions of a ``JobView``, the same on every node.
+
+``member_state`` says what each node is doing as far as the job can tell; ``plan`` says
+when to form the next round, with whom, and who writes it; ``round_end`` says what, if
+anything, ends a node's current round. Everything else (``Rendezvous``, the agent,
+``elastic-run status``) reads the job through these three.
+
+Forming rounds (every agent computes the same plan from the same view; only the writer
+acts):
+
+- A round is re-formed when there is none yet, when one of its members is gone (lost:
+  its lease expired; left: it said so first), or when a live member has declared it is
+  done with the round (its workers failed, or it drained them for a resize).
+- It is formed only once every live member is done with the current round, so no old
+  worker still runs when new ones start.
+- Candidates are the live members in their current order, then the other live nodes in
+  join order (create revision); nodes that are leaving are never candidates. So
+  survivors keep their relative order and the rank-0 node stays rank 0 while it lives.
+- With fewer than MIN candidates nothing forms. With MAX or more, the first MAX form the
+  round now (the rest are standbys). In between, the round forms once last_call_timeout
+  has passed since the latest node registered.
+- The writer is the first candidate, that is the new rank 0: it can pick a free port on
+  its own host for MASTER_PORT.
+- A restart is charged only when the round ends because workers failed and no member
+  was lost; past the budget the writer closes the job as failed, naming as root cause
+  the earliest failure that is not a consequence of another (see ``earliest_failure``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from rendezvous.mirror import JobView, LiveNode
+from rendezvous.records import (
+    FailureRecord,
+    JobOutcome,
+    Member,
+    NodeState,
+    RoundCause,
+    RoundRecord,
+)
+
+
+class MemberState(enum.Enum):
+    """A node as the job sees it, relative to the current round."""
+
+    RUNNING = "running"  # a member, live, its workers in the round
+    STOPPING = "stopping"  # a member that stopped its workers (done with the round)
+    LEAVING = "leaving"  # live, said it is going (SIGTERM, or its job ended)
+    LEFT = "left"  # a member gone after saying it leaves
+    LOST = "lost"  # a member gone without a word (crash, freeze, partition)
+    JOINING = "joining"  # live, not a member, and the round has room (or none exists)
+    STANDBY = "standby"  # live, not a member, the round is full
+
+
+def member_state(view: JobView, node_id: str, rev: int, max_nodes: int) -> MemberState:
+    """What incarnation ``rev`` of ``node_id`` is doing, as the job can tell from ``view``:
+    a member of the round (alive or gone) or a live node outside it."""
+    r = view.round
+    live = view.nodes.get(node_id)
+    if live is not None and live.rev != rev:
+        live = None
+    member = r is not None and any(m.id == node_id and m.rev == rev for m in r.members)
+    if member and live is None:
+        gone = view.gone.get(node_id)
+        return MemberState.LEFT if gone is not None and gone.rev == rev else MemberState.LOST
+    if live is None:
+        raise KeyError(f"{node_id} (rev {rev}) is neither live nor a member of the round")
+    if live.record.state is NodeState.LEAVING:
+        return MemberState.LEAVING
+    if not member:
+        full = r is not None and len(r.members) >= max_nodes
+        return MemberState.STANDBY if full else MemberState.JOINING
+    assert r is not None
+    return MemberState.STOPPING if live.record.done >= r.number else MemberState.RUNNING
+
+
+def _members(view: JobView, max_nodes: int) -> dict[str, MemberState]:
+    """The state of every member of the round, by id."""
+    r = view.round
+    return {m.id: member_state(view, m.id, m.rev, max_nodes) for m in r.members} if r else {}
+
+
+def _newcomers(view: JobView, max_nodes: int) -> list[LiveNode]:
+    """Live incarnations outside the round that may join it, in join order."""
+    return sorted(
+        (
+            n
+            for n in view.nodes.values()
+            if member_state(view, n.record.id, n.rev, max_nodes)
+            in (MemberState.JOINING, MemberState.STANDBY)
+        ),
+        key=lambda n: n.rev,
+    )
+
+
+# -- forming rounds ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    form: bool
+    reason: str
+    members: tuple[Member, ...] = ()
+    writer: str | None = None
+    cause: RoundCause = RoundCause.START
+    restarts: int = 0
+    joined: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
+    root_cause: dict[str, Any] = field(default_factory=dict)
+    budget_spent: bool = False
+    wake_at: float | None = None  # monotonic time the plan may change without an event
+    enough_nodes: bool = True
+    present: int = 0  # candidates for the next round
+    busy: tuple[str, ...] = ()  # live members the round waits on
+
+
+def _member(node: LiveNode) -> Member:
+    return Member(node.record.id, node.rev, node.record.addr, node.record.nproc)
+
+
+def earliest_failure(failures: dict[str, FailureRecord]) -> dict[str, Any]:
+    """The root cause among the round's failure reports: the earliest failure that is not
+    a consequence of another (a worker whose peer vanished under it), by the time the
+    failure happened, then by the time it was reported."""
+    if not failures:
+        return {}
+
+    def first(f: FailureRecord) -> dict[str, Any]:
+        rows = f.detail.get("failures") or [{}]
+        return rows[0] if isinstance(rows[0], dict) else {}
+
+    def key(f: FailureRecord) -> tuple[bool, float, float]:
+        row = first(f)
+        when = row.get("time")
+        return (bool(row.get("consequence")), float(when) if when else f.time, f.time)
+
+    root = min(failures.values(), key=key)
+    return {"node": root.node, "time": root.time, **root.detail}
+
+
+def plan(
+    view: JobView,
+    min_nodes: int,
+    max_nodes: int,
+    last_call: float,
+    max_restarts: int,
+    now: float,
+    me: str | None = None,
+) -> Plan:
+    """The plan as node ``me`` needs it (all of it when ``me`` is None or the writer).
+
+    A node that is not the writer learns who is, and nothing more: its view may be lean
+    (see mirror.py), and with many nodes waiting every event would wake every one.
+    """
+    current: RoundRecord | None = view.round
+    number = current.number if current else 0
+    states = _members(view, max_nodes)
+    previous = current.members if current else ()
+    staying = [m for m in previous if states[m.id] in (MemberState.RUNNING, MemberState.STOPPING)]
+    newcomers = _newcomers(view, max_nodes)
+    count = len(staying) + len(newcomers)
+    writer = staying[0].id if staying else newcomers[0].record.id if newcomers else None
+    if me is not None and me != writer:
+        return Plan(False, f"waiting for {writer} to form round {number + 1}", writer=writer)
+
+    left = tuple(m.id for m in previous if states[m.id] is MemberState.LEFT)
+    lost = tuple(m.id for m in previous if states[m.id] is MemberState.LOST)
+    live = [m for m in previous if m.id not in left and m.id not in lost]
+    busy = tuple(
+        m.id
+        for m in live
+        if states[m.id] is MemberState.RUNNING
+        or (states[m.id] is MemberState.LEAVING and view.nodes[m.id].record.done < number)
+    )
+    if current is not None and not left and not lost and len(busy) == len(live):
+        return Plan(False, f"round {number} is running", writer=writer, present=count)
+    if busy:
+        return Plan(
+            False,
+            f"waiting for {', '.join(busy)} to stop the workers of round {number}",
+            writer=writer,
+            busy=busy,
+            present=count,
+        )
+    if count < min_nodes:
+        return Plan(
+            False,
+            f"{count} of at least {min_nodes} nodes present",
+            writer=writer,
+            enough_nodes=False,
+            present=count,
+        )
+    if count < max_nodes and now < view.last_join + last_call:
+        return Plan(
+            False,
+            f"{count} of up to {max_nodes} nodes present; last call",
+            writer=writer,
+            wake_at=view.last_join + last_call,
+            present=count,
+        )
+
+    chosen = tuple([*staying, *map(_member, newcomers)][:max_nodes])
+    failures = view.failures.get(number, {}) if current else {}
+    if current is None:
+        cause = RoundCause.START
+    elif lost:
+        cause = RoundCause.LOST
+    elif failures:
+        cause = RoundCause.FAILURE
+    elif left:
+        cause = RoundCause.LEFT
+    else:
+        cause = RoundCause.RESIZE
+    restarts = (current.restarts if current else 0) + (cause is RoundCause.FAILURE)
+    before = {(m.id, m.rev) for m in previous}
+    return Plan(
+        True,
+        f"forming round {number + 1} ({cause.value})",
+        members=chosen,
+        writer=writer,
+        cause=cause,
+        restarts=restarts,
+        joined=tuple(m.id for m in chosen if (m.id, m.rev) not in before),
+        left=left,
+        lost=lost,
+        root_cause=earliest_failure(failures),
+        budget_spent=cause is RoundCause.FAILURE and restarts > max_restarts,
+        present=count,
+    )
+
+
+# -- ending rounds ------------------------------------------------------------------------------
+class RoundEnd(enum.Enum):
+    """What ends a node's current round. ``urgent`` ones leave its workers' round broken:
+    stop them now. The others let them save at their next step and stop (drain)."""
+
+    JOB_SUCCEEDED = "job succeeded"  # another node closed the job as succeeded
+    JOB_FAILED = "job failed"  # closed as failed (restart budget spent)
+    FENCED = "fenced"  # etcd dropped this node: the job went on without it
+    SUPERSEDED = "superseded"  # a newer round that includes this node formed
+    LOST = "lost"  # a member vanished without a word
+    PEER_FAILED = "peer failed"  # a member's workers failed
+    LEFT = "left"  # a member left before this node drained
+    LEAVING = "leaving"  # a member is about to leave
+    STOPPING = "stopping"  # a member stopped its workers for this round
+    WAITING = "waiting"  # a node waits to join and the round has room
+
+    @property
+    def urgent(self) -> bool:
+        return self not in (RoundEnd.LEAVING, RoundEnd.STOPPING, RoundEnd.WAITING)
+
+
+@dataclass(frozen=True)
+class Change:
+    """Something that ends this node's current round, with the nodes concerned."""
+
+    end: RoundEnd
+    detail: str
+    nodes: tuple[str, ...] = ()
+
+
+def round_end(
+    view: JobView, me: str, rev: int, mine: RoundRecord | None, max_nodes: int, fenced: bool
+) -> Change | None:
+    """What, if anything, ends round ``mine`` for node ``me`` (incarnation ``rev``);
+    ``fenced``: etcd has dropped this incarnation (see ``Rendezvous.fenced``)."""
+    closed = view.closed
+    if closed is not None:
+        end = (
+            RoundEnd.JOB_SUCCEEDED if closed.state is JobOutcome.SUCCEEDED else RoundEnd.JOB_FAILED
+        )
+        return Change(end, f"job {closed.state.value}: {closed.reason}".rstrip(": "))
+    if fenced:
+        return Change(
+            RoundEnd.FENCED, "etcd dropped this node's lease; the job moved on without it"
+        )
+    r = view.round
+    if mine is None or r is None:
+        return None
+    if r.number > mine.number:
+        if any(m.id == me and m.rev == rev for m in r.members):
+            return Change(RoundEnd.SUPERSEDED, f"round {r.number} formed")
+        return Change(RoundEnd.FENCED, f"round {r.number} formed without this node")
+    if r.number < mine.number:
+        return None  # our own view lags behind a round we already joined
+    states = _members(view, max_nodes)
+    others = [m.id for m in mine.members if m.id != me]
+
+    def having(*wanted: MemberState) -> tuple[str, ...]:
+        return tuple(i for i in others if states[i] in wanted)
+
+    if lost := having(MemberState.LOST):
+        return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
+    failed = tuple(sorted(n for n in view.failures.get(mine.number, {}) if n != me))
+    if failed:
+        return Change(RoundEnd.PEER_FAILED, f"workers failed on {', '.join(failed)}", failed)
+    if left := having(MemberState.LEFT):
+        return Change(RoundEnd.LEFT, f"{', '.join(left)} left", left)
+    if leaving := having(MemberState.LEAVING):
+        return Change(RoundEnd.LEAVING, f"{', '.join(leaving)} leaving", leaving)
+    if stopping := having(MemberState.STOPPING):
+        return Change(RoundEnd.STOPPING, f"{', '.join(stopping)} stopping", stopping)
+    waiting = tuple(n.record.id for n in _newcomers(view, max_nodes))
+    if waiting and len(mine.members) < max_nodes:
+        return Change(RoundEnd.WAITING, f"{', '.join(waiting)} waiting to join", waiting)
+    return None

@@ -1,0 +1,230 @@
+"""The membership rules (member_state, plan, round_end) on hand-made views; the
+real-etcd behaviour is in test_rendezvous."""
+
+from __future__ import annotations
+
+import pytest
+
+from rendezvous.mirror import JobView, LiveNode
+from rendezvous.records import (
+    ClosedRecord,
+    FailureRecord,
+    GoneRecord,
+    JobOutcome,
+    Member,
+    NodeRecord,
+    NodeState,
+    RoundCause,
+    RoundRecord,
+)
+from rendezvous.rules import MemberState, RoundEnd, earliest_failure, member_state, plan, round_end
+
+LEAVING = NodeState.LEAVING
+
+
+def node(i: str, rev: int, done: int = 0, state: NodeState = NodeState.WAITING) -> LiveNode:
+    return LiveNode(NodeRecord(id=i, addr="h", nproc=2, done=done, state=state), rev)
+
+
+def rnd(number: int, *members: LiveNode, restarts: int = 0) -> RoundRecord:
+    return RoundRecord(
+        number, tuple(Member(n.record.id, n.rev, "h", 2) for n in members), "h", 1, 2, restarts
+    )
+
+
+def view(
+    *nodes: LiveNode,
+    r: RoundRecord | None = None,
+    last_join: float = 0.0,
+    gone: tuple[LiveNode, ...] = (),
+    failures: dict[int, dict[str, FailureRecord]] | None = None,
+    closed: ClosedRecord | None = None,
+) -> JobView:
+    return JobView(
+        nodes={n.record.id: n for n in nodes},
+        gone={n.record.id: GoneRecord(n.rev, "host") for n in gone},
+        round_record=r,
+        closed_record=closed,
+        last_join=last_join,
+        failures=failures or {},
+    )
+
+
+# -- member_state ---------------------------------------------------------------------------
+def test_member_states() -> None:
+    a, b, c, d = node("a", 1), node("b", 2, done=1), node("c", 3, state=LEAVING), node("d", 4)
+    e, f = node("e", 5), node("f", 6)
+    r = rnd(1, a, b, c, e, f)
+    v = view(a, b, c, d, node("e", 50), gone=(f,), r=r)
+    revs = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6}
+    states = {i: member_state(v, i, rev, max_nodes=5) for i, rev in revs.items()}
+    assert states == {
+        "a": MemberState.RUNNING,
+        "b": MemberState.STOPPING,
+        "c": MemberState.LEAVING,
+        "d": MemberState.STANDBY,  # the round is full
+        "e": MemberState.LOST,  # a new incarnation of e is not the member
+        "f": MemberState.LEFT,  # its tombstone names the member's incarnation
+    }
+    assert member_state(v, "e", 50, max_nodes=5) is MemberState.STANDBY  # e's new incarnation
+    assert member_state(v, "d", 4, max_nodes=6) is MemberState.JOINING
+    assert member_state(view(a), "a", 1, max_nodes=1) is MemberState.JOINING  # no round yet
+    with pytest.raises(KeyError):
+        member_state(v, "zz", 1, max_nodes=5)
+
+
+# -- plan -------------------------------------------------------------------------------------
+def test_first_round_waits_for_min_then_last_call_then_forms_in_join_order() -> None:
+    a, b, c = node("a", 10), node("b", 5), node("c", 7)
+    p = plan(view(a, last_join=100), 2, 4, 2.0, 0, now=100.5)
+    assert not p.form and not p.enough_nodes and p.present == 1
+    p = plan(view(a, b, c, last_join=100), 2, 4, 2.0, 0, now=101)
+    assert not p.form and p.wake_at == 102
+    p = plan(view(a, b, c, last_join=100), 2, 4, 2.0, 0, now=102)
+    assert p.form and [m.id for m in p.members] == ["b", "c", "a"] and p.writer == "b"
+    assert p.cause is RoundCause.START
+
+
+def test_max_forms_at_once_and_extra_nodes_wait() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    p = plan(view(a, b, c, last_join=100), 1, 2, 30.0, 0, now=100)
+    assert p.form and [m.id for m in p.members] == ["a", "b"]
+
+
+def test_a_non_writer_learns_only_the_writer() -> None:
+    a, b = node("a", 1), node("b", 2)
+    p = plan(view(a, b, last_join=100), 1, 2, 30.0, 0, now=100, me="b")
+    assert not p.form and p.writer == "a" and "waiting for a" in p.reason
+
+
+def test_running_round_is_left_alone_and_standbys_wait() -> None:
+    a, b, s = node("a", 1), node("b", 2), node("s", 3)
+    p = plan(view(a, b, s, r=rnd(1, a, b)), 1, 2, 0.1, 0, now=100)
+    assert not p.form and "running" in p.reason
+
+
+def test_member_lost_waits_for_live_members_to_stop_then_keeps_order() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b, c)
+    p = plan(view(b, c, r=r), 1, 3, 0.1, 0, now=100)
+    assert not p.form and "waiting for b, c" in p.reason and p.busy == ("b", "c")
+    b, c = node("b", 2, done=1), node("c", 3, done=1)
+    p = plan(view(b, c, r=r), 1, 3, 0.1, 0, now=100)
+    assert p.form and [m.id for m in p.members] == ["b", "c"] and p.writer == "b"
+    assert p.cause is RoundCause.LOST and p.lost == ("a",) and p.restarts == 0
+
+
+def test_a_leaving_member_is_waited_for_until_it_has_stopped() -> None:
+    a, b = node("a", 1, done=1), node("b", 2, state=LEAVING)
+    p = plan(view(a, b, r=rnd(1, a, b)), 1, 2, 0.1, 0, now=100)
+    assert not p.form and p.busy == ("b",)
+
+
+def test_a_reincarnated_node_is_a_new_member() -> None:
+    a, b = node("a", 1), node("b", 2)
+    r = rnd(1, a, b)
+    p = plan(view(node("a", 9), node("b", 2, done=1), r=r), 1, 2, 0.1, 0, now=100)
+    assert p.form and [(m.id, m.rev) for m in p.members] == [("b", 2), ("a", 9)]
+    assert p.lost == ("a",) and p.joined == ("a",)
+
+
+def test_graceful_leave_is_left_not_lost_and_leaving_nodes_are_not_candidates() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b, c)
+    v = view(node("a", 1, done=1), node("b", 2, done=1, state=LEAVING), r=r, gone=(c,))
+    p = plan(v, 1, 3, 0.1, 0, now=100)
+    assert p.form and [m.id for m in p.members] == ["a"]
+    assert p.left == ("c",) and p.lost == () and p.cause is RoundCause.LEFT
+
+
+def test_failure_charges_one_restart_and_past_budget_closes() -> None:
+    a, b = node("a", 1, done=1), node("b", 2, done=1)
+    fails = {
+        1: {
+            "b": FailureRecord("b", 1, 50.0, {"summary": "boom"}),
+            "a": FailureRecord("a", 1, 51.0, {"summary": "cascade"}),
+        }
+    }
+    p = plan(view(a, b, r=rnd(1, a, b), failures=fails), 2, 2, 0.1, 1, now=100)
+    assert p.form and p.cause is RoundCause.FAILURE and p.restarts == 1 and not p.budget_spent
+    assert p.root_cause["node"] == "b" and p.root_cause["summary"] == "boom"
+    p = plan(view(a, b, r=rnd(1, a, b, restarts=1), failures=fails), 2, 2, 0.1, 1, now=100)
+    assert p.budget_spent
+
+
+def test_root_cause_is_the_first_failure_that_is_no_consequence() -> None:
+    def rec(node_id: str, reported: float, failed: float, consequence: bool) -> FailureRecord:
+        row = {"time": failed, "consequence": consequence}
+        return FailureRecord(node_id, 1, reported, {"summary": node_id, "failures": [row]})
+
+    fails = {
+        "a": rec("a", reported=10.0, failed=5.0, consequence=True),  # reported first
+        "b": rec("b", reported=11.0, failed=5.0, consequence=False),
+        "c": rec("c", reported=9.0, failed=6.0, consequence=False),
+    }
+    assert earliest_failure(fails)["summary"] == "b"
+    del fails["b"]
+    assert earliest_failure(fails)["summary"] == "c"
+    assert earliest_failure({}) == {}
+
+
+def test_a_loss_is_never_charged_even_with_cascading_failures() -> None:
+    a, b = node("a", 1), node("b", 2, done=1)
+    fails = {1: {"b": FailureRecord("b", 1, 50.0, {})}}
+    p = plan(view(b, r=rnd(1, a, b), failures=fails), 1, 2, 0.1, 0, now=100)
+    assert p.form and p.cause is RoundCause.LOST and p.restarts == 0 and not p.budget_spent
+
+
+def test_scale_up_once_members_drained() -> None:
+    a, b, n = node("a", 1, done=1), node("b", 2), node("n", 9)
+    r = rnd(1, a, b)
+    assert not plan(view(a, b, n, r=r), 1, 3, 0.1, 0, now=100).form
+    p = plan(view(a, node("b", 2, done=1), n, r=r, last_join=99), 1, 3, 0.1, 0, now=100)
+    assert p.form and [m.id for m in p.members] == ["a", "b", "n"]
+    assert p.cause is RoundCause.RESIZE and p.joined == ("n",)
+
+
+# -- round_end --------------------------------------------------------------------------------
+def end(v: JobView, mine: RoundRecord | None, me: str = "a", fenced: bool = False) -> object:
+    change = round_end(v, me, 1, mine, max_nodes=3, fenced=fenced)
+    return None if change is None else (change.end, change.nodes)
+
+
+def test_round_end_in_order_of_urgency() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b, c)
+    assert end(view(a, b, c, r=r), r) is None
+    assert end(view(a, b, c, r=r), None) is None  # not in a round
+    failed = ClosedRecord(JobOutcome.FAILED, "budget")
+    assert end(view(a, r=r, closed=failed), r) == (RoundEnd.JOB_FAILED, ())
+    done = ClosedRecord(JobOutcome.SUCCEEDED)
+    assert end(view(a, b, c, r=r, closed=done), r) == (RoundEnd.JOB_SUCCEEDED, ())
+    assert end(view(a, b, c, r=r), r, fenced=True) == (RoundEnd.FENCED, ())
+    assert end(view(b, c, r=r), r, me="b") == (RoundEnd.LOST, ("a",))
+    assert end(view(a, c, r=r, gone=(b,)), r) == (RoundEnd.LEFT, ("b",))
+    fails = {1: {"c": FailureRecord("c", 1, 1.0), "a": FailureRecord("a", 1, 1.0)}}
+    assert end(view(a, b, c, r=r, failures=fails), r) == (RoundEnd.PEER_FAILED, ("c",))
+    leaving = node("b", 2, state=LEAVING)
+    assert end(view(a, leaving, c, r=r), r) == (RoundEnd.LEAVING, ("b",))
+    assert end(view(a, b, node("c", 3, done=1), r=r), r) == (RoundEnd.STOPPING, ("c",))
+
+
+def test_round_end_for_newcomers_and_newer_rounds() -> None:
+    a, b, n = node("a", 1), node("b", 2), node("n", 9)
+    r = rnd(1, a, b)
+    assert end(view(a, b, n, r=r), r) == (RoundEnd.WAITING, ("n",))
+    full = rnd(1, a, b, node("x", 3))
+    assert end(view(a, b, node("x", 3), n, r=full), full) is None  # a standby waits
+    newer = rnd(2, a, b)
+    assert end(view(a, b, r=newer), r) == (RoundEnd.SUPERSEDED, ())
+    without = rnd(2, b)
+    assert end(view(a, b, r=without), r) == (RoundEnd.FENCED, ())
+    assert end(view(a, b, r=r), newer) is None  # our view lags behind our own round
+
+
+def test_urgent_changes_are_the_ones_that_break_a_round() -> None:
+    assert {e for e in RoundEnd if not e.urgent} == {
+        RoundEnd.LEAVING,
+        RoundEnd.STOPPING,
+        RoundEnd.WAITING,
+    }
