@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch import nn
 
-from elastic.state import SnapshotPolicy, State
+from elastic import SnapshotPolicy, State
+from elastic.contract import NODE_DIR_ENV
 
 
 def model_of(mbytes: int) -> nn.Module:
@@ -68,7 +69,7 @@ def blocking(mbytes: int, repeat: int, shm: Path, disk: Path) -> dict[str, float
         for d, t in zip(dest, tensors, strict=True):
             d.copy_(t)
 
-    os.environ["ELASTIC_RUN_SNAPSHOT_DIR"] = str(shm)
+    os.environ[NODE_DIR_ENV] = str(shm)
     state = State(model=model, optimizer=opt, snapshot_policy=SnapshotPolicy(every=1))
     full = timed(lambda: state.snapshot(wait=True), repeat)
 
@@ -104,7 +105,7 @@ def throughput(batch: int, phases: int, shm: Path, every: int = 1) -> dict[str, 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(6)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    os.environ["ELASTIC_RUN_SNAPSHOT_DIR"] = str(shm / f"train{batch}-{every}")
+    os.environ[NODE_DIR_ENV] = str(shm / f"train{batch}-{every}")
     state = State(model=model, optimizer=opt, snapshot_policy=SnapshotPolicy(every=every))
     x = torch.randn(batch, 4096)
 
@@ -118,7 +119,7 @@ def throughput(batch: int, phases: int, shm: Path, every: int = 1) -> dict[str, 
     for _ in range(2):  # allocate optimizer state and both snapshot slots
         step(True)
     state.flush()
-    state.stats["blocked_seconds"] = 0.0
+    state.stats.blocked_seconds = 0.0
     runs: dict[bool, list[float]] = {False: [], True: []}
     n = max(3, every)  # a phase holds at least one snapshot
     for phase in range(phases):
@@ -131,8 +132,8 @@ def throughput(batch: int, phases: int, shm: Path, every: int = 1) -> dict[str, 
     state.close()
     return {
         "params": sum(p.numel() for p in model.parameters()),
-        "bytes": state.stats["snapshot_bytes"],
-        "blocked": state.stats["blocked_seconds"] / (n * phases),
+        "bytes": state.stats.snapshot_bytes,
+        "blocked": state.stats.blocked_seconds / (n * phases),
         "base": statistics.median(runs[False]),
         "commit": statistics.median(runs[True]),
     }

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._nodes import Node, first_step
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 from rendezvous.net import free_port
 
 SCRIPT = str(Path(__file__).resolve().parent / "ddp_steps.py")

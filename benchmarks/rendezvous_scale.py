@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
 from rendezvous.net import free_port

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 _LAZY = {
-    "State": "elastic.state",
-    "SnapshotPolicy": "elastic.state",
-    "CheckpointMismatchError": "elastic.state",
-    "ElasticSampler": "elastic.sampler",
-    "BatchPolicy": "elastic.sampler",
-    "tune_workers": "elastic.tuner",
+    "State": "elastic.worker.state",
+    "SnapshotPolicy": "elastic.contract",
+    "CheckpointMismatchError": "elastic.worker.restore",
+    "ElasticSampler": "elastic.worker.sampler",
+    "BatchPolicy": "elastic.worker.sampler",
+    "tune_workers": "elastic.tools.tune_workers",
 }
 
 __all__ = [*_LAZY, "heartbeat", "report"]
@@ -32,7 +32,7 @@ def report(step: int | None = None, loss: float | None = None, samples: int | No
     It is also a heartbeat: a worker that reported once and then not for
     --worker-hang-timeout seconds is treated as failed. Outside elastic-run: no-op.
     """
-    from elastic import progress
+    from elastic.worker import progress
 
     progress.report(step, loss, samples)
 

@@ -121,7 +121,8 @@ class ControlBlock:
             raise ValueError(f"{self.path} is not an elastic-run control block (layout 2)")
 
     def _get(self, off: int) -> int:
-        return _Q.unpack_from(self._map, off)[0]
+        value: int = _Q.unpack_from(self._map, off)[0]
+        return value
 
     def _put(self, off: int, value: int) -> None:
         _Q.pack_into(self._map, off, value)

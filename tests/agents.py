@@ -94,14 +94,14 @@ def wait_world(
 
 def worker_pids(agent: Proc) -> list[int]:
     """The agent's workers: its children, or with --start-method forkserver the fork
-    server's children; never the embedded etcd or the fork server itself."""
+    server's children; never the embedded etcd, the store helper or the fork server."""
     pids = []
     try:
         for c in psutil.Process(agent.pid).children():
             line = " ".join(c.cmdline())
-            if "elastic._zygote" in line:
+            if "elastic.agent.zygote" in line:
                 pids.extend(w.pid for w in c.children())
-            elif "etcd" not in line:
+            elif "etcd" not in line and "elastic.agent.store_server" not in line:
                 pids.append(c.pid)
     except psutil.NoSuchProcess:
         pass

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from harness import TAG_VAR, Proc, tagged_processes
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 
 REQUIRE_ALL = os.environ.get("ELASTIC_RUN_REQUIRE_ALL") == "1"
 
@@ -107,6 +107,6 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
             pytest.fail(f"left behind: namespaces {spaces}, mounts {mounts}", pytrace=False)
         # Node directories of agents a test SIGKILLed are otherwise only swept by the
         # next launch; sweep them here so /dev/shm holds nothing after the suite.
-        from elastic import nodedir
+        from elastic.agent import nodedir
 
         nodedir.remove_stale()

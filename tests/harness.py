@@ -184,13 +184,14 @@ def wait_until(
 
 def etcdctl(server, *args: str, user: str | None = None) -> str:
     """Run etcdctl (next to the etcd binary) against ``server``; returns stdout."""
-    from elastic.etcd_server import etcd_binary
+    from elastic.agent.etcd_server import etcd_binary
 
     cmd = [str(Path(etcd_binary()).with_name("etcdctl")), f"--endpoints={server.client_url}"]
-    if server.tls:
-        cmd += [f"--cacert={server.tls.ca}"]
-        if server.tls.client_cert:
-            cmd += [f"--cert={server.tls.client_cert}", f"--key={server.tls.client_key}"]
+    tls = getattr(server, "tls", None)
+    if tls:
+        cmd += [f"--cacert={tls.ca}"]
+        if tls.client_cert:
+            cmd += [f"--cert={tls.client_cert}", f"--key={tls.client_key}"]
     if user:
         cmd += [f"--user={user}"]
     done = subprocess.run(

@@ -11,7 +11,7 @@ import pytest
 from agents import TRAIN_LOOP, TTL, gone, start_agent, steps, wait_workers, wait_world
 from harness import Proc, wait_until
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.slow
 LONG = ("--steps", "100000", "--step-time", "0.05")

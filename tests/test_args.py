@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.run import get_args_parser
 
-from elastic.args import build_parser, parse_args
+from elastic.agent.args import build_parser, parse_args
 
 # Defaults that differ on purpose: the rendezvous backend (etcd v3, not static), the
 # empty-string spelling of "no filters", and nproc_per_node (checked below).

@@ -10,9 +10,10 @@ import pytest
 import torch
 from faults import small_tmpfs
 
-from elastic import snapshot
-from elastic.checkpoint import CheckpointDir, path_for
-from elastic.state import CheckpointMismatchError, SnapshotPolicy, State
+from elastic import CheckpointMismatchError, SnapshotPolicy, State
+from elastic.contract import NODE_DIR_ENV
+from elastic.stored import CheckpointDir, path_for
+from elastic.worker import snapshot
 
 
 def blob(step: int) -> memoryview:
@@ -93,7 +94,7 @@ def test_restore_from_a_checkpoint_dir_and_mismatches_named(tmp_path: Path) -> N
 def test_snapshot_is_the_committed_state_although_copied_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("ELASTIC_RUN_SNAPSHOT_DIR", str(tmp_path))
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
     m = torch.nn.Linear(2048, 2048)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     s = State(model=m, optimizer=opt, snapshot_policy=SnapshotPolicy(every=1))
@@ -123,13 +124,13 @@ def test_full_disk_keeps_the_last_good_checkpoint_and_training_going(tmp_path: P
         for _ in range(4):
             s.commit()
             s.flush()
-        assert s.stats["checkpoints"] == 2 and s.stats["checkpoint_failures"] == 2
+        assert s.stats.checkpoints == 2 and s.stats.checkpoint_failures == 2
         assert CheckpointDir(disk).steps() == [2, 1]
         assert CheckpointDir(disk).newest_valid()[0] == 2
         assert not list(disk.glob("*.tmp"))
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         s.commit()  # read-only now: this one fails too, and nothing is lost
         s.flush()
-        assert s.stats["checkpoint_failures"] == 3
+        assert s.stats.checkpoint_failures == 3
         assert CheckpointDir(disk).newest_valid()[0] == 2
         s.close()

@@ -28,12 +28,13 @@ from agents import (
     wait_workers,
     wait_world,
 )
+from etcd_servers import EtcdCluster
 from faults import isolated_node, sh, small_tmpfs
 from harness import ROOT, Proc, wait_until
 
-from elastic.checkpoint import CheckpointDir
-from elastic.etcd_server import EtcdCluster, EtcdServer
-from elastic.workers import _why_still
+from elastic.agent.etcd_server import EtcdServer
+from elastic.agent.workers import _why_still
+from elastic.stored import CheckpointDir
 
 pytestmark = pytest.mark.slow
 TRAIN = ROOT / "tests" / "scripts" / "elastic_train.py"

@@ -15,7 +15,7 @@ import pytest
 from agents import TRAIN_LOOP, start_agent, steps, wait_workers, wait_world
 from harness import ROOT, Proc, wait_until
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_workers_get_the_same_environment_and_logs(tmp_path: Path) -> None:
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == "2" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     done = elastic_run("--nproc-per-node", "2", "tests/scripts/echo.py")
-    assert "[rank1]: hello from 1" in done.stdout and "[rank0]: complaint from 0" in done.stderr
+    assert "hello from 1" in done.stdout and "complaint from 0" in done.stderr
 
 
 def test_failures_carry_exit_code_and_message(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_failures_carry_exit_code_and_message(tmp_path: Path) -> None:
 def test_module_mode() -> None:
     done = elastic_run("-m", "json.tool", "--help")
     assert done.returncode == 0, done.stderr
-    assert "[rank0]: usage:" in done.stdout
+    assert done.stdout.startswith("usage:")
 
 
 def test_workers_die_with_the_agent(

@@ -17,8 +17,8 @@ from conftest import need, need_binary
 from crd_fields import MODELS, unknown_fields
 from harness import ROOT, Proc
 
-from elastic.args import build_parser, parse_args
-from elastic.etcd_server import EtcdServer
+from elastic.agent.args import build_parser, parse_args
+from elastic.agent.etcd_server import EtcdServer
 
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ["dev", "production"]
@@ -215,7 +215,7 @@ def test_the_manifest_command_trains_as_two_local_pods(
     logs = "\n".join(line for p in pods for line in p.err)
     # rank order is registration order, which either pod may win
     assert re.search(r"world size 2 on 2 node\(s\) \[trainer-[01], trainer-[01]\]", logs), logs
-    assert "[rank0]: epoch 1: loss" in "\n".join(pods[0].out + pods[1].out)
+    assert "epoch 1: loss" in "\n".join(pods[0].out + pods[1].out)
 
 
 def test_dockerfile_lints_clean() -> None:

@@ -1,4 +1,4 @@
-"""Worker output: [rankN]: prefixes, --redirects, --tee, --local-ranks-filter, --log-dir."""
+"""Worker output as torchrun shows it: unprefixed console, --redirects, --tee, filters."""
 
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ def run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple
     return done.stdout, done.stderr, logs / "logs_n"
 
 
-def test_console_lines_carry_rank_prefixes(tmp_path: Path) -> None:
+def test_console_lines_are_unprefixed_without_tee(tmp_path: Path) -> None:
     out, err, _ = run(tmp_path)
-    assert "[rank0]: hello from 0" in out and "[rank1]: hello from 1" in out
-    assert "[rank1]: complaint from 1" in err
+    assert sorted(out.splitlines()) == ["hello from 0", "hello from 1"]
+    assert "\ncomplaint from 1\n" in "\n" + err
 
 
 def test_redirects_send_output_to_files_only(tmp_path: Path) -> None:
@@ -60,9 +60,9 @@ def test_redirects_send_output_to_files_only(tmp_path: Path) -> None:
 
 def test_tee_writes_files_and_console_and_per_rank_syntax(tmp_path: Path) -> None:
     out, err, run_dir = run(tmp_path, "--tee", "1", "--redirects", "1:2")
-    assert "[rank0]: hello from 0" in out and "[rank1]: hello from 1" in out
+    assert "[default0]:hello from 0" in out and "[default1]:hello from 1" in out
     assert (run_dir / "attempt_0" / "0" / "stdout.log").read_text() == "hello from 0\n"
-    assert "[rank0]: complaint from 0" in err  # rank 0's stderr: console only
+    assert "\ncomplaint from 0\n" in err  # rank 0's stderr: console only, not tee'd
     assert "complaint from 1" not in err  # rank 1's stderr: redirected to its file
     assert (run_dir / "attempt_0" / "1" / "stderr.log").read_text() == "complaint from 1\n"
 
@@ -86,5 +86,15 @@ def test_every_attempt_keeps_its_logs(tmp_path: Path) -> None:
 
 def test_duplicate_filters_copy_matching_lines(tmp_path: Path) -> None:
     out, _, run_dir = run(tmp_path, "--duplicate-stdout-filters", "from 1")
-    assert "[rank0]: hello from 0" in out
-    assert (run_dir / "attempt_0" / "filtered_stdout.log").read_text() == "[rank1]: hello from 1\n"
+    assert "hello from 0" in out
+    filtered = (run_dir / "attempt_0" / "filtered_stdout.log").read_text()
+    assert filtered == "[default1]:hello from 1\n"
+
+
+def test_prefix_template_applies_to_teed_streams(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    template = "<${role_name}|${rank}|${local_rank}> "
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", template)
+    out, err, _ = run(tmp_path, "--tee", "3")
+    assert "<default|1|1> hello from 1" in out and "<default|0|0> complaint from 0" in err

@@ -21,9 +21,9 @@ from conftest import need_binary
 from harness import ROOT, TAG_VAR, Proc, tagged_processes, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
-from elastic.collectors import GpuCollector, GpuSample, WorkerCollector, WorkerProc
-from elastic.etcd_server import EtcdServer
-from elastic.metrics import AgentMetrics, MetricsError, MetricsServer
+from elastic.agent.collectors import GpuCollector, GpuSample, WorkerCollector, WorkerProc
+from elastic.agent.etcd_server import EtcdServer
+from elastic.agent.metrics import AgentMetrics, MetricsError, MetricsServer
 from rendezvous.net import free_port
 
 DEPLOY = ROOT / "deploy"

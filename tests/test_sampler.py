@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from elastic.sampler import BatchPolicy, ElasticSampler
+from elastic.worker.sampler import BatchPolicy, ElasticSampler
 
 
 def run_epoch(

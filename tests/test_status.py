@@ -11,7 +11,7 @@ import pytest
 from agents import TRAIN_LOOP, start_agent, wait_world
 from harness import ROOT, Proc
 
-from elastic.etcd_server import EtcdServer
+from elastic.agent.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT
 
-from elastic.worker_env import Placement, worker_env
+from elastic.agent.placement import Placement, worker_env
 
 DUMP = str(ROOT / "tests" / "scripts" / "dump_env.py")
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RESULT_DIR"}

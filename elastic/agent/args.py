@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import Any
 
 
 class UsageError(ValueError):
@@ -33,26 +34,38 @@ def _flag_names(name: str) -> list[str]:
 class EnvDefault(argparse.Action):
     """A value flag whose default comes from ``PET_<DEST>`` (torchrun's ``env`` action)."""
 
-    def __init__(self, dest: str, default: object = None, **kwargs: object) -> None:
+    def __init__(self, dest: str, default: object = None, **kwargs: Any) -> None:
         default = os.environ.get(f"PET_{dest.upper()}", default)
-        super().__init__(dest=dest, default=default, **kwargs)  # type: ignore[arg-type]
+        super().__init__(dest=dest, default=default, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, values)
 
 
 class EnvFlag(argparse.Action):
     """A switch that ``PET_<DEST>=1`` also turns on (torchrun's ``check_env`` action)."""
 
-    def __init__(self, dest: str, default: bool = False, **kwargs: object) -> None:
+    def __init__(self, dest: str, default: bool = False, **kwargs: Any) -> None:
         raw = os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")
         try:
             value = bool(int(raw))
         except ValueError:
             raise UsageError(f"PET_{dest.upper()}={raw!r}: expected 0 or 1") from None
-        super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)  # type: ignore[arg-type]
+        super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, True)
 
 
@@ -62,7 +75,7 @@ def _value(
     default: object,
     help: str,
     short: str | None = None,
-    **kw: object,
+    **kw: Any,
 ) -> None:
     names = ([short] if short else []) + _flag_names(name)
     p.add_argument(*names, action=EnvDefault, dest=name, default=default, help=help, **kw)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -110,7 +111,7 @@ class NvmlSource:
     No library, no driver or no GPU: ``available`` is False, and no error is raised."""
 
     def __init__(self) -> None:
-        self._nvml = None
+        self._nvml: Any = None  # the pynvml module, once it works
         self._tried = False
 
     @property

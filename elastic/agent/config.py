@@ -45,8 +45,7 @@ def parse_std(flag: str, text: str, nproc: int) -> dict[int, int]:
     text = str(text).strip()
     try:
         if ":" not in text:
-            mode = int(text)
-            result = dict.fromkeys(range(nproc), mode)
+            result = dict.fromkeys(range(nproc), int(text))
         else:
             result = {i: 0 for i in range(nproc)}
             for item in text.split(","):
@@ -140,7 +139,7 @@ def _metrics_port(value: object) -> int | None:
     if value is None:
         return None
     try:
-        port = int(value)  # type: ignore[call-overload]
+        port = int(str(value))
     except ValueError:
         raise UsageError(f"--metrics-port {value!r}: expected a port number") from None
     if not -1 <= port < 65536:

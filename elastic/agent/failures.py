@@ -1,16 +1,41 @@
-"""Worker failures: what ``@record`` wrote to TORCHELASTIC_ERROR_FILE, and the summary.
+"""Worker failures: what ``@record`` wrote to TORCHELASTIC_ERROR_FILE, what the worker
+printed last, whether it was a consequence of a peer vanishing, and the root-cause report.
 
-The root cause is the earliest failure by time, as torchrun reports it. A failure's
-``detail`` dict travels through etcd (JSON), so every agent can print the same report.
+A failure's ``detail`` dict travels through etcd (JSON), so every agent can print the same
+report. The root cause is the earliest failure that is not a consequence of another
+(``rendezvous.rules.earliest_failure``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+# What a collective says when a peer vanished under it (gloo, NCCL, the store, torch's
+# own wrappers): a failure that shows only this is a consequence, not a cause.
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"DistNetworkError|DistBackendError|NCCL communicator was aborted|ncclRemoteError|"
+    r"remote process exited|Socket Timeout|Connection refused|recvBytes failed|"
+    r"connectFullMesh failed|ProcessGroupNCCL.*(?:timeout|watchdog)"
+)
+
+
+def peer_gone(text: str) -> bool:
+    """``text`` (an exception message or a traceback) is a collective failing because a
+    peer went away, rather than an error of this worker's own."""
+    return bool(_PEER_GONE.search(text))
+
+
+def last_line(text: str) -> str:
+    """The exception line of a traceback (the last non-empty line)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 @dataclass(frozen=True)
@@ -22,7 +47,8 @@ class WorkerFailure:
     time: float
     message: str = ""
     traceback: str = ""
-    error_file: str = ""
+    error_file: str = ""  # "" when the script has no @record (no file was written)
+    consequence: bool = False  # it failed because a peer vanished (see peer_gone)
 
     @property
     def how(self) -> str:
@@ -62,8 +88,14 @@ def collect(
     exitcode: int,
     error_file: str,
     seen_at: float | None = None,
+    stderr_tail: str = "",
 ) -> WorkerFailure:
+    """A failed worker, from its error file if it wrote one, else from what it printed
+    last (``stderr_tail``: its last traceback)."""
     message, tb, stamp = read_error_file(error_file)
+    written = bool(message or tb)
+    if not written:
+        message, tb = last_line(stderr_tail), stderr_tail
     return WorkerFailure(
         rank,
         local_rank,
@@ -72,29 +104,34 @@ def collect(
         stamp or seen_at or time.time(),
         message,
         tb[-4000:],
-        error_file,
+        error_file if written else "",
+        consequence=exitcode > 0 and peer_gone(f"{message}\n{last_line(tb)}"),
     )
 
 
-def summarize(failures: list[WorkerFailure], node_id: str, host: str) -> dict:
-    """The detail a node reports to the job: its first failure leads."""
-    first = min(failures, key=lambda f: f.time)
-    msg = first.message.strip().splitlines()[-1] if first.message.strip() else ""
+def summarize(failures: list[WorkerFailure], node_id: str, host: str) -> dict[str, Any]:
+    """The detail a node reports to the job: its first failure that is a cause leads."""
+    ordered = sorted(failures, key=lambda f: (f.consequence, f.time))
+    first = ordered[0]
+    msg = last_line(first.message)
     summary = f"rank {first.rank} (local_rank {first.local_rank}) on {node_id}: {first.how}"
     return {
         "summary": summary + (f": {msg}" if msg else ""),
         "host": host,
-        "failures": [asdict(f) for f in sorted(failures, key=lambda f: f.time)],
+        "failures": [asdict(f) for f in ordered],
     }
 
 
-def format_report(title: str, root: dict) -> str:
+DOCS = "https://pytorch.org/docs/stable/elastic/errors.html"
+
+
+def format_report(title: str, root: dict[str, Any]) -> str:
     """A torchrun-like block naming the root cause, for the agent's last words."""
     bar = "=" * 72
     lines = [bar, title, "-" * 72, "Root Cause (first observed failure):"]
     failures = root.get("failures") or []
     f = failures[0] if failures and isinstance(failures[0], dict) else {}
-    when = root.get("time") or f.get("time")
+    when = f.get("time") or root.get("time")
     stamp = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(float(when))) if when else "?"
     lines.append(f"  time      : {stamp}")
     lines.append(f"  node      : {root.get('node', '?')} (host {root.get('host', '?')})")
@@ -108,6 +145,9 @@ def format_report(title: str, root: dict) -> str:
         if wf.traceback:
             lines.append("  traceback :")
             lines += ["    " + line for line in wf.traceback.rstrip().splitlines()]
+        elif not wf.error_file and wf.exitcode > 0:
+            lines.append(f"  traceback : To enable traceback see: {DOCS}")
+            lines.append("              (decorate the script's main() with @record)")
         others = len(failures) - 1
         if others > 0:
             lines.append(f"  (and {others} more failed worker(s) on that node)")

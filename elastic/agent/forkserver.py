@@ -24,7 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 from elastic.agent.procs import die_with_parent
 
@@ -36,7 +37,8 @@ class ForkedWorker:
         self._server = server
         self.pid = pid
         self.returncode: int | None = None
-        self.stdout = self.stderr = None  # set by the caller when it piped them
+        self.stdout: IO[bytes] | None = None  # set by the caller when it piped them
+        self.stderr: IO[bytes] | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -59,6 +61,16 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ForkServer:
     """The per-node fork server, started at once so torch imports while the job forms."""
 
@@ -69,12 +81,14 @@ class ForkServer:
             pass_fds=[theirs.fileno()],
             env=dict(env),
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C reaches only the agent
             preexec_fn=die_with_parent(),
         )
         theirs.close()
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
         self._pids: list[int] = []
+        self._gone = False
         self._lock = threading.Lock()  # one spawn at a time: replies come in order
         threading.Thread(target=self._read, name="forkserver", daemon=True).start()
 
@@ -86,6 +100,7 @@ class ForkServer:
                 data = b""
             with self._cond:
                 if not data:
+                    self._gone = True
                     self._pids.append(-1)  # wake spawners: the server is gone
                     self._cond.notify_all()
                     return
@@ -99,7 +114,7 @@ class ForkServer:
     def spawn(
         self,
         target: str,
-        args: list[str],
+        args: Sequence[str],
         module: bool,
         env: Mapping[str, str],
         stdio: tuple[int, int, int],
@@ -124,8 +139,16 @@ class ForkServer:
         return ForkedWorker(self, pid)
 
     def status(self, pid: int) -> int | None:
+        """``pid``'s exit status; once the server is gone (its children die with it: a
+        parent-death signal), a worker no longer running counts as killed."""
         with self._cond:
-            return self._exits.get(pid)
+            code = self._exits.get(pid)
+            if code is not None or not self._gone:
+                return code
+        if _running(pid):
+            return None
+        with self._cond:
+            return self._exits.setdefault(pid, -int(signal.SIGKILL))
 
     def wait_change(self, timeout: float) -> None:
         with self._cond:

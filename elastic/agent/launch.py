@@ -101,6 +101,7 @@ def launch(cfg: RunConfig) -> int:
             cfg.stdout_filters,
             cfg.stderr_filters,
         )
+        stack.callback(router.close, log.info)
         workers = WorkerGroup(
             cfg.command,
             router,
@@ -162,13 +163,12 @@ def launch(cfg: RunConfig) -> int:
             store=store,
         )
         log.info(
-            "node %s joining job %s (nnodes %d:%d, %d worker(s) per node), logs in %s",
+            "node %s joining job %s (nnodes %d:%d, %d worker(s) per node)",
             cfg.node_id,
             cfg.rdzv_id,
             cfg.min_nodes,
             cfg.max_nodes,
             cfg.nproc_per_node,
-            router.run_dir,
         )
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
         with handled_signals(cfg.signals, agent.on_signal):

@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from elastic.agent import storehost
@@ -42,9 +43,12 @@ class Membership(Protocol):
     def run_id(self) -> str: ...
     @property
     def version(self) -> int: ...
+    @property
+    def lease_ttl(self) -> int: ...
     def start(self) -> None: ...
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def check(self) -> Change | None: ...
+    def probe_members(self) -> None: ...
     def closed(self) -> ClosedRecord | None: ...
     def wait(self, version: int, timeout: float | None) -> int: ...
     def poke(self) -> None: ...
@@ -66,6 +70,7 @@ class Workers(Protocol):
     def drain(self, sig: int, timeout: float) -> bool: ...
     def finish(self, timeout: float, grace: float) -> bool: ...
     def stop(self, grace: float) -> None: ...
+    def release_held(self, show: bool) -> dict[int, Path]: ...
 
 
 class Agent:
@@ -101,6 +106,7 @@ class Agent:
         self._lost_cause: Any = None  # LostCause of the pause in progress, if any
         self._asked = time.monotonic()  # when this node asked for the round it joins
         self._failures: tuple[WorkerFailure, ...] = ()
+        self._consequences: tuple[WorkerFailure, ...] = ()
         self._change: Change | None = None
         self._closed: ClosedRecord | None = None
 
@@ -146,7 +152,7 @@ class Agent:
             return self._closed_on_arrival(e)
         while True:
             self._change = self._closed = None
-            self._failures = ()
+            self._failures = self._consequences = ()
             if self.state is AgentState.JOINING:
                 event = self._join()
             elif self.state is AgentState.RUNNING:
@@ -186,7 +192,7 @@ class Agent:
                 return LocalEvent.WORKERS_SUCCEEDED
             if state is GroupState.FAILED:
                 self._failures = tuple(failures)
-                return LocalEvent.WORKERS_FAILED
+                return self._verdict(failures)
             if state is GroupState.STOPPED:
                 return LocalEvent.WORKERS_SAVED
             if self.hang_timeout > 0:
@@ -202,6 +208,25 @@ class Agent:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
 
+    def _verdict(self, failures: list[WorkerFailure]) -> Event:
+        """Workers failed. If every failure only says a peer vanished under it, find out
+        whether one did (probe the members, wait up to a lease TTL): then the loss is the
+        event, and the failures are its consequences, not this node's fault."""
+        if not all(f.consequence for f in failures):
+            return LocalEvent.WORKERS_FAILED
+        deadline = time.monotonic() + self.rdzv.lease_ttl + 1.0
+        while time.monotonic() < deadline and self.signal is None:
+            version = self.rdzv.version
+            self.rdzv.probe_members()
+            change = self.rdzv.check()
+            if change is not None and change.end.urgent:
+                self._change = change
+                self._consequences = tuple(failures)
+                self._failures = ()
+                return change.end
+            self.rdzv.wait(version, 0.25)
+        return LocalEvent.WORKERS_FAILED
+
     # -- carrying out reactions ------------------------------------------------------------------
     def _carry_out(self, r: Reaction, event: Event) -> int | None:
         """Do what ``r`` says; an int is the exit code, None means carry on."""
@@ -216,6 +241,7 @@ class Agent:
             except RendezvousError as e:
                 log.warning("could not announce leaving: %s", e)
         self._stop(r.stop)
+        self._tell_consequences()
         if r.report_failure:
             self._report(event)
         self._lost_cause = r.cause.lost_as if r.cause is not None else None
@@ -331,6 +357,22 @@ class Agent:
                 "job closed as succeeded but local workers still ran after "
                 "close_timeout=%gs; stopped them",
                 self.close_timeout,
+            )
+
+    def _tell_consequences(self) -> None:
+        """One line per worker that failed only because a peer vanished; its traceback
+        stays in its stderr.log. Tracebacks of real failures are shown in full."""
+        kept = self.workers.release_held(show=not self._consequences)
+        why = self._change.detail if self._change is not None else "a peer vanished"
+        for f in self._consequences:
+            where = f"; traceback in {kept[f.local_rank]}" if f.local_rank in kept else ""
+            log.warning(
+                "rank %d (local_rank %d): its collective failed when %s (%s)%s",
+                f.rank,
+                f.local_rank,
+                why,
+                f.message or f.how,
+                where,
             )
 
     def _report(self, event: Event) -> None:

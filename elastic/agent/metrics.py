@@ -165,7 +165,7 @@ class AgentMetrics:
             if n:
                 self.changes.labels(job, node, cause).inc(n)
         self._running_since = time.monotonic()
-        self.set_state("running")
+        self.set_state(AgentState.RUNNING)
 
     def tick(self) -> None:
         """Count the time the workers have been running since the last tick."""
@@ -220,7 +220,7 @@ class MetricsServer:
         self._httpd: WSGIServer | None = None
         self.port = 0
 
-    def _app(self, environ: dict, start_response: Callable) -> list[bytes]:
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if environ.get("PATH_INFO") == "/healthz":
             body = json.dumps(self._health()).encode()
             start_response(

@@ -6,9 +6,9 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
+from typing import IO, Protocol
 
 _PR_SET_PDEATHSIG = 1
 _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
@@ -32,7 +32,20 @@ def die_with_parent() -> Callable[[], None]:
     return preexec
 
 
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
+class Process(Protocol):
+    """What a worker process offers: a Popen, or a fork server's ``ForkedWorker``."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+def signal_group(proc: Process, sig: int) -> None:
     """Send ``sig`` to the process group led by ``proc`` (its DataLoader workers too)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
@@ -40,7 +53,7 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         proc.send_signal(sig)
 
 
-def stop_group(procs: list[subprocess.Popen], grace: float, sig: int = signal.SIGTERM) -> None:
+def stop_group(procs: list[Process], grace: float, sig: int = signal.SIGTERM) -> None:
     """Ask ``procs`` (each leading its own group) to stop; SIGKILL what is left after ``grace``."""
     live = [p for p in procs if p.poll() is None]
     if grace > 0:

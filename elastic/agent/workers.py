@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
-from typing import BinaryIO
+from typing import IO
 
 import psutil
 
@@ -23,7 +23,7 @@ from elastic.agent.failures import WorkerFailure, collect
 from elastic.agent.forkserver import ForkServer
 from elastic.agent.logs import LogRouter, WorkerStreams
 from elastic.agent.placement import Placement, worker_env
-from elastic.agent.procs import die_with_parent, signal_group, stop_group
+from elastic.agent.procs import Process, die_with_parent, signal_group, stop_group
 from elastic.contract import (
     CONTROL_ENV,
     EXIT_RESIZE,
@@ -54,7 +54,7 @@ class ForkTarget:
 @dataclass
 class Worker:
     placement: Placement
-    proc: subprocess.Popen
+    proc: Process
     streams: WorkerStreams
     control: ControlBlock
     exited_at: float | None = None
@@ -98,7 +98,7 @@ class WorkerGroup:
         self.workers = []
         try:
             for p in placements:
-                streams, plan = self.router.streams(p.local_rank)
+                streams = self.router.streams(p.rank, p.local_rank)
                 block_path = control_path(self.node_dir, p.local_rank)
                 block = ControlBlock(block_path, create=True)
                 env = worker_env(
@@ -115,37 +115,41 @@ class WorkerGroup:
                     },
                 )
                 proc = self._launch(env, streams)
-                streams.attach(proc, self.router.prefix(p.rank, p.local_rank), plan)
+                streams.attach(proc)
                 self.workers.append(Worker(p, proc, streams, block))
         except BaseException:
             self.stop(grace=0)
             raise
 
-    def _launch(self, env: dict[str, str], streams: WorkerStreams) -> subprocess.Popen:
+    def _launch(self, env: dict[str, str], streams: WorkerStreams) -> Process:
+        """Start one worker; its stdin is the agent's, as under torchrun."""
         if self.forkserver is None:
             return subprocess.Popen(
                 self.command,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=None,
                 stdout=streams.stdout,
                 stderr=streams.stderr,
                 start_new_session=True,
                 preexec_fn=die_with_parent(),
             )
         fork = self.forkserver
-        ours: list[BinaryIO] = []  # our ends of the pipes, for the log pumps
+        ours: list[IO[bytes]] = []  # our ends of the pipes, for the log pumps
         theirs: list[int] = []  # the worker's stdin, stdout, stderr: closed here once sent
         try:
-            theirs.append(os.open(os.devnull, os.O_RDONLY))
-            for target_fd in (streams.stdout, streams.stderr):
-                if target_fd == subprocess.PIPE:
+            theirs.append(_dup_or_null(0, os.O_RDONLY))
+            for target, inherited in ((streams.stdout, 1), (streams.stderr, 2)):
+                if target == subprocess.PIPE:
                     r, w = os.pipe()
                     ours.append(os.fdopen(r, "rb"))
                     theirs.append(w)
-                elif target_fd == subprocess.DEVNULL:
+                elif target == subprocess.DEVNULL:
                     theirs.append(os.open(os.devnull, os.O_WRONLY))
+                elif target is None:
+                    theirs.append(_dup_or_null(inherited, os.O_WRONLY))
                 else:
-                    theirs.append(os.dup(target_fd.fileno()))  # type: ignore[union-attr]
+                    assert not isinstance(target, int)
+                    theirs.append(os.dup(target.fileno()))
             stdin, stdout, stderr = theirs
             proc = fork.server.spawn(
                 fork.target, fork.args, fork.module, env, (stdin, stdout, stderr)
@@ -160,7 +164,7 @@ class WorkerGroup:
         pipes = iter(ours)
         proc.stdout = next(pipes) if streams.stdout == subprocess.PIPE else None
         proc.stderr = next(pipes) if streams.stderr == subprocess.PIPE else None
-        return proc  # type: ignore[return-value]
+        return proc
 
     @property
     def running(self) -> bool:
@@ -189,6 +193,7 @@ class WorkerGroup:
             elif rc == EXIT_RESIZE:
                 resized += 1
             else:
+                w.streams.settle()  # what it printed last, before judging it
                 failures.append(
                     collect(
                         w.placement.rank,
@@ -197,6 +202,7 @@ class WorkerGroup:
                         rc,
                         w.streams.error_file,
                         w.exited_at,
+                        w.streams.tail,
                     )
                 )
         if failures:
@@ -269,12 +275,31 @@ class WorkerGroup:
             time.sleep(0.05)
         return not self.running
 
+    def release_held(self, show: bool) -> dict[int, Path]:
+        """Tracebacks held back because they only say a peer vanished (see ``logs``):
+        print them (``show``), or keep them in the workers' stderr.log files, returned
+        by local rank."""
+        kept = {}
+        for w in self.workers:
+            path = w.streams.release(show)
+            if path is not None:
+                kept[w.local_rank] = path
+        return kept
+
     def stop(self, grace: float, sig: int = SIGTERM) -> None:
         """``sig`` to every worker's process group, SIGKILL after ``grace``; logs drained."""
         stop_group([w.proc for w in self.workers], grace, sig)
         for w in self.workers:
             w.streams.close()
             w.control.close()
+
+
+def _dup_or_null(fd: int, flags: int) -> int:
+    """A copy of this process's ``fd`` for a worker, or /dev/null if it is closed."""
+    try:
+        return os.dup(fd)
+    except OSError:
+        return os.open(os.devnull, flags)
 
 
 def _why_still(pid: int) -> str:

@@ -11,6 +11,7 @@ signal). Nothing here runs threads: children are forked from a single-threaded p
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import runpy
@@ -35,7 +36,8 @@ def _run_child(req: dict, fds: list[int], parent: int) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)  # as python -u: the agent prefixes lines
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # as python -u: output as it comes
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])

@@ -94,16 +94,16 @@ def describe(view: JobView, run_id: str) -> dict[str, Any]:
         if (n.record.id, n.rev) not in in_round
     ]
     if closed is not None:
-        state = closed.state.value
+        job_state = closed.state.value
     elif r is None:
-        state = "forming"
+        job_state = "forming"
     elif all(m["state"] == MemberState.RUNNING.value for m in members):
-        state = "running"
+        job_state = "running"
     else:
-        state = "changing"
+        job_state = "changing"
     out: dict[str, Any] = {
         "job": run_id,
-        "state": state,
+        "state": job_state,
         "members": members,
         "standbys": [o for o in others if o["state"] == MemberState.STANDBY.value],
         "waiting": [o for o in others if o["state"] != MemberState.STANDBY.value],

@@ -114,7 +114,8 @@ def load_factory(spec: str) -> Callable[..., Any]:
     factory = getattr(module, name, None)
     if not callable(factory):
         raise UsageError(f"{spec}: {name} is not a function in {target}")
-    return factory
+    made: Callable[..., Any] = factory
+    return made
 
 
 def main(argv: Sequence[str]) -> int:

@@ -124,4 +124,5 @@ def load(
     for name, obj in others.items():
         with contextlib.suppress(KeyError):
             obj.load_state_dict(sd["others"][name])
-    return sd["values"]
+    loaded: dict[str, Any] = sd["values"]
+    return loaded

@@ -249,7 +249,7 @@ class State:
     def _restore_sharded(self) -> int:
         directory = Path(str(self.policy.checkpoint_dir))
         mine = sharded.complete_steps(directory)[:1] if comm.rank() == 0 else []
-        best = self._comm.all_reduce([mine[0] if mine else NOTHING.step], "MAX")[0]
+        best = int(self._comm.all_reduce([mine[0] if mine else NOTHING.step], "MAX")[0])
         if best < 0:
             return -1
         try:

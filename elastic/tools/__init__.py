@@ -1,0 +1,1 @@
+"""Subcommands besides running a job: ``elastic-run status`` and ``elastic-run tune-workers``."""

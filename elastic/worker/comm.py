@@ -1,0 +1,84 @@
+"""The few collectives ``elastic.State`` itself needs, on a gloo group of its own.
+
+The ranks agree on small things (stop now? snapshot now? who holds the newest state?)
+with one tiny all-reduce, and the holder of the newest state sends it to the others.
+These go through gloo even when training uses NCCL: they are CPU values, and the
+default group's collectives must stay the script's own.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+
+def dist() -> Any:
+    """``torch.distributed`` when a default process group exists, else None."""
+    import torch.distributed as d
+
+    return d if d.is_available() and d.is_initialized() else None
+
+
+def rank() -> int:
+    d = dist()
+    return int(d.get_rank()) if d else int(os.environ.get("RANK", 0))
+
+
+def world() -> int:
+    d = dist()
+    return int(d.get_world_size()) if d else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+class ControlGroup:
+    """A gloo group over the default group's ranks, made on first use and remade when the
+    default group changes (a new process group after a re-formation)."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._for: Any = None  # the default group it was made for
+
+    def group(self) -> Any:
+        d = dist()
+        if d is None or d.get_world_size() == 1:
+            return None
+        world_group = d.group.WORLD
+        if self._for is not world_group:
+            gloo = d.get_backend() == "gloo"
+            self._group = world_group if gloo else d.new_group(backend="gloo")
+            self._for = world_group
+        return self._group
+
+    def all_reduce(self, values: list[int], op: str) -> list[int]:
+        """``values`` reduced over all ranks with ``op`` (MAX, MIN, SUM)."""
+        group = self.group()
+        if group is None:
+            return values
+        d = dist()
+        t = torch.tensor(values, dtype=torch.int64)
+        d.all_reduce(t, op=getattr(d.ReduceOp, op), group=group)
+        return [int(v) for v in t.tolist()]
+
+    def broadcast(self, blob: memoryview | None, holder: int) -> memoryview:
+        """``holder``'s bytes on every rank (``blob`` is ignored elsewhere). The receiving
+        buffer is a bytearray that torch writes into: no numpy needed."""
+        d = dist()
+        group = self.group()
+        size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
+        d.broadcast(size, src=holder, group=group)
+        if blob is not None and rank() == holder:
+            with warnings.catch_warnings():  # a read-only buffer is fine: it is only sent
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(blob, dtype=torch.uint8)
+            d.broadcast(data, src=holder, group=group)
+            return blob
+        out = bytearray(int(size.item()))
+        if out:
+            d.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=holder, group=group)
+        return memoryview(out)

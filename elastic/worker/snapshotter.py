@@ -1,0 +1,232 @@
+"""Taking snapshots: the state copied into the node's shared memory, off the training path
+where it can be, and every so often written to a checkpoint file in the background.
+
+Parameters and optimizer state change only inside ``optimizer.step()``, so their copy
+runs in a background thread while the next forward/backward computes, and the next
+``optimizer.step()`` waits for whatever is left (a pre-step hook). The rest (buffers,
+schedulers, samplers, plain values) is small and copied before ``commit()`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic.contract import ControlBlock, SnapshotPolicy
+from elastic.stored import CheckpointDir, SnapshotSlots, WriteResult
+from elastic.worker import progress, snapshot
+
+log = logging.getLogger("elastic.state")
+
+
+@dataclass
+class Stats:
+    """What ``State`` did so far (``state.stats``)."""
+
+    snapshots: int = 0
+    snapshot_seconds: float = 0.0  # the last snapshot's time on the training thread
+    snapshot_bytes: int = 0
+    blocked_seconds: float = 0.0  # all the time the training thread waited for snapshots
+    checkpoints: int = 0
+    checkpoint_failures: int = 0
+    checkpoint_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    restore_bytes: int = 0
+    restored_step: int = -1
+
+
+def _idle_priority() -> None:
+    """Run this (the copy) thread only on otherwise idle CPU: training threads keep their
+    cores, and optimizer.step() waits for whatever copy is left."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+class BackgroundWriter:
+    """Writes one checkpoint at a time in a thread; a request while busy is skipped."""
+
+    def __init__(self, target: CheckpointDir, done: Callable[[WriteResult], None]) -> None:
+        self.target = target
+        self._done = done
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, step: int, data: memoryview, release: Callable[[], None]) -> bool:
+        """Write in the background; ``release`` runs once ``data`` is no longer read."""
+        if self.busy:
+            return False
+
+        def run() -> None:
+            try:
+                result = self.target.write(step, data)
+            finally:
+                release()
+            self._done(result)
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class Snapshotter:
+    """The node's snapshot slots (local rank 0 writes them) and the checkpoint writer
+    (global rank 0 writes files)."""
+
+    def __init__(
+        self,
+        policy: SnapshotPolicy,
+        node_dir: str | None,
+        local_rank: int,
+        block: ControlBlock | None,
+        stats: Stats,
+    ) -> None:
+        self.policy = policy
+        self.stats = stats
+        self._block = block
+        self._copy: threading.Thread | None = None
+        self._count = 0
+        self.slots: SnapshotSlots | None = None
+        if local_rank == 0 and (node_dir or policy.checkpoint_dir):
+            try:
+                self.slots = SnapshotSlots(node_dir)
+            except OSError as e:
+                log.warning("no shared-memory snapshots (%s): %s", node_dir, e)
+        self._writer: BackgroundWriter | None = None
+        if policy.checkpoint_dir:
+            target = CheckpointDir(policy.checkpoint_dir, policy.keep)
+            self._writer = BackgroundWriter(target, self._checkpoint_done)
+
+    def take(
+        self,
+        state: dict[str, Any],
+        step: int,
+        stable: set[int],
+        checkpoint: Callable[[], bool],
+    ) -> None:
+        """Snapshot ``state`` as of ``step``; tensors whose storage is in ``stable`` (they
+        change only in optimizer.step()) are copied in the background. ``checkpoint()``
+        says, once the copy is complete, whether this rank writes it to disk too."""
+        if self.slots is None:
+            return
+        self.wait_copy()
+        started = time.perf_counter()
+        packed = snapshot.pack(state)
+        slots = self.slots
+        slot = slots.target()
+        try:
+            buf = slots.buffer(slot, packed.size)
+        except OSError as e:
+            log.error("snapshot to shared memory failed (%s); training continues", e)
+            self.stats.checkpoint_failures += 1
+            progress.checkpoint(False, 0.0, 0)
+            return
+        snapshot.write_into(buf, packed, tensors=False)
+        later = [i for i, t in enumerate(packed.tensors) if t.data_ptr() in stable]
+        deferred = set(later)
+        snapshot.copy_tensors(
+            buf, packed, [i for i in range(len(packed.tensors)) if i not in deferred]
+        )
+
+        def finish() -> None:
+            _idle_priority()
+            snapshot.copy_tensors_background(
+                buf, packed, later, torch.get_num_threads(), setup=_idle_priority
+            )
+            slots.commit(slot, step, packed.size)
+            self.stats.snapshots += 1
+            self.stats.snapshot_bytes = packed.size
+            if self._block is not None:
+                self._block.snapshot_taken(step)
+            self._count += 1
+            if checkpoint():
+                self._checkpoint(slot, step)
+
+        if later:
+            self._copy = threading.Thread(target=finish, name="snapshot-copy", daemon=True)
+            self._copy.start()
+        else:
+            finish()
+        took = time.perf_counter() - started
+        self.stats.snapshot_seconds = took
+        self.stats.blocked_seconds += took
+        progress.snapshot(took, packed.size)
+
+    def due_checkpoint(self, stopping: bool) -> bool:
+        """The snapshot just counted goes to disk: every ``checkpoint_every``-th, and the
+        last one before a stop."""
+        return self._writer is not None and (
+            stopping or self._count % max(self.policy.checkpoint_every, 1) == 0
+        )
+
+    def _checkpoint(self, slot: int, step: int) -> None:
+        assert self._writer is not None and self.slots is not None
+        slots = self.slots
+        slots.pinned.add(slot)
+        if not self._writer.submit(step, slots.read(slot), lambda: slots.pinned.discard(slot)):
+            slots.pinned.discard(slot)
+
+    def _checkpoint_done(self, result: WriteResult) -> None:
+        progress.checkpoint(result.ok, result.seconds, result.nbytes)
+        if result.ok:
+            self.stats.checkpoints += 1
+            self.stats.checkpoint_seconds = result.seconds
+            log.info(
+                "checkpoint of step %d written (%.2fs, %d bytes)",
+                result.step,
+                result.seconds,
+                result.nbytes,
+            )
+        else:
+            self.stats.checkpoint_failures += 1
+            log.error(
+                "checkpoint of step %d failed, training goes on from memory snapshots: %s",
+                result.step,
+                result.error,
+            )
+
+    def wait_copy(self) -> None:
+        """Block until the background copy in flight (if any) is complete."""
+        copy = self._copy
+        if copy is None:
+            return
+        started = time.perf_counter()
+        copy.join()
+        self._copy = None
+        waited = time.perf_counter() - started
+        self.stats.blocked_seconds += waited
+        progress.waited(waited)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the copy and the checkpoint write in progress, if any."""
+        self.wait_copy()
+        if self._writer is not None:
+            self._writer.wait(timeout)
+
+
+def stable_storage(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
+    """Storage of the tensors that change only inside optimizer.step(): parameters and
+    their optimizer state."""
+    ptrs = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.add(p.data_ptr())
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        ptrs.add(v.data_ptr())
+    return ptrs

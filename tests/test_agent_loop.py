@@ -1,0 +1,316 @@
+"""The agent loop with a fake rendezvous and a fake worker group: events in, actions out.
+
+Each fake takes a script (what the job and the workers do, in order) and records what the
+agent asked of it, so a test reads as: this happened, the agent did that.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from elastic.agent.core import AgentState
+from elastic.agent.failures import WorkerFailure
+from elastic.agent.loop import Agent
+from elastic.agent.metrics import AgentMetrics
+from elastic.agent.placement import Placement
+from elastic.agent.workers import GroupState
+from rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
+from rendezvous.records import ClosedRecord, JobOutcome, Member, RoundCause, RoundRecord
+from rendezvous.rules import Change, RoundEnd
+
+
+def round_of(number: int, *nodes: str, restarts: int = 0) -> RoundRecord:
+    members = tuple(Member(n, i + 1, "10.0.0.1", 2) for i, n in enumerate(nodes))
+    return RoundRecord(number, members, "10.0.0.1", 29500 + number, 0, restarts, RoundCause.START)
+
+
+class FakeJob:
+    """The rendezvous: ``rounds`` are what next_round returns (or raises), in order;
+    ``changes`` what check() returns on successive calls (None: nothing happened)."""
+
+    def __init__(self, rounds: list[Any], changes: list[Change | None] | None = None) -> None:
+        self.rounds = deque(rounds)
+        self.changes = deque(changes or [])
+        self.calls: list[str] = []
+        self.reported: list[dict[str, Any]] = []
+        self.closed_as: list[JobOutcome] = []
+        self.closed_record: ClosedRecord | None = None
+
+    node_id = "a"
+    run_id = "job"
+    version = 0
+    lease_ttl = 1
+
+    def start(self) -> None:
+        self.calls.append("start")
+        if self.rounds and isinstance(self.rounds[0], RendezvousClosedError):
+            raise self.rounds.popleft()
+
+    def next_round(self, cancel: threading.Event | None = None) -> RoundRecord:
+        self.calls.append("next_round")
+        step = self.rounds.popleft()
+        if isinstance(step, Exception):
+            raise step
+        return step  # type: ignore[no-any-return]
+
+    def check(self) -> Change | None:
+        return self.changes.popleft() if self.changes else None
+
+    def probe_members(self) -> None:
+        self.calls.append("probe_members")
+
+    def closed(self) -> ClosedRecord | None:
+        return self.closed_record
+
+    def wait(self, version: int, timeout: float | None) -> int:
+        return version
+
+    def poke(self) -> None:
+        self.calls.append("poke")
+
+    def report_failure(self, detail: dict[str, Any]) -> None:
+        self.reported.append(detail)
+
+    def finish_round(self) -> None:
+        self.calls.append("finish_round")
+
+    def announce_leaving(self) -> None:
+        self.calls.append("announce_leaving")
+
+    def close(self, state: JobOutcome, reason: str = "") -> bool:
+        self.closed_as.append(state)
+        return True
+
+    def shutdown(self, leave: bool = True) -> None:
+        self.calls.append("shutdown")
+
+
+class FakeWorkers:
+    """The worker group: ``polls`` are the successive poll() results while running."""
+
+    def __init__(self, polls: list[tuple[GroupState, list[WorkerFailure]]]) -> None:
+        self.polls = deque(polls)
+        self.started: list[list[Placement]] = []
+        self.actions: list[str] = []
+        self.hangs: list[WorkerFailure] = []
+        self.released: list[bool] = []  # release_held(show) calls
+        self._running = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [100 + len(self.started)] if self.started else []
+
+    def start(self, placements: list[Placement]) -> None:
+        self.started.append(placements)
+        self._running = True
+
+    def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
+        if self.polls:
+            return self.polls.popleft()
+        return GroupState.RUNNING, []
+
+    def hung(self, timeout: float) -> list[WorkerFailure]:
+        return self.hangs
+
+    def drain(self, sig: int, timeout: float) -> bool:
+        self.actions.append(f"drain {signal.Signals(sig).name}")
+        return True
+
+    def finish(self, timeout: float, grace: float) -> bool:
+        self.actions.append("finish")
+        return True
+
+    def stop(self, grace: float) -> None:
+        self.actions.append(f"stop {grace:g}")
+
+    def release_held(self, show: bool) -> dict[int, Path]:
+        self.released.append(show)
+        return {} if show else {1: Path("/logs/1/stderr.log")}
+
+
+RUNNING: tuple[GroupState, list[WorkerFailure]] = (GroupState.RUNNING, [])
+SUCCEEDED: tuple[GroupState, list[WorkerFailure]] = (GroupState.SUCCEEDED, [])
+CRASH = WorkerFailure(rank=1, local_rank=1, pid=7, exitcode=1, time=1.0, message="boom")
+
+
+def agent(job: FakeJob, workers: FakeWorkers, **kw: Any) -> Agent:
+    return Agent(
+        job,
+        workers,
+        monitor_interval=0.0,
+        shutdown_timeout=5.0,
+        close_timeout=1.0,
+        host="host-a",
+        **kw,
+    )
+
+
+def test_a_round_starts_workers_with_torchrun_placements_and_success_closes_the_job() -> None:
+    job = FakeJob([round_of(1, "x", "a")])
+    workers = FakeWorkers([RUNNING, SUCCEEDED])
+    a = agent(job, workers)
+    assert a.run() == 0
+    [placements] = workers.started
+    assert [(p.rank, p.local_rank, p.group_rank, p.world_size) for p in placements] == [
+        (2, 0, 1, 4),
+        (3, 1, 1, 4),
+    ]
+    assert job.closed_as == [JobOutcome.SUCCEEDED] and job.calls[-1] == "shutdown"
+    assert a.state is AgentState.SUCCEEDED
+
+
+def test_a_worker_failure_is_reported_and_the_next_round_restarts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", restarts=1)])
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers).run() == 0
+    assert workers.actions[0] == "stop 1"  # urgent: SIGTERM, SIGKILL a second later
+    [detail] = job.reported
+    assert detail["summary"] == "rank 1 (local_rank 1) on a: exit code 1: boom"
+    assert len(workers.started) == 2
+    assert "restarts 1" in caplog.text
+
+
+def test_a_lost_member_stops_workers_now_without_a_failure_report() -> None:
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    assert agent(job, workers, metrics=metrics).run() == 0
+    assert workers.actions[0] == "stop 1" and job.reported == []
+    assert _sample(metrics.registry, "elastic_run_restarts_total", cause="member_lost") == 1
+    assert _sample(metrics.registry, "elastic_run_world_size") == 2
+
+
+def test_a_collective_failing_under_a_lost_peer_is_the_loss_not_a_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gone = WorkerFailure(
+        1, 1, 7, 1, 1.0, "RuntimeError: Connection closed by peer", consequence=True
+    )
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, None, lost])
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [gone]), RUNNING, SUCCEEDED])
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers).run() == 0
+    assert job.reported == [] and "probe_members" in job.calls  # no failure is charged
+    assert workers.released[0] is False  # its traceback stays in its log file
+    text = caplog.text
+    assert text.index("lost b: stopping workers now") < text.index("its collective failed")
+    assert "rank 1 (local_rank 1): its collective failed when lost b" in text
+    assert "traceback in /logs/1/stderr.log" in text and "workers failed" not in text
+
+
+def test_a_collective_failure_with_no_loss_in_sight_is_a_failure() -> None:
+    gone = WorkerFailure(
+        1, 1, 7, 1, 1.0, "RuntimeError: Connection reset by peer", consequence=True
+    )
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", restarts=1)])
+    workers = FakeWorkers([(GroupState.FAILED, [gone]), RUNNING, SUCCEEDED])
+    assert agent(job, workers).run() == 0
+    assert len(job.reported) == 1 and workers.released[0] is True
+
+
+def test_a_newcomer_drains_the_workers_with_sigterm_for_scripts_without_state() -> None:
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    assert agent(job, workers).run() == 0
+    assert workers.actions[0] == "drain SIGTERM"
+
+
+def test_a_signal_announces_leaving_drains_with_that_signal_and_exits_128_plus_it() -> None:
+    job = FakeJob([round_of(1, "a")])
+    workers = FakeWorkers([RUNNING])
+    a = agent(job, workers)
+    workers.polls = deque([RUNNING])
+
+    def poll() -> tuple[GroupState, list[WorkerFailure]]:
+        a.on_signal(signal.SIGINT)  # Ctrl-C while the workers run
+        return RUNNING
+
+    workers.poll = poll  # type: ignore[method-assign]
+    assert a.run() == 128 + signal.SIGINT
+    assert "announce_leaving" in job.calls and workers.actions == ["drain SIGINT"]
+    assert a.state is AgentState.LEFT
+
+
+def test_a_signal_while_joining_leaves_at_once() -> None:
+    job = FakeJob([])
+    workers = FakeWorkers([])
+    a = agent(job, workers)
+    a.on_signal(signal.SIGTERM)
+    assert a.run() == 143 and workers.started == [] and "poke" in job.calls
+
+
+def test_a_job_closed_as_failed_elsewhere_ends_with_the_root_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    root = {"node": "b", "summary": "rank 3 on b: exit code 1", "failures": []}
+    job = FakeJob([round_of(1, "a", "b")], [Change(RoundEnd.JOB_FAILED, "job failed: budget")])
+    job.closed_record = ClosedRecord(JobOutcome.FAILED, "budget spent", root_cause=root)
+    workers = FakeWorkers([RUNNING])
+    with caplog.at_level(logging.ERROR):
+        assert agent(job, workers).run() == 1
+    assert workers.actions == ["stop 1"]
+    assert "job job FAILED: budget spent" in caplog.text and "node      : b" in caplog.text
+
+
+def test_a_job_finished_elsewhere_lets_local_workers_finish() -> None:
+    job = FakeJob([round_of(1, "a", "b")], [Change(RoundEnd.JOB_SUCCEEDED, "job succeeded")])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    assert agent(job, workers).run() == 0
+    assert workers.actions == ["finish"]
+
+
+def test_fenced_kills_stale_workers_at_once_and_joins_again() -> None:
+    fenced = Change(RoundEnd.FENCED, "etcd dropped this node's lease")
+    job = FakeJob([round_of(1, "a", "b"), round_of(3, "b", "a")], [fenced])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    assert agent(job, workers).run() == 0
+    assert workers.actions[0] == "stop 0" and len(workers.started) == 2
+
+
+def test_a_hung_worker_is_a_failure() -> None:
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", restarts=1)])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.hangs = [WorkerFailure(0, 0, 5, -9, 1.0, "hung: no progress for 9s")]
+    a = agent(job, workers, hang_timeout=3.0)
+    original = workers.hung
+
+    def hung_once(timeout: float) -> list[WorkerFailure]:
+        found = original(timeout)
+        workers.hangs = []
+        return found
+
+    workers.hung = hung_once  # type: ignore[method-assign]
+    assert a.run() == 0
+    assert "hung: no progress" in job.reported[0]["summary"]
+
+
+def test_closed_on_arrival_and_join_timeout() -> None:
+    done = ClosedRecord(JobOutcome.SUCCEEDED, "all workers succeeded")
+    job = FakeJob([RendezvousClosedError("job 'job' has finished", done)])
+    assert agent(job, FakeWorkers([])).run() == 0
+    job = FakeJob([RendezvousTimeoutError("1 of at least 2 nodes present")])
+    assert agent(job, FakeWorkers([])).run() == 1
+    failed = ClosedRecord(JobOutcome.FAILED, "budget spent")
+    job = FakeJob([round_of(1, "a"), RendezvousClosedError("job 'job' has failed", failed)])
+    workers = FakeWorkers([RUNNING, (GroupState.STOPPED, [])])
+    assert agent(job, workers).run() == 1
+
+
+def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"job": "job", "node": "a", **labels})
+    assert value is not None, (name, labels)
+    return value
