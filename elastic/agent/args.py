@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UsageError(ValueError):
@@ -20,7 +20,7 @@ class UsageError(ValueError):
 class Parser(argparse.ArgumentParser):
     """argparse, with errors raised as UsageError instead of printed."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
 

@@ -51,7 +51,8 @@ class ForkedWorker:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             self._server.wait_change(0.05)
-        return self.returncode  # type: ignore[return-value]
+        assert self.returncode is not None
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

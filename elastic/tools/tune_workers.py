@@ -103,9 +103,11 @@ def load_factory(spec: str) -> Callable[..., Any]:
         if not path.is_file():
             raise UsageError(f"{target}: no such file")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        if module_spec is None or module_spec.loader is None:
+            raise UsageError(f"{target}: cannot be loaded as a Python module")
+        module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.resolve().parent))
-        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        module_spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(target)
