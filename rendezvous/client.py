@@ -25,6 +25,7 @@ from etcd3.utils import prefix_range_end
 
 from rendezvous.config import EtcdOptions
 from rendezvous.errors import EtcdUnavailableError, RendezvousError
+from rendezvous.net import answers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,6 +141,17 @@ class EtcdClient:
     def close(self) -> None:
         self._reset()
 
+    def _hint(self) -> str:
+        """What the user can check, from what answers at the endpoints at the TCP level."""
+        live = [e for e in self.options.endpoints if answers(*_split(e), timeout=0.5)]
+        if not live:
+            return "; nothing accepts connections there: is etcd running, and is the port right?"
+        return (
+            f"; {', '.join(live)} accepts connections but does not answer as etcd: is this "
+            f"etcd's client port (2379 by default)?"
+            + (" Does it need https (cacert=)?" if not self.options.secure else "")
+        )
+
     def call(
         self,
         what: str,
@@ -179,7 +191,7 @@ class EtcdClient:
                 raise RendezvousError(f"etcd client setup failed: {e}") from None
             if time.monotonic() + delay > deadline:
                 raise EtcdUnavailableError(
-                    f"etcd unreachable at {self.options.describe()} ({what}): {last}"
+                    f"etcd unreachable at {self.options.describe()} ({what}): {last}{self._hint()}"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -387,3 +399,8 @@ class WatchStream:
             ) from None
         finally:
             self._requests.put(None)
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)

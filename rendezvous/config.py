@@ -52,6 +52,7 @@ class RendezvousOptions:
     join_timeout: float = 600.0
     last_call_timeout: float = 2.0
     close_timeout: float = 30.0
+    master_port: int | None = None  # MASTER_PORT of every round (--master-port); None: fresh
 
     @property
     def job_prefix(self) -> str:
@@ -106,6 +107,19 @@ def _ignored(key: str, text: str) -> str:
     return text
 
 
+def parse_bool(key: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "y", "on"):
+        return True
+    if value in ("0", "false", "no", "n", "off"):
+        return False
+    raise ConfigError(f"--rdzv-conf {key}={text!r}: expected true or false")
+
+
+# c10d's, etcd-v2's and static's keys with no meaning for an etcd v3 rendezvous
+IGNORED = ("keep_alive_max_attempt", "store_type", "use_libuv", "rank")
+
+
 # key -> (canonical name, parser, help). Canonical names are what the README documents.
 _Parser = Callable[[str, str], object]
 KEYS: dict[str, tuple[str, _Parser, str]] = {
@@ -149,7 +163,9 @@ KEYS: dict[str, tuple[str, _Parser, str]] = {
     "cacert": ("ca_cert", _path, "CA bundle that signed etcd's certificate; turns TLS on"),
     "ca_cert": ("ca_cert", _path, "alias of cacert"),
     "cert": ("cert", _path, "client certificate for mutual TLS"),
+    "ssl_cert": ("cert", _path, "alias of cert (torch's etcd-v2 backend)"),
     "key": ("key", _path, "client private key for mutual TLS"),
+    "ssl_cert_key": ("key", _path, "alias of key (torch's etcd-v2 backend)"),
     "user": ("user", _text, "etcd user name (auth)"),
     "password": (
         "password",
@@ -157,9 +173,14 @@ KEYS: dict[str, tuple[str, _Parser, str]] = {
         f"etcd password; prefer password_file or ${PASSWORD_ENV}, which ps cannot show",
     ),
     "password_file": ("password_file", _path, "file whose first line is the etcd password"),
-    # torchrun keys that mean nothing here; accepted so existing command lines keep working
-    "is_host": ("is_host", _ignored, "accepted, ignored (the round writer is chosen in etcd)"),
-    "keep_alive_max_attempt": ("keep_alive_max_attempt", _ignored, "accepted, ignored"),
+    "is_host": (
+        "is_host",
+        parse_bool,
+        "with an endpoint on this host: true serves the embedded etcd there, false never "
+        "does (default: serve if nothing answers)",
+    ),
+    # keys of torchrun's backends that mean nothing here: accepted with a warning
+    **{k: (k, _ignored, "accepted for torchrun compatibility; no effect") for k in IGNORED},
 }
 
 
@@ -239,7 +260,8 @@ def build_options(
     if ("user" in values) != (password is not None):
         raise ConfigError("--rdzv-conf: user and password must be given together")
     values.pop("is_host", None)
-    values.pop("keep_alive_max_attempt", None)
+    for key in IGNORED:
+        values.pop(key, None)
     etcd = EtcdOptions(
         endpoints=endpoints,
         secure=secure,

@@ -24,3 +24,32 @@ def default_local_addr() -> str:
 
 def format_hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def resolve(host: str) -> str:
+    """The first address ``host`` resolves to (as a client would use), or ``host``."""
+    try:
+        return str(socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        return host
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine: its address can be bound here."""
+    addr = resolve(host)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether anything accepts a TCP connection at host:port now."""
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout):
+            return True
+    except OSError:
+        return False

@@ -59,6 +59,7 @@ class NodeSpec:
     pid: int = 0
     version: str = ""
     metrics_port: int = 0
+    rank: int = -1  # the group rank this node asks for (torchrun's --node-rank); -1: none
 
 
 class Rendezvous:
@@ -146,6 +147,7 @@ class Rendezvous:
             metrics=self.me.metrics_port,
             min_nodes=self.options.min_nodes,
             max_nodes=self.options.max_nodes,
+            rank=self.me.rank,
         )
 
     def _refused(self, kvs: list[KV]) -> None:
@@ -357,7 +359,7 @@ class Rendezvous:
     def _write_round(self, view: JobView, p: Plan) -> bool:
         current = view.round
         used = {current.master_port, current.store_port} if current else set()
-        master_port = free_port("", avoid=used)
+        master_port = self.options.master_port or free_port("", avoid=used)
         store_port = free_port("", avoid=used | {master_port})
         rec = RoundRecord(
             number=(current.number if current else 0) + 1,

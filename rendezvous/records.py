@@ -129,6 +129,7 @@ class NodeRecord:
     metrics: int = 0  # the agent's /metrics port, for people and scrapers (0: none)
     min_nodes: int = 0  # the job's --nnodes as this node was started with (0: unknown)
     max_nodes: int = 0
+    rank: int = -1  # the group rank it asks for (torchrun's --node-rank); -1: none
 
     def encode(self) -> bytes:
         return dumps(asdict(self))
@@ -149,6 +150,7 @@ class NodeRecord:
             metrics=_int(obj, "metrics"),
             min_nodes=_int(obj, "min_nodes"),
             max_nodes=_int(obj, "max_nodes"),
+            rank=_int(obj, "rank", -1),
         )
         if rec.nproc < 1:
             raise _bad(key, "nproc must be >= 1")

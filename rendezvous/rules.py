@@ -84,7 +84,8 @@ def _members(view: JobView, max_nodes: int) -> dict[str, MemberState]:
 
 
 def _newcomers(view: JobView, max_nodes: int) -> list[LiveNode]:
-    """Live incarnations outside the round that may join it, in join order."""
+    """Live incarnations outside the round that may join it: those that ask for a rank
+    (torchrun's static form) in that order, then the others in join order."""
     return sorted(
         (
             n
@@ -92,7 +93,7 @@ def _newcomers(view: JobView, max_nodes: int) -> list[LiveNode]:
             if member_state(view, n.record.id, n.rev, max_nodes)
             in (MemberState.JOINING, MemberState.STANDBY)
         ),
-        key=lambda n: n.rev,
+        key=lambda n: (n.record.rank < 0, n.record.rank, n.rev),
     )
 
 

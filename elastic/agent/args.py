@@ -1,27 +1,68 @@
 """The command line: every torchrun 2.13 flag (both spellings, ``PET_*`` variables) plus ours.
 
-Parsing only; ``spec.build_config`` turns the namespace into a checked ``RunConfig``.
-Errors are raised as ``UsageError`` with one line naming the problem, never printed
-here, so the CLI decides how to report them.
+Parsing only; ``config.build_config`` turns the namespace into a checked ``RunConfig``.
+Errors are raised as ``UsageError`` (one line naming the problem, with the usage line and
+the closest flag for a typo), never printed here, so the CLI decides how to report them.
+Flags may be abbreviated, as torchrun's argparse allows (``--redirect=3``).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
+
+USAGE = "elastic-run [options] training_script [training_script_args ...]"
 
 
 class UsageError(ValueError):
     """Bad command-line input; the message names the flag and the problem."""
 
+    def __init__(self, message: str, usage: str = "") -> None:
+        super().__init__(message)
+        self.usage = usage
+
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with errors raised as UsageError instead of printed."""
+    """argparse, with errors raised as UsageError (and a suggestion for a mistyped flag)."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        unknown = re.match(r"unrecognized arguments: (--?[\w-]+)", message)
+        if unknown:
+            flags = [o for a in self._actions for o in a.option_strings if "_" not in o]
+            close = difflib.get_close_matches(unknown[1].split("=")[0], flags, n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        raise UsageError(message, usage=f"usage: {USAGE}")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """torchrun's users know the dashed spellings: the underscore aliases stay accepted
+    but out of the listing; defaults are shown where there is one worth showing."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34, width=100)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if action.option_strings:
+            shown = [o for o in action.option_strings if "_" not in o] or action.option_strings
+            action = argparse.Action(shown, action.dest, nargs=action.nargs, metavar=action.metavar)
+        return super()._format_action_invocation(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and not (default is None or default is False or default == "")
+            and default is not argparse.SUPPRESS
+            and "(default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 def _flag_names(name: str) -> list[str]:
@@ -70,7 +111,7 @@ class EnvFlag(argparse.Action):
 
 
 def _value(
-    p: argparse.ArgumentParser,
+    p: argparse._ActionsContainer,
     name: str,
     default: object,
     help: str,
@@ -81,7 +122,7 @@ def _value(
     p.add_argument(*names, action=EnvDefault, dest=name, default=default, help=help, **kw)
 
 
-def _switch(p: argparse.ArgumentParser, name: str, help: str, short: str | None = None) -> None:
+def _switch(p: argparse._ActionsContainer, name: str, help: str, short: str | None = None) -> None:
     names = ([short] if short else []) + _flag_names(name)
     p.add_argument(*names, action=EnvFlag, dest=name, help=help)
 
@@ -89,116 +130,179 @@ def _switch(p: argparse.ArgumentParser, name: str, help: str, short: str | None 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="elastic-run",
-        description="Elastic, fault-tolerant PyTorch launcher: torchrun's flags, etcd v3 "
-        "rendezvous. Subcommands: 'elastic-run status' (a job's state), "
+        usage=USAGE,
+        description="Elastic, fault-tolerant PyTorch launcher: torchrun's flags, agents that "
+        "meet in etcd v3. Other commands: 'elastic-run status' (a job's state), "
         "'elastic-run tune-workers' (DataLoader num_workers).",
-        allow_abbrev=False,
+        epilog="Every flag also reads PET_<NAME> from the environment, as torchrun does "
+        "(e.g. PET_NNODES=1:4); underscore spellings (--nproc_per_node) are accepted too.",
+        formatter_class=HelpFormatter,
     )
-    # -- torchrun 2.13 ------------------------------------------------------------------
-    _value(p, "nnodes", "1:1", "number of nodes, N or MIN:MAX")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    size = p.add_argument_group("job size")
+    _value(size, "nnodes", "1:1", "number of nodes: N, or MIN:MAX for an elastic job")
     _value(
-        p,
+        size,
         "nproc_per_node",
         None,
-        "workers per node: N, auto, cpu, gpu or xpu (1; with --devices, one per device)",
-    )
-    _value(p, "rdzv_backend", "etcd-v3", "rendezvous backend: etcd-v3 (etcd is the same)")
-    _value(p, "rdzv_endpoint", "", "etcd host[:port][,host[:port]...]; empty: embedded etcd")
-    _value(p, "rdzv_id", "none", "job id shared by all nodes")
-    _value(p, "rdzv_conf", "", "key=value,... (see README: rdzv-conf keys)")
-    _switch(p, "standalone", "single node with an embedded etcd and a random job id")
-    _value(p, "max_restarts", 0, "worker-failure restarts per job before it fails", type=int)
-    _value(p, "monitor_interval", 0.1, "seconds between worker polls", type=float)
-    _value(
-        p,
-        "start_method",
-        "spawn",
-        "spawn: each worker a fresh python; forkserver (or "
-        "fork): forked from a process that imported torch once, for fast restarts",
-        choices=["spawn", "fork", "forkserver"],
-    )
-    _value(p, "event_log_handler", "null", "accepted for torchrun compatibility")
-    _value(p, "role", "default", "worker role name (ROLE_NAME)")
-    _switch(p, "module", "run the script as 'python -m'", short="-m")
-    _switch(p, "no_python", "run the script as a program, not with python")
-    _switch(p, "run_path", "run the script with runpy.run_path in the worker interpreter")
-    _value(p, "log_dir", None, "base directory for per-attempt, per-rank logs")
-    _value(
-        p, "redirects", "0", "redirect stdout/stderr to files: 0-3 or per rank 0:1,1:2", short="-r"
-    )
-    _value(p, "tee", "0", "tee stdout/stderr to console and files, same syntax", short="-t")
-    _value(p, "local_ranks_filter", "", "only these local ranks print to the console")
-    _value(p, "duplicate_stdout_filters", "", "copy stdout lines containing these to a file")
-    _value(p, "duplicate_stderr_filters", "", "copy stderr lines containing these to a file")
-    _value(p, "node_rank", 0, "static rendezvous only; ignored", type=int)
-    _value(p, "master_addr", "127.0.0.1", "static rendezvous only; ignored")
-    _value(p, "master_port", None, "static rendezvous only; ignored", type=int)
-    _value(p, "local_addr", None, "address other nodes reach this one at (default: FQDN)")
-    _value(p, "logs_specs", None, "accepted for torchrun compatibility")
-    _value(
-        p,
-        "numa_binding",
-        None,
-        "accepted for torchrun compatibility; ignored",
-        choices=["node", "socket", "exclusive", "core-complex"],
+        "workers per node: N, auto, cpu, gpu or xpu (default: 1; with --devices, one per device)",
     )
     _value(
-        p,
-        "signals_to_handle",
-        "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "signals forwarded to workers before leaving",
-    )
-    _value(
-        p, "shutdown_timeout", None, "seconds from SIGTERM to SIGKILL of workers (30)", type=float
-    )
-    _switch(p, "virtual_local_rank", "each worker sees only its GPU, as device 0")
-    # -- elastic-run ----------------------------------------------------------------------
-    _value(p, "node_id", None, "this node's id in the job (default: HOSTNAME-PID)")
-    _value(
-        p,
+        size,
         "devices",
         None,
-        "GPUs this job may use (indices or UUIDs, like 0,2): workers "
-        "see only these, local rank i on the i-th; two jobs share a machine this way",
+        "GPUs this job may use (indices or UUIDs, like 0,2): workers see only these, local "
+        "rank i on the i-th; two jobs share a machine this way",
     )
-    _value(p, "metrics_addr", "0.0.0.0", "address of the /metrics and /healthz endpoint")
+    _value(size, "node_id", None, "this node's id in the job (default: HOSTNAME-PID)")
+
+    rdzv = p.add_argument_group("rendezvous")
     _value(
-        p,
-        "metrics_port",
-        None,
-        "port of /metrics and /healthz: N, 0 for any free one, "
-        "-1 for none (default 9400, or any free one if another agent has it)",
+        rdzv,
+        "rdzv_endpoint",
+        "",
+        "etcd host[:port][,host[:port]...]; if it names this host and nothing answers "
+        "there, this agent serves an embedded etcd on it (default: an embedded etcd for "
+        "this node alone, or for the static form below)",
+    )
+    _value(rdzv, "rdzv_id", "none", "job id shared by all nodes of a job")
+    _value(rdzv, "rdzv_conf", "", "key=value,... (see the README: rendezvous options)")
+    _value(
+        rdzv,
+        "rdzv_backend",
+        "etcd-v3",
+        "etcd-v3 (also accepted: etcd, and torchrun's c10d and static, which mean the same here)",
+    )
+    _switch(rdzv, "standalone", "one node, an embedded etcd and a random job id")
+    _value(
+        rdzv,
+        "node_rank",
+        0,
+        "static form (torchrun's default): this node's rank; with --nnodes N>1 and no "
+        "--rdzv-endpoint, node 0 serves the job's etcd at --master-addr",
         type=int,
     )
+    _value(rdzv, "master_addr", "127.0.0.1", "static form: the address of node 0")
     _value(
-        p,
-        "checkpoint_dir",
+        rdzv,
+        "master_port",
         None,
-        "where elastic.State writes durable checkpoints "
-        "(shared or per node); none: shared-memory snapshots only",
-    )
-    _value(
-        p,
-        "snapshot_every",
-        1,
-        "elastic.State snapshots every N steps (0: only to resize)",
+        "MASTER_PORT of the workers (rank 0's node hosts the store there; default: a "
+        "fresh port each round); static form: node 0's etcd listens on MASTER_PORT+1",
         type=int,
     )
+    _value(rdzv, "local_addr", None, "address other nodes reach this one at (default: FQDN)")
+
+    work = p.add_argument_group("workers")
+    _switch(work, "module", "run the script as 'python -m'", short="-m")
+    _switch(work, "no_python", "run the script as a program, not with python")
+    _switch(work, "run_path", "run the script with runpy.run_path in the worker interpreter")
     _value(
-        p, "checkpoint_every", 100, "every N-th snapshot also goes to --checkpoint-dir", type=int
+        work,
+        "start_method",
+        "spawn",
+        "spawn: each worker a fresh python; forkserver (or fork): forked from a process "
+        "that imported torch once, for fast restarts",
+        choices=["spawn", "fork", "forkserver"],
     )
-    _value(p, "checkpoint_keep", 3, "checkpoints kept in --checkpoint-dir", type=int)
+    _value(work, "role", "default", "worker role name (ROLE_NAME)")
+    _switch(work, "virtual_local_rank", "each worker sees only its GPU, as device 0")
+    _value(work, "monitor_interval", 0.1, "seconds between worker polls", type=float)
     _value(
-        p,
-        "worker_hang_timeout",
-        0.0,
-        "a worker that reported progress (State.commit, "
-        "elastic.heartbeat) and then none for this many seconds has failed (0: off)",
+        work,
+        "signals_to_handle",
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "signals forwarded to the workers before this node leaves",
+    )
+    _value(
+        work,
+        "shutdown_timeout",
+        None,
+        "seconds from SIGTERM to SIGKILL of the workers (default: 30)",
         type=float,
     )
+
+    ft = p.add_argument_group("fault tolerance")
+    _value(
+        ft,
+        "max_restarts",
+        0,
+        "worker failures the whole job may restart from (not per node); "
+        "membership changes are free",
+        type=int,
+    )
+    _value(
+        ft,
+        "worker_hang_timeout",
+        0.0,
+        "a worker that reported progress (State.commit, elastic.heartbeat) and then none "
+        "for this many seconds has failed (0: off)",
+        type=float,
+    )
+
+    ckpt = p.add_argument_group("checkpoints (elastic.State)")
+    _value(
+        ckpt,
+        "checkpoint_dir",
+        None,
+        "where durable checkpoints go (shared or per node); none: shared-memory snapshots only",
+    )
+    _value(ckpt, "snapshot_every", 1, "snapshot every N steps (0: only to resize)", type=int)
+    _value(
+        ckpt, "checkpoint_every", 100, "every N-th snapshot also goes to --checkpoint-dir", type=int
+    )
+    _value(ckpt, "checkpoint_keep", 3, "checkpoints kept in --checkpoint-dir", type=int)
+
+    met = p.add_argument_group("metrics")
+    _value(met, "metrics_addr", "0.0.0.0", "address of /metrics and /healthz")
+    _value(
+        met,
+        "metrics_port",
+        None,
+        "port of /metrics and /healthz: N, 0 for any free one, -1 for none (default: 9400, "
+        "or any free one if another agent has it)",
+        type=int,
+    )
+
+    logs = p.add_argument_group("logging (as torchrun)")
+    _value(logs, "log_dir", None, "base directory for per-attempt, per-rank logs")
+    _value(
+        logs, "redirects", "0", "send stdout/stderr to files: 0-3, or per rank 0:1,1:2", short="-r"
+    )
+    _value(
+        logs, "tee", "0", "stdout/stderr to console and files, prefixed; same syntax", short="-t"
+    )
+    _value(logs, "local_ranks_filter", "", "only these local ranks print to the console")
+    _value(logs, "duplicate_stdout_filters", "", "copy stdout lines containing these to a file")
+    _value(logs, "duplicate_stderr_filters", "", "copy stderr lines containing these to a file")
+
+    noop = p.add_argument_group("accepted for torchrun compatibility, no effect")
+    _value(noop, "event_log_handler", "null", "torchrun's event log handler")
+    _value(noop, "logs_specs", None, "torchrun's LogsSpecs plugin")
+    _value(
+        noop,
+        "numa_binding",
+        None,
+        "torchrun's NUMA binding",
+        choices=["node", "socket", "exclusive", "core-complex"],
+    )
+
     p.add_argument("training_script", help="the training script (or module, or program)")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    p.add_argument(
+        "training_script_args",
+        nargs=argparse.REMAINDER,
+        help="arguments for the training script, passed on as they are",
+    )
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("elastic-run")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

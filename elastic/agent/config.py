@@ -21,7 +21,7 @@ from elastic.contract import POLICY_ENV, SnapshotPolicy
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("etcd-v3", "etcd")
+BACKENDS = ("etcd-v3", "etcd", "c10d", "static")  # torchrun's mean the same here
 _RUN_PATH = (
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
@@ -103,12 +103,14 @@ class RunConfig:
     stderr_filters: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
     script_args: tuple[str, ...] = ()
+    static: bool = False  # torchrun's static form: node 0 serves the etcd (etcd_plan.py)
+    is_host: bool | None = None  # --rdzv-conf is_host: serve the endpoint's etcd or never
+    join_timeout: float = 600.0
+    node_rank: int = 0  # static form: the group rank this node asks for
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # the workers' MASTER_PORT every round; None: fresh
     module: bool = False  # run the script as python -m
     forkserver: bool = False  # --start-method forkserver/fork: fork workers, torch imported
-
-    @property
-    def embedded_etcd(self) -> bool:
-        return not self.rdzv_endpoint
 
 
 def _worker_command(ns: argparse.Namespace) -> tuple[str, ...]:
@@ -133,6 +135,18 @@ def _check_script(ns: argparse.Namespace) -> None:
         return
     if not Path(script).is_file():
         raise UsageError(f"training script {script!r}: no such file")
+
+
+def _port(flag: str, value: object) -> int | None:
+    if value is None:
+        return None
+    try:
+        port = int(str(value))
+    except ValueError:
+        raise UsageError(f"{flag} {value!r}: expected a port number") from None
+    if not 0 < port < 65535:
+        raise UsageError(f"{flag} {port}: expected 1-65534")
+    return port
 
 
 def _metrics_port(value: object) -> int | None:
@@ -180,9 +194,9 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     backend = str(ns.rdzv_backend)
     if backend not in BACKENDS:
         raise UsageError(
-            f"--rdzv-backend {backend!r}: elastic-run rendezvous through etcd v3 only "
-            f"({' or '.join(BACKENDS)}); leave it out and give --rdzv-endpoint of an etcd, "
-            "or nothing for an embedded one"
+            f"--rdzv-backend {backend!r}: elastic-run's agents meet in etcd v3 "
+            f"({', '.join(BACKENDS)} are accepted); leave it out and give --rdzv-endpoint of "
+            "an etcd, or nothing for an embedded one"
         )
     mn, mx = parse_nnodes(ns.nnodes)
     devices = None
@@ -223,13 +237,19 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
             log.warning(
                 "--standalone: ignoring --rdzv-endpoint %s; using an embedded etcd", endpoint
             )
+        if (mn, mx) != (1, 1):
+            log.warning("--standalone runs one node: ignoring --nnodes %s", ns.nnodes)
         endpoint, run_id = "", os.urandom(6).hex()
         mn = mx = 1
-    if ns.node_rank or ns.master_port is not None:
-        log.warning(
-            "--node-rank/--master-addr/--master-port are for torchrun's static "
-            "rendezvous; elastic-run assigns ranks and ports itself and ignores them"
+    master_port = _port("--master-port", ns.master_port)
+    node_rank = int(ns.node_rank)
+    static = not endpoint and not ns.standalone and mx > 1
+    if static and not 0 <= node_rank < mx:
+        raise UsageError(
+            f"--node-rank {node_rank}: expected 0 to {mx - 1} for --nnodes {ns.nnodes}"
         )
+    if not static and node_rank:
+        log.warning("--node-rank is for torchrun's static form (no --rdzv-endpoint): ignored")
     for flag, value in (("--numa-binding", ns.numa_binding), ("--logs-specs", ns.logs_specs)):
         if value:
             log.warning("%s is accepted for compatibility and ignored", flag)
@@ -242,13 +262,16 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
                 f"--local-ranks-filter {ns.local_ranks_filter!r}: expected "
                 "comma-separated local ranks like 0,1"
             ) from None
-    from rendezvous.config import ConfigError, build_options, parse_conf
+    from rendezvous.config import IGNORED, ConfigError, build_options, parse_bool, parse_conf
 
     try:
         conf = parse_conf(str(ns.rdzv_conf))
-        build_options(endpoint or "127.0.0.1", run_id, mn, mx, conf)  # check it all now
+        _, rdzv = build_options(endpoint or "127.0.0.1", run_id, mn, mx, conf)  # check it all
+        is_host = parse_bool("is_host", conf["is_host"]) if "is_host" in conf else None
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    for key in sorted(set(conf) & set(IGNORED)):
+        log.warning("--rdzv-conf %s: a key of torchrun's backends, no effect here", key)
     _check_script(ns)
     # torchrun sets this in its own environment, which its workers inherit
     env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": str(ns.signals_to_handle)}
@@ -280,7 +303,13 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         redirects=parse_std("--redirects", ns.redirects, nproc),
         tee=parse_std("--tee", ns.tee, nproc),
         local_ranks_filter=filt,
-        local_addr=ns.local_addr,
+        local_addr=ns.local_addr or (str(ns.master_addr) if static and node_rank == 0 else None),
+        static=static,
+        is_host=is_host,
+        join_timeout=rdzv.join_timeout,
+        node_rank=node_rank,
+        master_addr=str(ns.master_addr),
+        master_port=master_port,
         signals=parse_signals(ns.signals_to_handle),
         shutdown_timeout=shutdown_timeout,
         virtual_local_rank=bool(ns.virtual_local_rank),

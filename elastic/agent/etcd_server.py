@@ -56,6 +56,7 @@ class EtcdServer:
     data_dir: str | None = None
     client_port: int = 0
     peer_port: int = 0
+    listen: str = ""  # the address to listen on for clients, if not ``host`` (0.0.0.0)
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _own_dir: str | None = field(default=None, init=False, repr=False)
 
@@ -66,7 +67,11 @@ class EtcdServer:
         if not self.client_port:
             self.client_port = free_port(self.host)
         if not self.peer_port:
-            self.peer_port = free_port(self.host, avoid={self.client_port})
+            self.peer_port = free_port(self._peer_host, avoid={self.client_port})
+
+    @property
+    def _peer_host(self) -> str:
+        return "127.0.0.1" if self.listen else self.host  # one member: no peers to reach
 
     @property
     def scheme(self) -> str:
@@ -82,7 +87,7 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"http://{self._peer_host}:{self.peer_port}"
 
     @property
     def log_path(self) -> str:
@@ -94,7 +99,8 @@ class EtcdServer:
             etcd_binary(),
             "--name", self.name,
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.client_url,
+            "--listen-client-urls",
+            f"{self.scheme}://{self.listen}:{self.client_port}" if self.listen else self.client_url,
             "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import ipaddress
 import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 from elastic.agent import nodedir
 from elastic.agent.config import RunConfig
-from elastic.agent.etcd_server import EtcdServer
+from elastic.agent.etcd_plan import EtcdPlan, EtcdSource, plan_etcd, static_etcd_port
+from elastic.agent.etcd_server import EtcdServer, EtcdServerError
+from elastic.agent.filetimer import FileTimerServer
 from elastic.agent.forkserver import ForkServer
 from elastic.agent.logs import LogRouter
 from elastic.agent.loop import Agent
@@ -21,8 +26,9 @@ from elastic.agent.workers import ForkTarget, WorkerGroup
 from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV
 from rendezvous import version
 from rendezvous.client import EtcdClient
-from rendezvous.config import build_options
-from rendezvous.net import default_local_addr
+from rendezvous.config import build_options, parse_endpoints
+from rendezvous.errors import RendezvousError
+from rendezvous.net import answers, default_local_addr, is_local_address, resolve
 from rendezvous.protocol import NodeSpec, Rendezvous
 
 log = logging.getLogger("elastic.launch")
@@ -30,21 +36,98 @@ log = logging.getLogger("elastic.launch")
 DEFAULT_METRICS_PORT = 9400
 
 
+def _plan(cfg: RunConfig) -> EtcdPlan:
+    """Probe what etcd_plan needs to know (the I/O), then decide."""
+    master = (cfg.master_addr, static_etcd_port(cfg.master_port))
+    if not cfg.rdzv_endpoint:
+        return plan_etcd(None, static=cfg.static, node_rank=cfg.node_rank, master=master)
+    endpoints, _ = parse_endpoints(cfg.rdzv_endpoint)
+    host, _, port = endpoints[0].rpartition(":")
+    if len(endpoints) > 1:
+        return plan_etcd((host, int(port)), several=True)
+    return plan_etcd(
+        (host, int(port)),
+        is_host=cfg.is_host,
+        names_this_host=is_local_address(host),
+        answers=answers(host, int(port)),
+    )
+
+
+def _wait_for(plan: EtcdPlan, timeout: float) -> None:
+    """Wait until something answers at the plan's endpoint (another agent serving it)."""
+    log.info("waiting for the job's etcd at %s (%s)", plan.endpoint, plan.reason)
+    deadline = time.monotonic() + timeout
+    next_word = time.monotonic() + 10
+    while not answers(plan.host, plan.port, timeout=0.5):
+        now = time.monotonic()
+        if now > deadline:
+            raise EtcdServerError(
+                f"nothing answered at {plan.endpoint} within join_timeout ({timeout:.0f}s): "
+                "is the node that serves the job's etcd (node rank 0, or the agent on that "
+                "host) running?"
+            )
+        if now > next_word:
+            log.info(
+                "still waiting for the job's etcd at %s (join_timeout in %.0fs)",
+                plan.endpoint,
+                deadline - now,
+            )
+            next_word = now + 30
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
-def embedded_etcd(cfg: RunConfig) -> Iterator[str]:
-    """The endpoint to use: the given one, or that of an etcd started for this agent."""
-    if not cfg.embedded_etcd:
+def job_etcd(cfg: RunConfig) -> Iterator[str]:
+    """The endpoint of the job's etcd: the given one, one this agent serves, or one
+    another agent serves (see etcd_plan.py); the log says which."""
+    plan = _plan(cfg)
+    if plan.source is EtcdSource.CONNECT:
+        log.info("using the etcd at %s (%s)", cfg.rdzv_endpoint, plan.reason)
         yield cfg.rdzv_endpoint
         return
-    with EtcdServer(name="embedded") as server:
-        log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
-        if cfg.max_nodes > 1:
-            log.info(
-                "other nodes on this machine join with --rdzv-endpoint %s --rdzv-id %s",
-                server.endpoint,
-                cfg.rdzv_id,
-            )
+    if plan.source is EtcdSource.WAIT:
+        _wait_for(plan, cfg.join_timeout)
+        yield plan.endpoint
+        return
+    if plan.source is EtcdSource.EMBEDDED:
+        server = EtcdServer(name="embedded")
+    else:
+        addr = resolve(plan.host)
+        listen = addr if ipaddress.ip_address(addr).is_loopback else "0.0.0.0"
+        server = EtcdServer(name="embedded", host=plan.host, client_port=plan.port, listen=listen)
+    try:
+        server.start()
+    except EtcdServerError:
+        server.close()
+        if plan.source is not EtcdSource.SERVE or not answers(plan.host, plan.port):
+            raise
+        log.info("another agent serves the job's etcd at %s: using it", plan.endpoint)
+        yield plan.endpoint
+        return
+    with contextlib.closing(server):
+        if plan.source is EtcdSource.EMBEDDED:
+            log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
+            yield server.endpoint
+            return
+        log.info("serving the job's etcd at %s (%s)", server.endpoint, plan.reason)
         yield server.endpoint
+        _wait_for_others(cfg, server.endpoint)
+
+
+def _wait_for_others(cfg: RunConfig, endpoint: str, timeout: float = 10.0) -> None:
+    """The others leave the job through the etcd this agent serves: give them a moment
+    (as c10d's host agent keeps its store up), so none is left unable to say goodbye."""
+    etcd, rdzv = build_options(endpoint, cfg.rdzv_id, 1, 1, cfg.rdzv_conf)
+    nodes = rdzv.job_prefix + "nodes/"
+    client = EtcdClient(dataclasses.replace(etcd, connect_timeout=1.0, request_timeout=1.0))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and client.get_prefix(nodes)[1]:
+            time.sleep(0.1)
+    except RendezvousError:
+        pass
+    finally:
+        client.close()
 
 
 @contextlib.contextmanager
@@ -90,6 +173,9 @@ def launch(cfg: RunConfig) -> int:
             fork = ForkTarget(server, cfg.script, cfg.script_args, cfg.module)
         store = StoreHost()
         stack.callback(store.close)
+        watchdog = FileTimerServer.from_env(dict(os.environ))
+        if watchdog is not None:
+            stack.callback(watchdog.close)
         router = LogRouter(
             cfg.log_dir,
             cfg.rdzv_id,
@@ -112,6 +198,7 @@ def launch(cfg: RunConfig) -> int:
             virtual_local_rank=cfg.virtual_local_rank,
             extra_env=env,
             forkserver=fork,
+            watchdog=watchdog,
         )
         stack.callback(workers.stop, 0)
         agent: Agent | None = None
@@ -134,10 +221,11 @@ def launch(cfg: RunConfig) -> int:
             )
             port = serve_metrics(cfg, http)
             stack.callback(http.stop)
-        endpoint = stack.enter_context(embedded_etcd(cfg))
+        endpoint = stack.enter_context(job_etcd(cfg))
         etcd_opts, rdzv_opts = build_options(
             endpoint, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf
         )
+        rdzv_opts = dataclasses.replace(rdzv_opts, master_port=cfg.master_port)
         client = EtcdClient(etcd_opts)
         stack.callback(client.close)
         me = NodeSpec(
@@ -148,6 +236,7 @@ def launch(cfg: RunConfig) -> int:
             pid=os.getpid(),
             version=version(),
             metrics_port=port,
+            rank=cfg.node_rank if cfg.static else -1,
         )
         rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
         stack.callback(rdzv.shutdown, leave=True)

@@ -25,6 +25,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         cfg = build_config(parse_args(argv))
     except UsageError as e:
+        if e.usage:
+            print(e.usage, file=sys.stderr)
         return fail(str(e), 2)
     setup_logging(cfg.node_id)
     try:

@@ -11,7 +11,7 @@ import enum
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import IO
@@ -20,6 +20,7 @@ import psutil
 
 from elastic.agent.collectors import WorkerProc
 from elastic.agent.failures import WorkerFailure, collect
+from elastic.agent.filetimer import FILE_ENV, FileTimerServer
 from elastic.agent.forkserver import ForkServer
 from elastic.agent.logs import LogRouter, WorkerStreams
 from elastic.agent.placement import Placement, worker_env
@@ -77,6 +78,7 @@ class WorkerGroup:
         virtual_local_rank: bool = False,
         extra_env: dict[str, str] | None = None,
         forkserver: ForkTarget | None = None,
+        watchdog: FileTimerServer | None = None,
     ) -> None:
         """``forkserver``: (server, script or module, its arguments, is a module) to fork
         workers from instead of starting ``command``."""
@@ -90,6 +92,10 @@ class WorkerGroup:
         self.virtual_local_rank = virtual_local_rank
         self.extra_env = dict(extra_env or {})
         self.workers: list[Worker] = []
+        self.watchdog = watchdog
+        if watchdog is not None:
+            watchdog.workers = lambda: self.pids
+            self.extra_env[FILE_ENV] = watchdog.path
 
     def start(self, placements: list[Placement]) -> None:
         """Start one process per placement (call from the main thread: see module doc)."""
@@ -194,17 +200,22 @@ class WorkerGroup:
                 resized += 1
             else:
                 w.streams.settle()  # what it printed last, before judging it
-                failures.append(
-                    collect(
-                        w.placement.rank,
-                        w.local_rank,
-                        w.proc.pid,
-                        rc,
-                        w.streams.error_file,
-                        w.exited_at,
-                        w.streams.tail,
-                    )
+                failure = collect(
+                    w.placement.rank,
+                    w.local_rank,
+                    w.proc.pid,
+                    rc,
+                    w.streams.error_file,
+                    w.exited_at,
+                    w.streams.tail,
                 )
+                scope = self.watchdog.expired(w.proc.pid) if self.watchdog else None
+                if scope is not None:
+                    failure = replace(
+                        failure,
+                        message=f"its file timer {scope!r} expired (killed by the watchdog)",
+                    )
+                failures.append(failure)
         if failures:
             return GroupState.FAILED, failures
         if done + resized == len(self.workers):
