@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.run import get_args_parser
 
-from elastic.agent.args import build_parser, parse_args
+from elastic.agent.args import UsageError, build_parser, parse_args
 
 # Defaults that differ on purpose: the rendezvous backend (etcd v3, not static), the
 # empty-string spelling of "no filters", and nproc_per_node (checked below).
@@ -59,3 +59,45 @@ def test_both_spellings() -> None:
         ["--nproc-per-node", "3", "--rdzv-id", "x", "--redirects", "1", "--tee", "2", "t.py"]
     )
     assert vars(a) == vars(b)
+
+
+def test_abbreviations_as_torchrun_accepts_them() -> None:
+    ns = parse_args(["--redirect=3", "--max-restart", "2", "t.py"])  # torch's own tests do
+    assert (ns.redirects, ns.max_restarts) == ("3", 2)
+
+
+def test_a_typo_names_the_closest_flag_and_prints_the_usage() -> None:
+    with pytest.raises(UsageError) as e:
+        parse_args(["--nprocs-per-node", "2", "t.py"])
+    assert "did you mean --nproc-per-node?" in str(e.value)
+    assert e.value.usage.startswith("usage: elastic-run [options] training_script")
+
+
+def test_help_is_grouped_shows_defaults_and_hides_underscore_spellings() -> None:
+    text = build_parser().format_help()
+    for group in ("job size:", "rendezvous:", "workers:", "fault tolerance:", "checkpoints"):
+        assert group in text
+    assert "metrics:" in text and "logging" in text and "no effect" in text
+    assert "--nproc-per-node" in text and "--rdzv_endpoint" not in text
+    assert "(default: 1:1)" in text and "(default: 0)" in text  # --nnodes, --max-restarts
+    assert "arguments for the training script" in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("elastic-run ")
+
+
+@pytest.mark.parametrize("conf", ["join_timeout=30,store_type=tcp", "use_libuv=1,rank=0"])
+def test_rdzv_conf_keys_of_torchruns_backends_are_accepted(conf: str) -> None:
+    from rendezvous.config import build_options, parse_conf
+
+    build_options("127.0.0.1", "j", 1, 1, parse_conf(conf))
+
+
+def test_a_key_no_backend_knows_is_still_an_error() -> None:
+    from rendezvous.config import ConfigError, build_options, parse_conf
+
+    with pytest.raises(ConfigError, match="unknown key 'join_timout'"):
+        build_options("127.0.0.1", "j", 1, 1, parse_conf("join_timout=30"))

@@ -1,0 +1,49 @@
+"""Where the job's etcd is: every rule of etcd_plan.plan_etcd on plain values."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.agent.etcd_plan import EtcdSource, plan_etcd, static_etcd_port
+
+EP = ("etcd.example", 2379)
+
+
+@pytest.mark.parametrize(
+    "kwargs,source",
+    [
+        (dict(), EtcdSource.EMBEDDED),  # one node, no endpoint
+        (dict(static=True, node_rank=0), EtcdSource.SERVE),  # static form: node 0 serves
+        (dict(static=True, node_rank=1), EtcdSource.WAIT),  # the others wait for it
+    ],
+)
+def test_no_endpoint(kwargs: dict, source: EtcdSource) -> None:
+    plan = plan_etcd(None, master=("10.0.0.1", 29501), **kwargs)
+    assert plan.source is source
+    if source is not EtcdSource.EMBEDDED:
+        assert plan.endpoint == "10.0.0.1:29501" and "static form" in plan.reason
+
+
+@pytest.mark.parametrize(
+    "kwargs,source",
+    [
+        (dict(answers=True), EtcdSource.CONNECT),  # a real etcd (or a serving agent)
+        (dict(answers=True, names_this_host=True), EtcdSource.CONNECT),
+        (dict(answers=True, is_host=True), EtcdSource.CONNECT),  # something is there: use it
+        (dict(names_this_host=True), EtcdSource.SERVE),  # c10d: this host serves
+        (dict(is_host=True), EtcdSource.SERVE),
+        (dict(names_this_host=True, is_host=False), EtcdSource.WAIT),
+        (dict(), EtcdSource.WAIT),  # another host, not up yet
+        (dict(several=True), EtcdSource.CONNECT),  # a cluster: never served by an agent
+        (dict(several=True, names_this_host=True, is_host=True), EtcdSource.CONNECT),
+    ],
+)
+def test_with_endpoint(kwargs: dict, source: EtcdSource) -> None:
+    plan = plan_etcd(EP, **kwargs)
+    assert plan.source is source, plan.reason
+    assert plan.endpoint == "etcd.example:2379" and plan.reason
+
+
+def test_static_port_is_one_above_the_master_port() -> None:
+    assert static_etcd_port(None) == 29501  # torchrun's default master port, plus one
+    assert static_etcd_port(40000) == 40001

@@ -1,0 +1,270 @@
+"""The same command line under stock torchrun and under elastic-run, in the same test.
+
+Each test runs torchrun 2.13 and elastic-run with identical flags and compares what a
+user sees: exit codes, worker output and environment, log layout. A difference is a
+failing test; the differences the README's migration table documents are asserted as
+documented.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import ROOT
+
+pytestmark = pytest.mark.slow
+SCRIPT = str(ROOT / "tests" / "scripts" / "compat.py")
+ECHO = str(ROOT / "tests" / "scripts" / "echo.py")
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "elastic-run": [sys.executable, "-m", "elastic"],
+}
+
+
+def env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    return {**base, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run(
+    who: str, *args: str, stdin: str | None = None, cwd: Path = ROOT, **extra: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*LAUNCHERS[who], *args],
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(cwd),
+        env=env(**extra),
+    )
+
+
+def both(*args: str, **kw: object) -> dict[str, subprocess.CompletedProcess]:
+    return {who: run(who, *args, **kw) for who in LAUNCHERS}  # type: ignore[arg-type]
+
+
+def lines(text: str) -> list[str]:
+    return sorted(line for line in text.splitlines() if line.strip())
+
+
+def port_pair() -> int:
+    """A port P with P+1 free too (the static form's etcd)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return int(port)
+        except OSError:
+            continue
+    raise OSError("no free port pair")
+
+
+def static_job(who: str, port: int) -> list[subprocess.CompletedProcess]:
+    procs = [
+        subprocess.Popen(
+            [
+                *LAUNCHERS[who],
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--nproc-per-node",
+                "1",
+                SCRIPT,
+                "--allreduce",
+            ],  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=str(ROOT),
+            env=env(),
+        )
+        for rank in (1, 0)  # the second node starts first: ranks still follow --node-rank
+    ]
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def test_static_multi_node_form() -> None:
+    for who in LAUNCHERS:
+        port = port_pair()
+        node1, node0 = static_job(who, port)
+        assert node0.returncode == node1.returncode == 0, (who, node0.stderr, node1.stderr)
+        assert lines(node0.stdout) == [f"rank 0/2 group 0 port {port} sum 1"], who
+        assert lines(node1.stdout) == [f"rank 1/2 group 1 port {port} sum 1"], who
+
+
+def test_c10d_style_endpoint_that_is_not_an_etcd() -> None:
+    """pytorch/examples' run_example.sh line: the agent on that host serves it."""
+    port = port_pair()
+    flags = ("--nnodes=1", "--nproc_per_node=2", "--rdzv_id=101")
+    got = {
+        who: run(who, *flags, f"--rdzv_endpoint=localhost:{port + i}", SCRIPT, "--allreduce")
+        for i, who in enumerate(LAUNCHERS)
+    }
+    for who, done in got.items():
+        assert done.returncode == 0, (who, done.stderr)
+        assert [re.sub(r"port \d+", "port P", s) for s in lines(done.stdout)] == [
+            "rank 0/2 group 0 port P sum 1",
+            "rank 1/2 group 0 port P sum 1",
+        ], who
+    assert "serving the job's etcd at localhost" in got["elastic-run"].stderr
+
+
+def test_master_port_is_the_workers_and_tcp_init_works() -> None:
+    for who in LAUNCHERS:
+        port = port_pair()
+        done = run(who, "--nproc-per-node", "2", "--master-port", str(port), SCRIPT,
+                   "--allreduce", "--tcp")  # fmt: skip
+        assert done.returncode == 0, (who, done.stderr)
+        assert lines(done.stdout) == [
+            f"rank 0/2 group 0 port {port} sum 1",
+            f"rank 1/2 group 0 port {port} sum 1",
+        ], who
+
+
+def test_stdin_reaches_the_worker() -> None:
+    for who, done in both("--nproc-per-node", "1", SCRIPT, "--stdin", stdin="42\n").items():
+        assert done.returncode == 0, (who, done.stderr)
+        assert lines(done.stdout) == ["rank 0 read '42'"], who
+
+
+def test_abbreviated_flags() -> None:
+    for who, done in both("--redirect=3", "--nproc-per-node", "2", ECHO).items():
+        assert done.returncode == 0, (who, done.stderr)
+        assert "hello" not in done.stdout and "complaint" not in done.stderr, who
+
+
+def test_rdzv_conf_keys_of_other_backends() -> None:
+    got = both("--standalone", "--rdzv-conf", "join_timeout=30,store_type=tcp", ECHO)
+    for who, done in got.items():
+        assert done.returncode == 0, (who, done.stderr)
+        assert lines(done.stdout) == ["hello from 0"], who
+    assert "store_type: a key of torchrun's backends, no effect" in got["elastic-run"].stderr
+    bad = both("--standalone", "--rdzv-conf", "join_timout=30", ECHO)
+    assert bad["elastic-run"].returncode == 2 and "unknown key 'join_timout'" in (
+        bad["elastic-run"].stderr
+    )
+    # torchrun ignores a key nobody reads; elastic-run refuses it, so a typo in a timeout
+    # is not silently lost (a documented difference)
+    assert bad["torchrun"].returncode == 0
+
+
+def test_file_timer_watchdog_kills_the_expired_worker() -> None:
+    got = both("--nproc-per-node", "1", SCRIPT, "--timer", TORCHELASTIC_ENABLE_FILE_TIMER="1")
+    for who, done in got.items():
+        assert "not reached" not in done.stdout, who
+        assert done.returncode != 0, who
+    # torchrun's watchdog SIGKILLs its own agent too (no report); elastic-run reports
+    assert got["torchrun"].returncode == -signal.SIGKILL
+    ours = got["elastic-run"]
+    assert ours.returncode == 1 and "its file timer 'slow_step' expired" in ours.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--nproc-per-node", "2"),
+        ("--nproc-per-node", "2", "--tee", "3"),
+        ("--nproc-per-node", "2", "--tee", "1", "--redirects", "2"),
+        ("--nproc-per-node", "2", "--local-ranks-filter", "1"),
+        ("--nproc-per-node", "2", "--tee", "3", "--local-ranks-filter", "0"),
+    ],
+    ids=["plain", "tee", "tee-stdout-redirect-stderr", "filter", "tee-filter"],
+)
+def test_console_output_is_the_same(flags: tuple[str, ...], tmp_path: Path) -> None:
+    got = both("--log-dir", str(tmp_path / "logs"), *flags, ECHO)
+    theirs, ours = got["torchrun"], got["elastic-run"]
+    assert theirs.returncode == ours.returncode == 0, ours.stderr
+    assert lines(ours.stdout) == lines(theirs.stdout)
+    worker_err = [s for s in lines(theirs.stderr) if "complaint" in s]
+    assert [s for s in lines(ours.stderr) if "complaint" in s] == worker_err
+
+
+def test_prefix_template_with_tee() -> None:
+    template = "${role_name}-${rank}-${local_rank}| "
+    got = both("--nproc-per-node", "2", "--tee", "3", ECHO,
+               TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=template)  # fmt: skip
+    assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)
+    assert "default-1-1| hello from 1" in got["elastic-run"].stdout
+
+
+def test_log_dir_layout(tmp_path: Path) -> None:
+    for who in LAUNCHERS:
+        done = run(who, "--log-dir", str(tmp_path / who), "--rdzv-id", "j", "-r", "3", "-t", "0",
+                   "--nproc-per-node", "2", ECHO)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    layout = {}
+    for who in LAUNCHERS:
+        (run_dir,) = (tmp_path / who).iterdir()  # <log-dir>/<run id>_<suffix>/: one per run
+        layout[who] = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.log"))
+    assert layout["elastic-run"] == layout["torchrun"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("-m", "json.tool", "--help"), ("--no-python", "echo", "hi"), ("--run-path", ECHO)],
+    ids=["module", "no-python", "run-path"],
+)
+def test_how_the_script_runs(flags: tuple[str, ...]) -> None:
+    got = both("--nproc-per-node", "1", *flags)
+    assert got["torchrun"].returncode == got["elastic-run"].returncode == 0
+    assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)
+
+
+def test_record_and_restart_count(tmp_path: Path) -> None:
+    got = both("--nproc-per-node", "2", "--max-restarts", "1", ECHO, "--fail-first")
+    assert got["torchrun"].returncode == got["elastic-run"].returncode == 0
+    assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)  # both attempts
+    failed = both("--nproc-per-node", "1", SCRIPT, "--raise")
+    for who, done in failed.items():
+        assert done.returncode == 1, who
+        assert "ValueError: broken on rank 0" in done.stderr, who
+        assert "error_file: <N/A>" not in done.stderr, who  # @record wrote one
+
+
+def test_sigterm_exit_code_is_documented() -> None:
+    codes = {}
+    for who in LAUNCHERS:
+        p = subprocess.Popen(
+            [*LAUNCHERS[who], "--nproc-per-node", "1", SCRIPT, "--sleep"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=str(ROOT),
+            env=env(),
+        )
+        try:
+            assert p.stdout is not None
+            assert "sleeping" in p.stdout.readline()
+            p.send_signal(signal.SIGTERM)
+            codes[who] = p.wait(60)
+        finally:
+            p.kill()
+            p.wait()
+    # torchrun exits 1; elastic-run 128+SIGTERM, as shells and Kubernetes expect (README)
+    assert codes == {"torchrun": 1, "elastic-run": 128 + signal.SIGTERM}
