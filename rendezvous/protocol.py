@@ -66,6 +66,7 @@ class Rendezvous:
     def __init__(
         self, client: EtcdClient, options: RendezvousOptions, me: NodeSpec, max_restarts: int = 0
     ) -> None:
+        self.alive_at = time.monotonic()  # last turn of next_round: liveness
         self.client = client
         self.options = options
         self.me = me
@@ -278,6 +279,7 @@ class Rendezvous:
         deadline = time.monotonic() + timeout
         note = _Progress(deadline)
         while True:
+            self.alive_at = time.monotonic()
             if cancel is not None and cancel.is_set():
                 raise RendezvousCancelled("cancelled while waiting for the next round")
             version, major = self.mirror.version, self.mirror.major_version

@@ -48,6 +48,7 @@ class FakeJob:
     run_id = "job"
     version = 0
     lease_ttl = 1
+    alive_at = 0.0
 
     def start(self) -> None:
         self.calls.append("start")

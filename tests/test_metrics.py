@@ -10,9 +10,10 @@ import re
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,15 +89,28 @@ def test_worker_collector_reads_real_processes() -> None:
 
 def test_endpoint_healthz_and_port_errors() -> None:
     m = AgentMetrics("j", "n", 2, "1.0", workers=list, gpus=FakeNvml(available=False))
-    server = MetricsServer(m.registry, lambda: {"state": "running"})
+    health = {"state": "running", "alive": True}
+    server = MetricsServer(m.registry, lambda: health)
     port = server.start("127.0.0.1", 0)
+
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}") as r:
+                assert json.loads(r.read()) == health
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz") as r:
-            assert json.loads(r.read()) == {"state": "running"}
+        assert status("/healthz") == status("/readyz") == 200
+        health["state"] = "joining"  # alive, not ready: not training
+        assert (status("/healthz"), status("/readyz")) == (200, 503)
+        health["alive"] = False  # wedged: the liveness probe fails
+        assert status("/healthz") == 503
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
             body = r.read().decode()
         assert 'elastic_run_restart_budget_remaining{job="j",node="n"} 2.0' in body
-        assert "elastic_run_build_info{python=" in body
+        assert 'elastic_run_build_info{job="j",node="n",python=' in body
         other = MetricsServer(m.registry, dict)
         with pytest.raises(MetricsError, match=f"--metrics-port {port}: cannot listen"):
             other.start("127.0.0.1", port)
@@ -184,9 +198,10 @@ def test_promtool_accepts_a_real_scrape(agent: dict) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.slow
-def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
-    prometheus = need_binary("prometheus")
+@contextlib.contextmanager
+def prometheus(targets: list[int], tmp_path: Path) -> Iterator[Callable[[str], list[dict]]]:
+    """A real Prometheus scraping agents on these ports every second; yields query()."""
+    binary = need_binary("prometheus")
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -197,7 +212,7 @@ def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
                     {
                         "job_name": "elastic-run",
                         "honor_labels": True,
-                        "static_configs": [{"targets": [f"127.0.0.1:{agent['port']}"]}],
+                        "static_configs": [{"targets": [f"127.0.0.1:{t}" for t in targets]}],
                     }
                 ],
             }
@@ -205,23 +220,31 @@ def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
     )
     server = Proc(
         [
-            prometheus,
+            binary,
             f"--config.file={config}",
             f"--storage.tsdb.path={tmp_path}/db",
             f"--web.listen-address=127.0.0.1:{port}",
         ],
         name="prometheus",
     )
+
+    def query(q: str) -> list[dict]:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return list(json.loads(r.read())["data"]["result"])
+        except OSError:
+            return []
+
     try:
+        yield query
+    finally:
+        server.kill_tree()
 
-        def query(q: str) -> list[dict]:
-            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    return json.loads(r.read())["data"]["result"]
-            except OSError:
-                return []
 
+@pytest.mark.slow
+def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
+    with prometheus([agent["port"]], tmp_path) as query:
         got = wait_until(
             lambda: query('elastic_run_world_size{job="metrics-job"}'),
             30,
@@ -233,8 +256,51 @@ def test_prometheus_scrapes_the_agent(agent: dict, tmp_path: Path) -> None:
         steps = wait_until(lambda: query("elastic_run_training_step > 0"), 10, "step series")
         assert {s["metric"]["rank"] for s in steps} == {"0", "1"}
         assert wait_until(lambda: query("elastic_run_training_loss"), 10, "loss series")
-    finally:
-        server.kill_tree()
+        # with honor_labels, build_info lands under the job like every other series
+        info = query('elastic_run_build_info{job="metrics-job",node="metrics-node"}')
+        assert info and info[0]["metric"]["version"]
+
+
+@pytest.mark.slow
+def test_prometheus_sees_the_job_fail(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The agent exits right after the job fails; it waits for one more scrape first, so
+    the failed state reaches Prometheus and the alert rule sees it."""
+    port = free_port()
+    with prometheus([port], tmp_path) as query:
+        p = Proc(
+            [
+                sys.executable,
+                "-m",
+                "elastic",
+                "--rdzv-endpoint",
+                etcd.endpoint,
+                "--rdzv-id",
+                run_id,
+                "--node-id",
+                "doomed",
+                "--metrics-addr",
+                "127.0.0.1",
+                "--metrics-port",
+                str(port),
+                str(ROOT / "tests" / "scripts" / "train_loop.py"),
+                "--steps",
+                "1000",
+                "--crash-rank",
+                "0",
+                "--crash-step",
+                "80",
+            ],
+            env={"RESULT_DIR": str(tmp_path)},
+            name="doomed",
+        )
+        procs.append(p)
+        assert p.wait(120) == 1, p.transcript()
+        assert any("letting Prometheus see that the job failed" in line for line in p.err)
+        rule = 'max by (job) (max_over_time(elastic_run_agent_state{state="failed"}[15m])) == 1'
+        got = wait_until(lambda: query(rule), 10, "the failed state in Prometheus")
+        assert got[0]["metric"]["job"] == run_id
 
 
 # -- the dashboard and the alerts -----------------------------------------------------------

@@ -72,23 +72,10 @@ def port_pair() -> int:
 
 
 def static_job(who: str, port: int) -> list[subprocess.CompletedProcess]:
+    flags = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     procs = [
         subprocess.Popen(
-            [
-                *LAUNCHERS[who],
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                "--nproc-per-node",
-                "1",
-                SCRIPT,
-                "--allreduce",
-            ],  # fmt: skip
+            [*LAUNCHERS[who], *flags, "--node-rank", str(rank), SCRIPT, "--allreduce"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 from elastic.agent import nodedir
 from elastic.agent.config import RunConfig
+from elastic.agent.core import AgentState
 from elastic.agent.etcd_plan import EtcdPlan, EtcdSource, plan_etcd, static_etcd_port
 from elastic.agent.etcd_server import EtcdServer, EtcdServerError
 from elastic.agent.filetimer import FileTimerServer
@@ -203,6 +204,7 @@ def launch(cfg: RunConfig) -> int:
         stack.callback(workers.stop, 0)
         agent: Agent | None = None
         metrics = None
+        http = None
         port = 0
         if cfg.metrics_port != -1:
             metrics = AgentMetrics(
@@ -261,5 +263,9 @@ def launch(cfg: RunConfig) -> int:
         )
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
         with handled_signals(cfg.signals, agent.on_signal):
-            return agent.run()
+            code = agent.run()
+        if agent.state is AgentState.FAILED and http is not None:
+            log.info("letting Prometheus see that the job failed (one more scrape)")
+            http.wait_scraped()
+        return code
     raise AssertionError("unreachable")  # mypy: ExitStack may swallow exceptions

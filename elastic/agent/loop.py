@@ -45,6 +45,8 @@ class Membership(Protocol):
     def version(self) -> int: ...
     @property
     def lease_ttl(self) -> int: ...
+    @property
+    def alive_at(self) -> float: ...  # monotonic time next_round last turned
     def start(self) -> None: ...
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def check(self) -> Change | None: ...
@@ -109,6 +111,9 @@ class Agent:
         self._consequences: tuple[WorkerFailure, ...] = ()
         self._change: Change | None = None
         self._closed: ClosedRecord | None = None
+        self._beat = time.monotonic()  # the loop's last turn: liveness
+        # stopping workers may block the loop up to shutdown_timeout, legitimately
+        self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
 
     @property
     def state(self) -> AgentState:
@@ -134,7 +139,14 @@ class Agent:
             "round": r.number if r else 0,
             "world_size": r.world_size if r else 0,
             "workers": len(self.workers.pids),
+            "alive": self.alive(),
         }
+
+    def alive(self) -> bool:
+        """False once neither the loop nor the rendezvous has turned for ``stall_after``
+        seconds: the agent is wedged (a Kubernetes liveness probe restarts it)."""
+        last = max(self._beat, self.rdzv.alive_at)
+        return time.monotonic() - last < self.stall_after
 
     def on_signal(self, signum: int) -> None:
         """From the signal handler: remember the first signal and wake the main loop."""
@@ -184,6 +196,7 @@ class Agent:
     def _watch(self) -> Event:
         """Wait for the first thing that ends this node's part in the round."""
         while True:
+            self._beat = time.monotonic()
             version = self.rdzv.version
             if self.signal is not None:
                 return LocalEvent.SIGNALLED

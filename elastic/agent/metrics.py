@@ -128,8 +128,10 @@ class AgentMetrics:
         self.set_state(AgentState.JOINING)
         self.budget.set(max_restarts)
         self.group_rank.set(-1)
-        info = Info("elastic_run_build", "Versions of elastic-run and its environment", registry=r)
-        info.info(
+        info = Info(
+            "elastic_run_build", "Versions of elastic-run and its environment", base, registry=r
+        )
+        info.labels(job, node).info(
             {"version": version, "python": platform.python_version(), "torch": _torch_version()}
         )
         r.register(WorkerCollector(workers, job, node))
@@ -215,19 +217,46 @@ class MetricsServer:
     """``/metrics`` and ``/healthz`` over HTTP, in a thread."""
 
     def __init__(self, registry: CollectorRegistry, health: Callable[[], dict]) -> None:
+        """``health()`` says ``alive`` (the agent loop is not wedged) and ``state``."""
         self._metrics = make_wsgi_app(registry)
         self._health = health
         self._httpd: WSGIServer | None = None
+        self._scraped = threading.Condition()
+        self.scrapes: list[float] = []  # monotonic times of the last /metrics requests
         self.port = 0
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        if environ.get("PATH_INFO") == "/healthz":
-            body = json.dumps(self._health()).encode()
+        path = environ.get("PATH_INFO")
+        if path in ("/healthz", "/readyz"):
+            health = self._health()
+            # /healthz: liveness (is the agent loop turning?); /readyz: training now
+            ok = health.get("alive", True) if path == "/healthz" else health["state"] == "running"
+            body = json.dumps(health).encode()
             start_response(
-                "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
             )
             return [body]
-        return self._metrics(environ, start_response)
+        try:
+            return self._metrics(environ, start_response)
+        finally:
+            with self._scraped:
+                self.scrapes = [*self.scrapes[-2:], time.monotonic()]
+                self._scraped.notify_all()
+
+    def wait_scraped(self, cap: float = 60.0) -> bool:
+        """If something scrapes /metrics, wait for its next scrape (about one interval, at
+        most ``cap`` seconds), so that what the agent says last (the job failed) is seen
+        before it exits. Returns at once when nothing has scraped this agent twice."""
+        with self._scraped:
+            if len(self.scrapes) < 2:
+                return False
+            interval = self.scrapes[-1] - self.scrapes[-2]
+            seen = len(self.scrapes), self.scrapes[-1]
+            return self._scraped.wait_for(
+                lambda: (len(self.scrapes), self.scrapes[-1]) != seen,
+                timeout=min(interval * 1.5 + 1.0, cap),
+            )
 
     def start(self, addr: str, port: int) -> int:
         try:
