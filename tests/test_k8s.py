@@ -48,6 +48,7 @@ def test_overlay_builds_with_everything(overlay: str) -> None:
     kinds = sorted(d["kind"] for d in build(overlay))
     for kind in (
         "StatefulSet",
+        "Job",
         "Service",
         "PodDisruptionBudget",
         "NetworkPolicy",
@@ -128,7 +129,7 @@ def test_monitoring_is_the_same_as_deploy_prometheus_and_grafana() -> None:
 def test_env_references_only_earlier_variables(overlay: str) -> None:
     """Kubernetes expands $(VAR) only for variables defined earlier in the same list."""
     for doc in build(overlay):
-        if doc["kind"] != "StatefulSet":
+        if doc["kind"] not in ("StatefulSet", "Job"):
             continue
         for c in doc["spec"]["template"]["spec"]["containers"]:
             seen: set[str] = set()
@@ -154,16 +155,38 @@ def test_production_etcd_is_three_members_with_tls_spread_over_nodes() -> None:
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert probes["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert pod["containers"][0]["image"].startswith("gcr.io/etcd-development/etcd:v3.6")
-    trainer = find(docs, "StatefulSet", "trainer")["spec"]["template"]["spec"]
+    trainer = find(docs, "Job", "trainer")["spec"]["template"]["spec"]
     gpu = trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert gpu == "8"
     assert find(docs, "PodDisruptionBudget", "trainer")["spec"]["minAvailable"] == 2
+    pvc = find(docs, "PersistentVolumeClaim", "checkpoints")["spec"]
+    assert pvc["accessModes"] == ["ReadWriteMany"] and pvc["storageClassName"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_trainer_completes_and_its_probes_follow_the_agent(overlay: str) -> None:
+    """An Indexed Job whose pods complete (a finished job is not restarted forever),
+    resized through parallelism = completions; ready while training, live while turning."""
+    job = find(build(overlay), "Job", "trainer")["spec"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules[0]["action"] == "Ignore"  # evictions and preemptions are not failures
+    c = pod["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_the_dashboard_configmap_carries_the_sidecar_label() -> None:
+    cm = find(build("dev"), "ConfigMap", "grafana-dashboard-elastic-run")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
 def trainer_command(overlay: str) -> tuple[list[str], dict[str, str]]:
     """The trainer container's arguments and the PET_* environment the manifest gives it."""
     docs = build(overlay)
-    trainer = find(docs, "StatefulSet", "trainer")["spec"]["template"]["spec"]
+    trainer = find(docs, "Job", "trainer")["spec"]["template"]["spec"]
     container = trainer["containers"][0]
     config = container["envFrom"][0]["configMapRef"]["name"]
     env = dict(find(docs, "ConfigMap", config)["data"])
