@@ -13,6 +13,7 @@ from harness import ROOT, Proc
 
 from elastic.agent.devices import DeviceError, choose_devices, count_devices, nvml_device_count
 from elastic.agent.etcd_server import EtcdServer
+from elastic.tools import tune_workers
 from elastic.tools.tune_workers import Trial, candidates, recommend
 
 EXAMPLES = ROOT / "examples"
@@ -109,6 +110,15 @@ def test_tuner_candidates_and_recommendation() -> None:
     assert recommend(trials).num_workers == 2  # within 5% of the fastest, fewer workers
 
 
+def test_tuner_shares_the_cores_among_the_training_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tune_workers, "cpu_count", lambda: 16)
+    assert tune_workers.core_share(1) == 16
+    assert tune_workers.core_share(4) == 4  # four processes per node, four cores each
+    assert tune_workers.core_share(32) == 1
+
+
 @pytest.mark.slow
 def test_tune_workers_times_the_users_dataset() -> None:
     done = elastic_run(
@@ -129,6 +139,7 @@ def test_tune_workers_times_the_users_dataset() -> None:
     ]
     assert [r[0] for r in rows] == ["0", "1", "2"]
     assert "recommended: num_workers=" in done.stdout
+    assert "1 training process(es) per node assumed" in done.stdout
     bad = elastic_run("tune-workers", "examples/dataloader_workers.py:nothing")
     assert bad.returncode == 2 and "nothing is not a function" in bad.stderr
     bad = elastic_run("tune-workers", "no-colon")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -77,15 +78,23 @@ def tune(
     batches: int = 50,
     workers: Sequence[int] | None = None,
     report: Callable[[Trial], None] = lambda t: None,
+    nproc_per_node: int = 1,
     **loader_kw: Any,
 ) -> list[Trial]:
-    """Time each worker count on ``dataset``; ``report`` sees each result as it comes."""
+    """Time each worker count on ``dataset``; ``report`` sees each result as it comes.
+    By default counts go up to this process's share of the cores: the training runs
+    ``nproc_per_node`` processes per node, each with its own loader workers."""
     trials = []
-    for n in workers if workers is not None else candidates(cpu_count()):
+    for n in workers if workers is not None else candidates(core_share(nproc_per_node)):
         t = measure(dataset, batch_size, batches, n, **loader_kw)
         report(t)
         trials.append(t)
     return trials
+
+
+def core_share(nproc_per_node: int) -> int:
+    """The cores one of ``nproc_per_node`` training processes may give its loader."""
+    return max(cpu_count() // max(nproc_per_node, 1), 1)
 
 
 def recommend(trials: list[Trial], tolerance: float = 0.05) -> Trial:
@@ -134,10 +143,17 @@ def main(argv: Sequence[str]) -> int:
         help="worker counts to try, like 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)",
     )
     p.add_argument("--pin-memory", action="store_true")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=int(os.environ.get("PET_NPROC_PER_NODE", "1") or 1),
+        help="training processes per node, each with its own loader workers: counts go up "
+        "to its share of the cores (default: 1, or $PET_NPROC_PER_NODE)",
+    )
     try:
         a = p.parse_args(list(argv))
-        if a.batch_size < 1 or a.batches < 1:
-            raise UsageError("--batch-size and --batches must be at least 1")
+        if a.batch_size < 1 or a.batches < 1 or a.nproc_per_node < 1:
+            raise UsageError("--batch-size, --batches and --nproc-per-node must be at least 1")
         workers = [int(w) for w in a.workers.split(",")] if a.workers else None
         if workers is not None and any(w < 0 for w in workers):
             raise UsageError("--workers: counts must be >= 0")
@@ -145,9 +161,11 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:  # UsageError, or int() of a bad --workers value
         print(f"elastic-run tune-workers: error: {e}", file=sys.stderr)
         return 2
+    share = core_share(a.nproc_per_node)
     print(
         f"{len(dataset)} samples, batch size {a.batch_size}, {a.batches} batches per "
-        f"setting, {cpu_count()} core(s) available"
+        f"setting; {cpu_count()} core(s) here, {a.nproc_per_node} training process(es) per "
+        f"node assumed: up to {share} loader worker(s) each"
     )
     print(f"{'num_workers':>11}  {'startup':>9}  {'batches/s':>10}  {'samples/s':>10}")
 
@@ -158,7 +176,15 @@ def main(argv: Sequence[str]) -> int:
             flush=True,
         )
 
-    trials = tune(dataset, a.batch_size, a.batches, workers, report=show, pin_memory=a.pin_memory)
+    trials = tune(
+        dataset,
+        a.batch_size,
+        a.batches,
+        workers,
+        report=show,
+        nproc_per_node=a.nproc_per_node,
+        pin_memory=a.pin_memory,
+    )
     best = recommend(trials)
     print(
         f"recommended: num_workers={best.num_workers} "
