@@ -136,6 +136,9 @@ class FakeWorkers:
         self.released.append(show)
         return {} if show else {1: Path("/logs/1/stderr.log")}
 
+    def last_step(self) -> int:
+        return 41
+
 
 RUNNING: tuple[GroupState, list[WorkerFailure]] = (GroupState.RUNNING, [])
 SUCCEEDED: tuple[GroupState, list[WorkerFailure]] = (GroupState.SUCCEEDED, [])

@@ -73,6 +73,7 @@ class Workers(Protocol):
     def finish(self, timeout: float, grace: float) -> bool: ...
     def stop(self, grace: float) -> None: ...
     def release_held(self, show: bool) -> dict[int, Path]: ...
+    def last_step(self) -> int: ...  # the newest step the workers reported, -1 for none
 
 
 class Agent:
@@ -88,6 +89,7 @@ class Agent:
         hang_timeout: float = 0.0,
         metrics: AgentMetrics | None = None,
         store: storehost.StoreHost | None = None,
+        checkpoint_dir: str | None = None,
     ) -> None:
         self.rdzv = rdzv
         self.workers = workers
@@ -112,6 +114,10 @@ class Agent:
         self._change: Change | None = None
         self._closed: ClosedRecord | None = None
         self._beat = time.monotonic()  # the loop's last turn: liveness
+        self._began = time.monotonic()
+        self._lost_total = 0.0  # seconds without workers after the first round: failures, resizes
+        self._step = -1
+        self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
         self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
 
@@ -302,6 +308,8 @@ class Agent:
             return None
         self.workers.start(placements)
         took = time.monotonic() - self._change_at
+        if self._previous is not None:
+            self._lost_total += took
         if self.metrics is not None:
             if self._lost_cause is not None:
                 self.metrics.lost(self._lost_cause, took)
@@ -407,9 +415,24 @@ class Agent:
         log.info("all workers succeeded%s", "; job closed" if closed else "")
 
     # -- endings ----------------------------------------------------------------------------
+    def summary(self) -> str:
+        """One line for the end of the job: how long, how far, what it cost, where it is."""
+        self._step = max(self._step, self.workers.last_step())
+        restarts = self.round.restarts if self.round else 0
+        parts = [
+            f"{_duration(time.monotonic() - self._began)} on this node",
+            f"step {self._step}" if self._step > 0 else "no steps reported",
+            f"{restarts} restart(s)",
+            f"{self._lost_total:.1f}s without workers between rounds",
+        ]
+        if self.checkpoint_dir:
+            parts.append(f"checkpoints in {self.checkpoint_dir}")
+        return "summary: " + ", ".join(parts)
+
     def _end(self, event: Event, how: Exit) -> int:
         """Leave the job; the exit code for ``how``."""
         self.rdzv.shutdown(leave=True)
+        log.info("%s", self.summary())
         if how is Exit.FAILED and event is not LocalEvent.JOIN_TIMED_OUT:
             return self._report_failed()
         if event is RoundEnd.JOB_SUCCEEDED and self._closed is not None:
@@ -457,3 +480,9 @@ def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float, w
         parts.append(f"restart {r.restarts} after a worker failure")
     parts.append(f"{took:.2f}s after {why}")
     return "; ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"

@@ -244,6 +244,12 @@ class MetricsServer:
                 self.scrapes = [*self.scrapes[-2:], time.monotonic()]
                 self._scraped.notify_all()
 
+    @property
+    def watched(self) -> bool:
+        """Something scrapes /metrics regularly (at least twice so far)."""
+        with self._scraped:
+            return len(self.scrapes) >= 2
+
     def wait_scraped(self, cap: float = 60.0) -> bool:
         """If something scrapes /metrics, wait for its next scrape (about one interval, at
         most ``cap`` seconds), so that what the agent says last (the job failed) is seen

@@ -92,6 +92,8 @@ class WorkerGroup:
         self.virtual_local_rank = virtual_local_rank
         self.extra_env = dict(extra_env or {})
         self.workers: list[Worker] = []
+        self._newest_step = -1  # of workers already stopped
+        self._closed = False  # their control blocks are closed
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.workers = lambda: self.pids
@@ -102,6 +104,7 @@ class WorkerGroup:
         assert not self.running, "stop the previous workers first"
         self.router.new_attempt()
         self.workers = []
+        self._closed = False
         try:
             for p in placements:
                 streams = self.router.streams(p.rank, p.local_rank)
@@ -175,6 +178,12 @@ class WorkerGroup:
     @property
     def running(self) -> bool:
         return any(w.proc.poll() is None for w in self.workers)
+
+    def last_step(self) -> int:
+        """The newest step any worker of this group reported (-1: none)."""
+        if self._closed:
+            return self._newest_step
+        return max([self._newest_step, *(w.control.step for w in self.workers)])
 
     @property
     def pids(self) -> list[int]:
@@ -300,6 +309,8 @@ class WorkerGroup:
     def stop(self, grace: float, sig: int = SIGTERM) -> None:
         """``sig`` to every worker's process group, SIGKILL after ``grace``; logs drained."""
         stop_group([w.proc for w in self.workers], grace, sig)
+        self._newest_step = self.last_step()
+        self._closed = True
         for w in self.workers:
             w.streams.close()
             w.control.close()

@@ -1,0 +1,153 @@
+"""The job's etcd, as etcd_plan decided: probe, then serve, wait for, or connect to it.
+
+The I/O edge of ``etcd_plan``: it probes the endpoint, starts the embedded etcd when this
+agent is the one to serve it, waits for another agent's, and says in the log which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import time
+from collections.abc import Iterator
+
+from elastic.agent.config import RunConfig
+from elastic.agent.etcd_plan import EtcdPlan, EtcdSource, plan_etcd, static_etcd_port
+from elastic.agent.etcd_server import EtcdServer, EtcdServerError
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options, parse_endpoints
+from rendezvous.errors import RendezvousError
+from rendezvous.net import answers, is_local_address, resolve
+
+log = logging.getLogger("elastic.launch")
+
+SERVED_KEY = ".served-by-an-agent"  # under the prefix: this etcd belongs to one job
+
+
+def _plan(cfg: RunConfig) -> EtcdPlan:
+    """Probe what etcd_plan needs to know (the I/O), then decide."""
+    master = (cfg.master_addr, static_etcd_port(cfg.master_port))
+    if not cfg.rdzv_endpoint:
+        return plan_etcd(None, static=cfg.static, node_rank=cfg.node_rank, master=master)
+    endpoints, _ = parse_endpoints(cfg.rdzv_endpoint)
+    host, _, port = endpoints[0].rpartition(":")
+    if len(endpoints) > 1:
+        return plan_etcd((host, int(port)), several=True)
+    return plan_etcd(
+        (host, int(port)),
+        is_host=cfg.is_host,
+        names_this_host=is_local_address(host),
+        answers=answers(host, int(port)),
+    )
+
+
+def _wait_for(plan: EtcdPlan, timeout: float) -> None:
+    """Wait until something answers at the plan's endpoint (another agent serving it)."""
+    log.info("waiting for the job's etcd at %s (%s)", plan.endpoint, plan.reason)
+    deadline = time.monotonic() + timeout
+    next_word = time.monotonic() + 10
+    while not answers(plan.host, plan.port, timeout=0.5):
+        now = time.monotonic()
+        if now > deadline:
+            raise EtcdServerError(
+                f"nothing answered at {plan.endpoint} within join_timeout ({timeout:.0f}s): "
+                "is the node that serves the job's etcd (node rank 0, or the agent on that "
+                "host) running?"
+            )
+        if now > next_word:
+            log.info(
+                "still waiting for the job's etcd at %s (join_timeout in %.0fs)",
+                plan.endpoint,
+                deadline - now,
+            )
+            next_word = now + 30
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def job_etcd(cfg: RunConfig) -> Iterator[tuple[str, bool]]:
+    """(endpoint, private) of the job's etcd: the given one, one this agent serves, or one
+    another agent serves (see etcd_plan.py); the log says which. ``private``: the etcd is
+    this job's alone, so the default job id "none" is safe (asked only for that id)."""
+    plan = _plan(cfg)
+    if plan.source is EtcdSource.CONNECT:
+        etcd, _ = build_options(cfg.rdzv_endpoint, cfg.rdzv_id, 1, 1, cfg.rdzv_conf)
+        log.info(
+            "connecting to the etcd at %s (%s; giving up after %.0fs)",
+            etcd.describe(),
+            plan.reason,
+            etcd.connect_timeout,
+        )
+        yield cfg.rdzv_endpoint, cfg.rdzv_id == "none" and _served(cfg, cfg.rdzv_endpoint)
+        return
+    if plan.source is EtcdSource.WAIT:
+        _wait_for(plan, cfg.join_timeout)
+        yield plan.endpoint, True
+        return
+    if plan.source is EtcdSource.EMBEDDED:
+        server = EtcdServer(name="embedded")
+    else:
+        addr = resolve(plan.host)
+        listen = addr if ipaddress.ip_address(addr).is_loopback else "0.0.0.0"
+        server = EtcdServer(name="embedded", host=plan.host, client_port=plan.port, listen=listen)
+    try:
+        server.start()
+    except EtcdServerError:
+        server.close()
+        if plan.source is not EtcdSource.SERVE or not answers(plan.host, plan.port):
+            raise
+        log.info("another agent serves the job's etcd at %s: using it", plan.endpoint)
+        yield plan.endpoint, True
+        return
+    with contextlib.closing(server):
+        if plan.source is EtcdSource.EMBEDDED:
+            log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
+            yield server.endpoint, True
+            return
+        log.info("serving the job's etcd at %s (%s)", server.endpoint, plan.reason)
+        _mark_served(cfg, server.endpoint)
+        yield server.endpoint, True
+        _wait_for_others(cfg, server.endpoint)
+
+
+def _wait_for_others(cfg: RunConfig, endpoint: str, timeout: float = 10.0) -> None:
+    """The others leave the job through the etcd this agent serves: give them a moment
+    (as c10d's host agent keeps its store up), so none is left unable to say goodbye."""
+    etcd, rdzv = build_options(endpoint, cfg.rdzv_id, 1, 1, cfg.rdzv_conf)
+    nodes = rdzv.job_prefix + "nodes/"
+    client = EtcdClient(dataclasses.replace(etcd, connect_timeout=1.0, request_timeout=1.0))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and client.get_prefix(nodes)[1]:
+            time.sleep(0.1)
+    except RendezvousError:
+        pass
+    finally:
+        client.close()
+
+
+def _one_shot(cfg: RunConfig, endpoint: str) -> tuple[EtcdClient, str]:
+    etcd, rdzv = build_options(endpoint, cfg.rdzv_id, 1, 1, cfg.rdzv_conf)
+    return EtcdClient(etcd), rdzv.prefix + "/" + SERVED_KEY
+
+
+def _mark_served(cfg: RunConfig, endpoint: str) -> None:
+    client, key = _one_shot(cfg, endpoint)
+    try:
+        client.put(key, b"1")
+    finally:
+        client.close()
+
+
+def _served(cfg: RunConfig, endpoint: str) -> bool:
+    """Whether the etcd there is one an agent serves for its job (then it is the job's
+    alone); an unreachable one counts as shared, and the rendezvous reports it."""
+    client, key = _one_shot(cfg, endpoint)
+    try:
+        return client.get(key) is not None
+    except RendezvousError:
+        return False
+    finally:
+        client.close()
