@@ -57,6 +57,14 @@ def test_sigkill_of_an_agent(
     assert {s["restarts"] for s in late} == {0}, "a lost node must not charge a restart"
     survivor = next(n for n in nodes if n is not dead)
     survivor.wait_output(f"lost {dead.name}", timeout=5)
+    # the membership change is reported first and as the cause; its consequences for the
+    # survivor's workers follow in one line each, never as the survivor's failure
+    log = list(survivor.err)
+    lost_at = next(i for i, line in enumerate(log) if f"lost {dead.name}" in line)
+    assert not any("Traceback" in line for line in log[:lost_at]), log[:lost_at]
+    assert not any("workers failed" in line for line in log), log
+    told = [i for i, line in enumerate(log) if "its collective failed when" in line]
+    assert all(i > lost_at for i in told), log
 
 
 def test_sigstop_of_a_whole_node_fences_and_rejoins(

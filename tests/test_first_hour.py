@@ -1,0 +1,116 @@
+"""What a new user meets first: Ctrl-C, waiting, connecting, ids, the last lines of a job."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import ROOT, wait_until
+
+from elastic.agent.etcd_server import EtcdServer
+
+pytestmark = pytest.mark.slow
+TRAIN = str(ROOT / "examples" / "train_ddp.py")
+
+
+def agent(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """An agent in a session of its own, as a shell starts a foreground job."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastic", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=str(ROOT),
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+
+
+def leftovers() -> set[str]:
+    tmp = tempfile.gettempdir()
+    return set(glob.glob(f"{tmp}/elastic-run-etcd-*")) | set(glob.glob("/dev/shm/elastic-run*"))
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_ctrl_c_exits_promptly_with_nothing_left(start_method: str) -> None:
+    """The terminal's SIGINT reaches the whole foreground process group: the agent must
+    still leave through its embedded etcd and stop every helper, within a bound."""
+    before = leftovers()
+    p = agent("--start-method", start_method, "--nproc-per-node", "2", TRAIN, "--epochs", "100",
+              "--step-time", "0.02")  # fmt: skip
+    try:
+        assert p.stdout is not None
+        wait_until(lambda: "epoch" in p.stdout.readline(), 90, "training")
+        family = [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]
+        assert len(family) >= 4  # workers, the embedded etcd, the store helper (, zygote)
+        sent = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + signal.SIGINT
+    assert took < 5, f"Ctrl-C took {took:.1f}s"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert " W " not in err.split("received SIGINT")[-1], err  # no warnings on the way out
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in family), 5, "no orphans")
+    assert leftovers() <= before
+
+
+def test_waiting_for_nodes_says_so(etcd: EtcdServer, run_id: str) -> None:
+    p = agent("--nnodes", "2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id, TRAIN)
+    try:
+        assert p.stderr is not None
+        line = wait_until(
+            lambda: (lambda s: s if "still waiting" in s else None)(p.stderr.readline()),
+            30,
+            "a waiting message",
+        )
+        assert "1 of at least 2 nodes present" in str(line) and "join_timeout in" in str(line)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+
+
+def test_a_shared_etcd_needs_a_job_id(etcd: EtcdServer) -> None:
+    p = agent("--rdzv-endpoint", etcd.endpoint, TRAIN)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "--rdzv-id is needed with a shared etcd" in err
+
+
+def test_a_port_that_is_not_etcd_is_named_as_such() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = agent("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x",
+                  "--rdzv-conf", "connect_timeout=2", TRAIN)  # fmt: skip
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert "connecting to the etcd at http://127.0.0.1" in err and "giving up after 2s" in err
+    assert "is this etcd's client port" in err
+
+
+def test_standalone_says_it_overrides_nnodes_and_the_job_ends_with_a_summary(
+    tmp_path: Path,
+) -> None:
+    p = agent("--standalone", "--nnodes", "2", "--checkpoint-dir", str(tmp_path), TRAIN,
+              "--epochs", "1")  # fmt: skip
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "--standalone runs one node: ignoring --nnodes 2" in err
+    summary = [line for line in err.splitlines() if "summary:" in line]
+    assert len(summary) == 1 and "0 restart(s)" in summary[0], err
+    assert f"checkpoints in {tmp_path}" in summary[0] and "step " in summary[0]
