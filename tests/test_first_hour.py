@@ -114,3 +114,4 @@ def test_standalone_says_it_overrides_nnodes_and_the_job_ends_with_a_summary(
     summary = [line for line in err.splitlines() if "summary:" in line]
     assert len(summary) == 1 and "0 restart(s)" in summary[0], err
     assert f"checkpoints in {tmp_path}" in summary[0] and "step " in summary[0]
+    assert "worker logs in" not in err  # nothing was written to log files: nothing to point at

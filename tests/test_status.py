@@ -70,3 +70,23 @@ def test_status_of_an_unknown_job_is_one_line(etcd: EtcdServer) -> None:
     done = status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "no-such-job")
     assert done.returncode == 1
     assert done.stderr.strip().count("\n") == 0 and "no job 'no-such-job'" in done.stderr
+
+
+def test_status_of_a_lone_node_below_min_and_of_a_finished_job(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    env = {"RESULT_DIR": str(tmp_path)}
+    args = ("--steps", "20")
+    a = start_agent(procs, etcd.endpoint, run_id, "a", TRAIN_LOOP, *args, nnodes="2", env=env)
+    a.wait_output("registered as a", timeout=30)
+    d = json.loads(status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id, "--json").stdout)
+    assert d["state"] == "forming" and d["needs"] == 1 and not d["standbys"]
+    assert [w["node"] for w in d["waiting"]] == ["a"]  # waiting for a peer: not a standby
+    table = status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id).stdout
+    assert "needs 1 more node(s) to train" in table
+    b = start_agent(procs, etcd.endpoint, run_id, "b", TRAIN_LOOP, *args, nnodes="2", env=env)
+    assert a.wait(120) == 0 and b.wait(120) == 0
+    d = json.loads(status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id, "--json").stdout)
+    assert d["state"] == "succeeded" and d["needs"] == 0
+    assert {(m["node"], m["state"]) for m in d["members"]} == {("a", "finished"), ("b", "finished")}
+    assert all(m["host"] for m in d["members"]), d["members"]  # from the tombstones

@@ -226,6 +226,11 @@ def test_record_and_restart_count(tmp_path: Path) -> None:
     got = both("--nproc-per-node", "2", "--max-restarts", "1", ECHO, "--fail-first")
     assert got["torchrun"].returncode == got["elastic-run"].returncode == 0
     assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)  # both attempts
+    plain = both("--nproc-per-node", "2", ECHO, "--fail-first")  # exit 3, no @record
+    for who, done in plain.items():
+        assert done.returncode == 1, who
+        assert "error_file: <N/A>" in done.stderr, who  # no file to point at
+        assert "https://pytorch.org/docs/stable/elastic/errors.html" in done.stderr, who
     failed = both("--nproc-per-node", "1", SCRIPT, "--raise")
     for who, done in failed.items():
         assert done.returncode == 1, who

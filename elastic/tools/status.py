@@ -112,6 +112,8 @@ def describe(view: JobView, run_id: str) -> dict[str, Any]:
         present = sum(1 for m in members if m["state"] == "running") if r else len(view.nodes)
         out["nnodes"] = {"min": min_nodes, "max": max_nodes}
         out["needs"] = max(min_nodes - present, 0) if closed is None else 0
+    elif closed is not None:
+        out["needs"] = 0
     if r is not None:
         out["round"] = {
             "number": r.number,

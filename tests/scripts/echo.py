@@ -4,7 +4,10 @@ import os
 import sys
 
 rank = os.environ["RANK"]
-print(f"hello from {rank}", flush=True)
-print(f"complaint from {rank}", file=sys.stderr, flush=True)
+# one write per line (print() writes the newline apart): the ranks share the console
+sys.stdout.write(f"hello from {rank}\n")
+sys.stdout.flush()
+sys.stderr.write(f"complaint from {rank}\n")
+sys.stderr.flush()
 if "--fail-first" in sys.argv and rank == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     sys.exit(3)
