@@ -203,3 +203,33 @@ def test_fsdp_state_is_resharded_when_a_node_joins(
     steps3 = [r for r in history if r["event"] == "step" and r["world"] == 3]
     assert min(r["step"] for r in steps3) == last2["step"] + 1
     assert max(r["step"] for r in steps3) == 40
+
+
+def test_save_at_breakdown_and_resume_on_fresh_nodes(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """A worker crash with the restart budget spent: the job goes down, and each agent
+    writes its node's newest snapshot to the checkpoint dir (no periodic checkpoint was
+    due). A new run, with no shared memory left, resumes from it."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run1"
+    args = ("--samples", "4000", "--epochs", "1", "--step-time", "0.02")
+    extra = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000")
+    out.mkdir()
+    env = {"RESULT_DIR": str(out)}
+    crash = ("--kill-rank", "1", "--kill-step", "30")
+    nodes = [
+        start_agent(
+            procs, etcd.endpoint, run_id, n, SCRIPT, *args, *crash, nnodes="2", extra=extra, env=env
+        )  # fmt: skip
+        for n in "ab"
+    ]
+    for n in nodes:
+        assert n.wait(120) == 1, n.transcript()
+    said = [line for n in nodes for line in n.err if "saved the newest state" in line]
+    assert said, [n.transcript() for n in nodes]
+    saved = max(int(p.name[5:17]) for p in ckpt.glob("step-*.elr"))
+    assert saved == 30  # both snapshots hold step 30: the killed rank committed it first
+    assert not list(ckpt.glob("*.tmp"))
+    again = tmp_path / "run2"
+    train(procs, etcd, run_id + "-again", again, "cd", *args, extra=("--checkpoint-dir", str(ckpt)))
+    assert min(r["step"] for r in rows(again)) == saved + 1

@@ -11,6 +11,7 @@ import socket
 from collections.abc import Callable, Iterator
 
 from elastic.agent import nodedir
+from elastic.agent.breakdown import save_at_breakdown
 from elastic.agent.config import RunConfig
 from elastic.agent.core import AgentState
 from elastic.agent.filetimer import FileTimerServer
@@ -62,6 +63,7 @@ def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
 def launch(cfg: RunConfig) -> int:
     """Run this node's agent to the end; returns the exit code."""
     with contextlib.ExitStack() as stack:
+        policy = SnapshotPolicy.decode(cfg.env[POLICY_ENV])
         node_dir = nodedir.create(cfg.rdzv_id, cfg.node_id)
         stack.callback(nodedir.remove, node_dir)
         env = dict(cfg.env)
@@ -160,7 +162,7 @@ def launch(cfg: RunConfig) -> int:
             hang_timeout=cfg.worker_hang_timeout,
             metrics=metrics,
             store=store,
-            checkpoint_dir=SnapshotPolicy.decode(cfg.env[POLICY_ENV]).checkpoint_dir,
+            checkpoint_dir=policy.checkpoint_dir,
         )
         log.info(
             "node %s joining job %s (nnodes %d:%d, %d worker(s) per node)",
@@ -173,6 +175,10 @@ def launch(cfg: RunConfig) -> int:
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
         with handled_signals(cfg.signals, agent.on_signal):
             code = agent.run()
+        if agent.state in (AgentState.FAILED, AgentState.LEFT):  # the job, or this node, ends
+            said = save_at_breakdown(node_dir, policy.checkpoint_dir, policy.keep)
+            if said:
+                log.info("%s", said)
         if agent.state is AgentState.FAILED and http is not None and http.watched:
             log.info("letting Prometheus see that the job failed (one more scrape)")
             http.wait_scraped()
