@@ -220,7 +220,7 @@ def test_save_at_breakdown_and_resume_on_fresh_nodes(
     nodes = [
         start_agent(
             procs, etcd.endpoint, run_id, n, SCRIPT, *args, *crash, nnodes="2", extra=extra, env=env
-        )  # fmt: skip
+        )
         for n in "ab"
     ]
     for n in nodes:
