@@ -44,7 +44,7 @@ def error_line(done: subprocess.CompletedProcess) -> str:
         (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node 0: must be at least 1"),
         (["--nproc-per-node", "gpu", SCRIPT], "--nproc-per-node gpu: no GPU is visible"),
         (["--nproc-per-node", "many", SCRIPT], "expected a number, auto, cpu, gpu or xpu"),
-        (["--rdzv-backend", "c10d", SCRIPT], "--rdzv-backend 'c10d': elastic-run rendezvous"),
+        (["--rdzv-backend", "zookeeper", SCRIPT], "--rdzv-backend 'zookeeper': elastic-run's"),
         (["--rdzv-conf", "lease_ttl=zero", SCRIPT], "--rdzv-conf lease_ttl='zero'"),
         (["--rdzv-conf", "nosuchkey=1", SCRIPT], "unknown key 'nosuchkey'"),
         (["no/such/train.py"], "training script 'no/such/train.py': no such file"),
@@ -64,13 +64,27 @@ def test_bad_input_is_one_line(args: list[str], needle: str) -> None:
 
 
 def test_unreachable_etcd_names_the_endpoint() -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
+    """An etcd cluster (so no agent serves it, as it would one free endpoint on this host)
+    where nothing answers: one line naming the endpoints and what to check."""
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     done = elastic_run(
-        "--rdzv-endpoint", endpoint, "--rdzv-conf", "connect_timeout=2", SCRIPT, timeout=30
-    )
+        "--rdzv-endpoint", f"{a},{b}", "--rdzv-id", "x", "--rdzv-conf", "connect_timeout=2",
+        SCRIPT, timeout=30,
+    )  # fmt: skip
     assert done.returncode == 1
     line = error_line(done)
-    assert f"etcd unreachable at http://{endpoint}" in line
+    assert f"etcd unreachable at http://{a}, http://{b}" in line
+    assert "nothing accepts connections there" in line
+
+
+def test_nothing_at_a_free_endpoint_of_this_host_with_is_host_false() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = "is_host=false,join_timeout=2"
+    done = elastic_run(
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "x", "--rdzv-conf", conf, SCRIPT, timeout=30
+    )
+    assert done.returncode == 1
+    assert f"nothing answered at {endpoint} within join_timeout" in error_line(done)
 
 
 def test_pet_variables_are_read_like_torchrun() -> None:
