@@ -1,0 +1,119 @@
+"""On a real GPU: NCCL jobs, device counting, NVML metrics against nvidia-smi.
+
+Skipped where torch sees no CUDA device (this project's CI machine has none). On a GPU
+machine: ``python -m pytest -q -m gpu tests/test_gpu.py``. Nothing here has run on a GPU
+yet: the figures and a first pass are owed (issue 13).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from harness import ROOT, Proc, wait_until
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+]
+TRAIN = str(ROOT / "examples" / "train_ddp.py")
+DUMP = str(ROOT / "tests" / "scripts" / "dump_env.py")
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "elastic", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_nproc_per_node_gpu_counts_the_devices(tmp_path: Path) -> None:
+    done = run("--nproc-per-node", "gpu", DUMP, env={"RESULT_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert len(list(tmp_path.glob("env-rank*.json"))) == torch.cuda.device_count()
+
+
+def test_devices_refuses_one_that_does_not_exist() -> None:
+    done = run("--devices", str(torch.cuda.device_count()), TRAIN)
+    assert done.returncode == 2 and "--devices" in done.stderr
+
+
+def test_an_nccl_ddp_job_runs_as_under_torchrun() -> None:
+    n = min(torch.cuda.device_count(), 2)
+    for launcher in (
+        [sys.executable, "-m", "torch.distributed.run"],
+        [sys.executable, "-m", "elastic"],
+    ):
+        done = subprocess.run(
+            [*launcher, "--nproc-per-node", str(n), TRAIN, "--epochs", "1"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(ROOT),
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"world size {n}" in done.stdout
+
+
+def smi(query: str, kind: str = "gpu") -> list[dict[str, str]]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        pytest.skip("no nvidia-smi")
+    out = subprocess.run(
+        [exe, f"--query-{kind}={query}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    keys = query.split(",")
+    rows = csv.reader(io.StringIO(out))
+    return [dict(zip(keys, (v.strip() for v in row), strict=True)) for row in rows]
+
+
+def test_nvml_metrics_match_nvidia_smi(procs: list[Proc]) -> None:
+    p = Proc(
+        [sys.executable, "-m", "elastic", "--metrics-addr", "127.0.0.1", "--metrics-port", "0",
+         "--nproc-per-node", "1", TRAIN, "--epochs", "1000", "--step-time", "0.01"],
+        name="gpu-agent",
+    )  # fmt: skip
+    procs.append(p)
+    line = p.wait_output("metrics on http://", timeout=60)
+    port = int(re.search(r":(\d+)/metrics", line).group(1))
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+            return str(r.read().decode())
+
+    wait_until(
+        lambda: "elastic_run_gpu_process_memory_bytes{" in scrape(), 120, "a worker on a GPU"
+    )
+    text = scrape()
+    for g in smi("index,uuid,memory.total,memory.used"):
+        total = re.search(
+            rf'elastic_run_gpu_memory_total_bytes{{[^}}]*gpu="{g["index"]}"[^}}]*}} (\S+)', text
+        )
+        assert total and float(total.group(1)) == float(g["memory.total"]) * 2**20
+        used = re.search(
+            rf'elastic_run_gpu_memory_used_bytes{{[^}}]*gpu="{g["index"]}"[^}}]*}} (\S+)', text
+        )
+        assert used and abs(float(used.group(1)) / 2**20 - float(g["memory.used"])) < 256
+    apps = smi("pid,used_memory", kind="compute-apps")
+    mine = {int(a["pid"]): float(a["used_memory"]) for a in apps}
+    for m in re.finditer(r"elastic_run_gpu_process_memory_bytes{[^}]*} (\S+)", text):
+        assert any(abs(float(m.group(1)) / 2**20 - v) < 64 for v in mine.values()), mine
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz").read())
+    assert health["state"] == "running"
