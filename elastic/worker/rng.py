@@ -59,26 +59,43 @@ def reseed(step: int, rank: int) -> None:
         np.random.seed(seed)
 
 
-def _path(node_dir: str, rank: int) -> Path:
-    return Path(node_dir) / f"rng-rank{rank}.pt"
+KEEP = 3  # RNG files per rank: more than the snapshot slots, so the restored one is there
+
+
+def _path(node_dir: str, rank: int, step: int) -> Path:
+    return Path(node_dir) / f"rng-rank{rank}-step{step}.pt"
 
 
 def save(node_dir: str | None, rank: int, step: int) -> None:
-    """This rank's RNG states of ``step``, next to the node's snapshot."""
+    """This rank's RNG states of ``step``, next to the node's snapshot. One file per step:
+    the snapshot of this step may be cut short (a crash while it is copied), and then
+    the restore needs the RNG states of the step before, which are still there."""
     if not node_dir:
         return
-    path = _path(node_dir, rank)
+    path = _path(node_dir, rank, step)
     tmp = path.with_suffix(".tmp")
     try:
         torch.save({"step": step, "rng": capture()}, tmp)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not save this rank's RNG state: %s", e)
+        return
+    old = sorted(Path(node_dir).glob(f"rng-rank{rank}-step*.pt"), key=_step_of)[:-KEEP]
+    for stale in old:
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.stem.rsplit("step", 1)[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def restore(node_dir: str | None, rank: int, step: int) -> None:
     """This rank's RNG states of ``step`` if the node has them, else a fresh seed."""
-    path = _path(node_dir, rank) if node_dir else None
+    path = _path(node_dir, rank, step) if node_dir else None
     if path is not None and path.exists():
         with contextlib.suppress(Exception):
             saved = torch.load(path, weights_only=True)
