@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -101,9 +102,17 @@ def test_nvml_metrics_match_nvidia_smi(procs: list[Proc]) -> None:
     wait_until(
         lambda: "elastic_run_gpu_process_memory_bytes{" in scrape(), 120, "a worker on a GPU"
     )
+    used = r"elastic_run_gpu_memory_used_bytes{[^}]*} (\S+)"
+
+    def steady() -> bool:  # CUDA set-up allocates for a while: compare once it stopped
+        before = re.findall(used, scrape())
+        time.sleep(1.0)
+        return before == re.findall(used, scrape())
+
+    wait_until(steady, 120, "GPU memory to settle")
     gpus = smi("index,memory.total,memory.used,temperature.gpu")
     apps = smi("pid,used_memory", kind="compute-apps")
-    text = scrape()  # right after: the training's memory is steady by now
+    text = scrape()
 
     def value(name: str, gpu: str) -> float:
         m = re.search(rf'{name}{{[^}}]*gpu="{gpu}"[^}}]*}} (\S+)', text)

@@ -117,17 +117,20 @@ def copy_tensors_background(
     which: list[int],
     threads: int,
     setup: Callable[[], None] = lambda: None,
+    sources: dict[int, torch.Tensor] | None = None,
 ) -> None:
     """The same copy while the training thread computes. torch's copy would start an
     OpenMP team that fights the training's own for the cores; here CPU tensors go in
     32 MiB pieces of plain memmove (no GIL held) over ``threads`` threads, each calling
-    ``setup`` first (the caller lowers their priority)."""
+    ``setup`` first (the caller lowers their priority). ``sources``: host copies to read
+    instead of a tensor (the pinned staging of a GPU tensor)."""
+    sources = sources or {}
     anchor = ctypes.c_char.from_buffer(buf)
     start = ctypes.addressof(anchor)
     pieces: list[tuple[int, int, int]] = []
     rest = []
     for i in which:
-        t = packed.tensors[i]
+        t = sources.get(i, packed.tensors[i])
         nbytes = t.numel() * t.element_size()
         if t.device.type != "cpu" or not t.is_contiguous():
             rest.append(i)

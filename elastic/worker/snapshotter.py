@@ -99,6 +99,11 @@ class Snapshotter:
         self.stats = stats
         self._block = block
         self._copy: threading.Thread | None = None
+        self._host_done = threading.Event()  # the copy no longer reads host tensors
+        self._host_done.set()
+        self._device_done: list[torch.cuda.Event] = []  # GPU -> pinned copies in flight
+        self._pinned: dict[torch.device, torch.Tensor] = {}  # staging, per device
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._count = 0
         self.slots: SnapshotSlots | None = None
         if local_rank == 0 and (node_dir or policy.checkpoint_dir):
@@ -141,11 +146,20 @@ class Snapshotter:
         snapshot.copy_tensors(
             buf, packed, [i for i in range(len(packed.tensors)) if i not in deferred]
         )
+        on_gpu = [i for i in later if packed.tensors[i].is_cuda]
+        staged = self._stage(packed, on_gpu)
+        on_host = [i for i in later if not packed.tensors[i].is_cuda]
+        self._host_done.clear()
+        threads = torch.get_num_threads()
 
         def finish() -> None:
             _idle_priority()
+            snapshot.copy_tensors_background(buf, packed, on_host, threads, _idle_priority)
+            self._host_done.set()
+            for event in self._device_done:
+                event.synchronize()
             snapshot.copy_tensors_background(
-                buf, packed, later, torch.get_num_threads(), setup=_idle_priority
+                buf, packed, on_gpu, threads, _idle_priority, sources=staged
             )
             slots.commit(slot, step, packed.size)
             self.stats.snapshots += 1
@@ -198,6 +212,52 @@ class Snapshotter:
                 result.step,
                 result.error,
             )
+
+    def _stage(self, packed: snapshot.Packed, which: list[int]) -> dict[int, torch.Tensor]:
+        """Start copying GPU tensors into pinned host staging, on a side stream per device
+        that first waits for the work queued so far (the step just taken), so the copy
+        overlaps the next forward/backward. Returns the host views, by tensor index."""
+        staged: dict[int, torch.Tensor] = {}
+        self._device_done = []
+        by_device: dict[torch.device, list[int]] = {}
+        for i in which:
+            by_device.setdefault(packed.tensors[i].device, []).append(i)
+        for device, indices in by_device.items():
+            sizes = [packed.tensors[i].numel() * packed.tensors[i].element_size() for i in indices]
+            pinned = self._pinned.get(device)
+            if pinned is None or pinned.numel() < sum(sizes):
+                pinned = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+                self._pinned[device] = pinned
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            offset = 0
+            with torch.cuda.stream(stream):
+                for i, n in zip(indices, sizes, strict=True):
+                    t = packed.tensors[i]
+                    src = t if t.is_contiguous() else t.contiguous()
+                    view = pinned[offset : offset + n]
+                    view.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+                    staged[i] = view
+                    offset += n
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._device_done.append(done)
+        return staged
+
+    def wait_for_step(self) -> None:
+        """Before optimizer.step() changes the tensors in place: wait only for what still
+        reads them (the host copy, the GPU -> pinned copies), not for the rest."""
+        if self._host_done.is_set() and all(e.query() for e in self._device_done):
+            return
+        started = time.perf_counter()
+        self._host_done.wait()
+        for event in self._device_done:
+            event.synchronize()
+        waited = time.perf_counter() - started
+        self.stats.blocked_seconds += waited
+        progress.waited(waited)
 
     def wait_copy(self) -> None:
         """Block until the background copy in flight (if any) is complete."""

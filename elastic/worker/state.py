@@ -86,7 +86,7 @@ class State:
             Snapshotter(self.policy, self._node_dir, comm.local_rank(), self._ctl, self.stats),
         )
         hooks = [
-            opt.register_step_pre_hook(lambda *_: self._snapshotter.wait_copy())
+            opt.register_step_pre_hook(lambda *_: self._snapshotter.wait_for_step())
             for opt in self._optimizers()
         ]
         set_(self, "_hooks", hooks)
