@@ -101,3 +101,14 @@ def test_a_key_no_backend_knows_is_still_an_error() -> None:
 
     with pytest.raises(ConfigError, match="unknown key 'join_timout'"):
         build_options("127.0.0.1", "j", 1, 1, parse_conf("join_timout=30"))
+
+
+def test_the_scripts_arguments_are_never_read_as_ours() -> None:
+    """torchrun users' scripts take --checkpoint, --worker, --max...: prefixes of our own
+    flags, which argparse alone would take (or refuse as ambiguous)."""
+    ns = parse_args(["--nproc-per-node", "2", "train.py", "--checkpoint", "x", "--worker", "--max"])
+    assert ns.training_script == "train.py" and ns.nproc_per_node == "2"
+    assert ns.training_script_args == ["--checkpoint", "x", "--worker", "--max"]
+    ns = parse_args(["-r", "3", "--rdzv-conf=join_timeout=5", "-m", "pkg.mod", "--tee", "1"])
+    assert (ns.redirects, ns.rdzv_conf, ns.module) == ("3", "join_timeout=5", True)
+    assert (ns.training_script, ns.training_script_args) == ("pkg.mod", ["--tee", "1"])

@@ -306,4 +306,32 @@ def _version() -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    return build_parser().parse_args(list(argv))
+    """Parse the launcher's flags; everything after the training script is the script's,
+    never read as ours (argparse alone would take ``train.py --checkpoint x`` for an
+    abbreviation of ``--checkpoint-dir``)."""
+    parser = build_parser()
+    head, tail = split_at_script(parser, list(argv))
+    ns = parser.parse_args(head)
+    ns.training_script_args = [*ns.training_script_args, *tail]
+    return ns
+
+
+def split_at_script(
+    parser: argparse.ArgumentParser, argv: list[str]
+) -> tuple[list[str], list[str]]:
+    """(the launcher's flags and the script, the script's arguments). A flag that takes a
+    value consumes the next word unless written ``--flag=value``; abbreviations count as
+    argparse resolves them; the first other word not starting with '-' is the script."""
+    takes_value = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[: i + 2], argv[i + 2 :]
+        if not word.startswith("-") or word == "-":
+            return argv[: i + 1], argv[i + 1 :]
+        name, eq, _ = word.partition("=")
+        exact = [name] if name in takes_value else []
+        matches = exact or [o for o in takes_value if o.startswith(name) and name.startswith("--")]
+        i += 2 if not eq and matches and all(takes_value[o] for o in matches) else 1
+    return argv, []
