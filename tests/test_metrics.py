@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from agents import TRAIN_LOOP, start_agent
 from conftest import need_binary
 from harness import ROOT, TAG_VAR, Proc, tagged_processes, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
@@ -269,33 +270,12 @@ def test_prometheus_sees_the_job_fail(
     the failed state reaches Prometheus and the alert rule sees it."""
     port = free_port()
     with prometheus([port], tmp_path) as query:
-        p = Proc(
-            [
-                sys.executable,
-                "-m",
-                "elastic",
-                "--rdzv-endpoint",
-                etcd.endpoint,
-                "--rdzv-id",
-                run_id,
-                "--node-id",
-                "doomed",
-                "--metrics-addr",
-                "127.0.0.1",
-                "--metrics-port",
-                str(port),
-                str(ROOT / "tests" / "scripts" / "train_loop.py"),
-                "--steps",
-                "1000",
-                "--crash-rank",
-                "0",
-                "--crash-step",
-                "80",
-            ],
+        metrics = ("--metrics-addr", "127.0.0.1", "--metrics-port", str(port))
+        p = start_agent(
+            procs, etcd.endpoint, run_id, "doomed", TRAIN_LOOP, "--steps", "1000",
+            "--crash-rank", "0", "--crash-step", "80", nnodes="1", extra=metrics,
             env={"RESULT_DIR": str(tmp_path)},
-            name="doomed",
-        )
-        procs.append(p)
+        )  # fmt: skip
         assert p.wait(120) == 1, p.transcript()
         assert any("letting Prometheus see that the job failed" in line for line in p.err)
         rule = 'max by (job) (max_over_time(elastic_run_agent_state{state="failed"}[15m])) == 1'
