@@ -153,9 +153,11 @@ class Snapshotter:
         threads = torch.get_num_threads()
 
         def finish() -> None:
-            _idle_priority()
-            snapshot.copy_tensors_background(buf, packed, on_host, threads, _idle_priority)
-            self._host_done.set()
+            try:  # never leave optimizer.step() waiting, whatever happens to the copy
+                _idle_priority()
+                snapshot.copy_tensors_background(buf, packed, on_host, threads, _idle_priority)
+            finally:
+                self._host_done.set()
             for event in self._device_done:
                 event.synchronize()
             snapshot.copy_tensors_background(
