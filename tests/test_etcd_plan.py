@@ -47,3 +47,19 @@ def test_with_endpoint(kwargs: dict, source: EtcdSource) -> None:
 def test_static_port_is_one_above_the_master_port() -> None:
     assert static_etcd_port(None) == 29501  # torchrun's default master port, plus one
     assert static_etcd_port(40000) == 40001
+
+
+def test_an_etcd_that_cannot_bind_is_not_fooled_by_another_on_its_port() -> None:
+    """The health check of a member that failed to bind would reach the etcd already
+    listening there; two jobs' node 0 on one port must not merge into one job."""
+    from elastic.agent.etcd_server import EtcdServer, EtcdServerError
+    from rendezvous.net import free_port
+
+    port = free_port()
+    with EtcdServer(name="first", client_port=port):
+        second = EtcdServer(name="second", client_port=port)
+        try:
+            with pytest.raises(EtcdServerError, match="address already in use"):
+                second.start(timeout=10)
+        finally:
+            second.close()

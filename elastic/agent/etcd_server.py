@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import psutil
+
 from elastic.agent.procs import die_with_parent
 from rendezvous.net import free_port
 
@@ -148,10 +150,22 @@ class EtcdServer:
                 raise EtcdServerError(
                     f"etcd {self.name} exited with {self.proc.returncode}: {self._log_tail()}"
                 )
-            if self.healthy():
+            if self.healthy() and self._listening():
                 return
             time.sleep(0.05)
         raise EtcdServerError(f"etcd {self.name} not healthy within {timeout}s: {self._log_tail()}")
+
+    def _listening(self) -> bool:
+        """Whether it is this member that listens on the client port: another etcd already
+        there would answer the health check for one that failed to bind."""
+        assert self.proc is not None
+        try:
+            conns = psutil.Process(self.proc.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == self.client_port for c in conns
+        )
 
     def _log_tail(self) -> str:
         with contextlib.suppress(OSError):

@@ -94,8 +94,16 @@ def job_etcd(cfg: RunConfig) -> Iterator[tuple[str, bool]]:
         server = EtcdServer(name="embedded", host=plan.host, client_port=plan.port, listen=listen)
     try:
         server.start()
-    except EtcdServerError:
+    except EtcdServerError as e:
         server.close()
+        if cfg.static and answers(plan.host, plan.port):
+            # node 0 of the static form owns this port: someone else has it (another job
+            # on the default --master-port, most likely); joining it would merge two jobs
+            raise EtcdServerError(
+                f"node 0 serves the job's etcd on {plan.endpoint} (--master-port + 1), but "
+                "something already listens there: another job? Give this job its own "
+                "--master-port"
+            ) from e
         if plan.source is not EtcdSource.SERVE or not answers(plan.host, plan.port):
             raise
         log.info("another agent serves the job's etcd at %s: using it", plan.endpoint)
