@@ -10,31 +10,45 @@ the training thread is blocked by
     optimizer.step() waits for the copy, with a forward/backward in between),
   - ``torch.save`` of the state to a file on disk.
 
-Part 2: training throughput of a ~100M-parameter MLP with Adam, with ``commit()``
-snapshotting every step (1.2 GB of parameters and Adam state) against the same loop
-without it, at two batch sizes: the copy hides behind the next forward/backward, so what
-it costs depends on how long that takes.
+Part 2: step time of a ~100M-parameter MLP with Adam (1.2 GB of parameters and Adam
+state) at two batch sizes, with no checkpointing; with elastic-run's default policy
+(``--snapshot-every auto``: as often as keeps the cost within 2% of step time); with a
+snapshot every step; and with ``torch.save`` and ``torch.distributed.checkpoint.async_save``
+every N steps, N being the interval the default policy chose. Each with the most steps
+a crash can lose.
 
     python benchmarks/checkpoint.py [--sizes 100,1000] [--repeat 5] [--batches 256,1024]
+                                    [--rounds 2]     (--sizes "": part 2 only)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from elastic import SnapshotPolicy, State
 from elastic.contract import NODE_DIR_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def model_of(mbytes: int) -> nn.Module:
@@ -98,45 +112,116 @@ def blocking(mbytes: int, repeat: int, shm: Path, disk: Path) -> dict[str, float
     }
 
 
-def throughput(batch: int, phases: int, shm: Path, every: int = 1) -> dict[str, float]:
-    """Seconds per step with and without commit(), in interleaved phases of three steps
-    on the same model (this VM's speed drifts by tens of percent over a minute; A/B/B/A
-    phases cancel that drift out of the comparison)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(6)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    os.environ[NODE_DIR_ENV] = str(shm / f"train{batch}-{every}")
-    state = State(model=model, optimizer=opt, snapshot_policy=SnapshotPolicy(every=every))
-    x = torch.randn(batch, 4096)
+class Loop:
+    """The ~100M-parameter MLP with Adam (1.2 GB of parameters and optimizer state) and
+    one way of saving it: steps timed in blocks."""
 
-    def step(commit: bool) -> None:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if commit:
-            state.commit()
+    def __init__(self, name: str, batch: int, save: Callable[[Loop, int], None]) -> None:
+        torch.manual_seed(0)
+        self.name = name
+        self.model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(6)])
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, 4096)
+        self.save = save
+        self.step = 0
+        self.times: list[float] = []  # seconds per step, one per block
+        self.state: State | None = None
+        self.pending: list[Any] = []  # async_save futures
 
-    for _ in range(2):  # allocate optimizer state and both snapshot slots
-        step(True)
-    state.flush()
-    state.stats.blocked_seconds = 0.0
-    runs: dict[bool, list[float]] = {False: [], True: []}
-    n = max(3, every)  # a phase holds at least one snapshot
-    for phase in range(phases):
-        for commit in (False, True) if phase % 2 == 0 else (True, False):
-            t = time.perf_counter()
-            for _ in range(n):
-                step(commit)
-            state.flush()
-            runs[commit].append((time.perf_counter() - t) / n)
-    state.close()
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
-        "bytes": state.stats.snapshot_bytes,
-        "blocked": state.stats.blocked_seconds / (n * phases),
-        "base": statistics.median(runs[False]),
-        "commit": statistics.median(runs[True]),
+    def run(self, steps: int, timed: bool = True) -> None:
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.model(self.x).pow(2).mean().backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            self.step += 1
+            self.save(self, self.step)
+        self.finish()
+        if timed:
+            self.times.append((time.perf_counter() - t) / steps)
+
+    def finish(self) -> None:
+        """What is in flight is part of the block's cost."""
+        if self.state is not None:
+            self.state.flush()
+        for f in self.pending:
+            f.result()
+        self.pending.clear()
+
+    def sd(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+
+def policies(batch: int, shm: Path, disk: Path, rounds: int) -> None:
+    """Step time with no checkpointing, elastic-run's default policy, a snapshot every
+    step, and torch.save / async_save every N (N: the interval the default policy chose),
+    in blocks of N steps run ABCDE EDCBA ``rounds`` times (this VM's speed drifts by
+    tens of percent over minutes; mirrored blocks cancel a steady drift)."""
+
+    def with_state(policy: SnapshotPolicy) -> Callable[[Loop, int], None]:
+        def commit(loop: Loop, step: int) -> None:
+            if loop.state is None:
+                os.environ[NODE_DIR_ENV] = str(shm / f"{batch}-{policy.every}")
+                loop.state = State(model=loop.model, optimizer=loop.opt, snapshot_policy=policy)
+            loop.state.commit()
+
+        return commit
+
+    auto = Loop("elastic-run default (auto, 2% budget)", batch, with_state(SnapshotPolicy()))
+    auto.run(1, timed=False)  # the State exists; then let it measure and choose
+    assert auto.state is not None
+    cadence = auto.state._cadence
+    while (cadence.interval == 0 or auto.step < 12) and auto.step < 60:
+        auto.run(1, timed=False)
+    n = max(cadence.interval, 1)
+    path = disk / f"save-{batch}.pt"
+
+    def torch_save(loop: Loop, step: int) -> None:
+        if step % n == 0:
+            torch.save(loop.sd(), path)
+
+    def async_save(loop: Loop, step: int) -> None:
+        if step % n == 0:
+            for f in loop.pending:  # one in flight at a time, as its docs advise
+                f.result()
+            where = disk / f"dcp-{batch}-{step // n % 2}"  # the older one is complete
+            loop.pending = [dcp.async_save(loop.sd(), checkpoint_id=str(where))]
+
+    loops = [
+        Loop("no checkpointing", batch, lambda loop, step: None),
+        auto,
+        Loop("elastic-run, snapshot every step", batch, with_state(SnapshotPolicy(every=1))),
+        Loop(f"torch.save every {n}", batch, torch_save),
+        Loop(f"DCP async_save every {n}", batch, async_save),
+    ]
+    for loop in loops:  # allocate optimizer state, snapshot slots, files
+        if loop is not auto:
+            loop.run(2, timed=False)
+    for r in range(rounds):
+        order = loops if r % 2 == 0 else loops[::-1]
+        for loop in order + order[::-1]:
+            loop.run(n)
+    base = statistics.median(loops[0].times)
+    lost = {
+        "no checkpointing": "all",
+        auto.name: str(cadence.at_risk),
+        loops[2].name: "1",
+        loops[3].name: str(n),
+        loops[4].name: f"{2 * n} (one save in flight)",
     }
+    print(f"\nbatch {batch}: {base:.2f} s a step without checkpoints; N = {n}")
+    for loop in loops:
+        took = statistics.median(loop.times)
+        print(f"  {loop.name:<40}{took:>7.2f}s{took / base:>8.3f}x   steps lost: {lost[loop.name]}")
+    step_s, cost_s = cadence.step_s or 0.0, cadence.cost_s or 0.0
+    print(
+        f"  the default policy measured: step {step_s:.2f}s, snapshot cost {cost_s * 1e3:.0f} ms"
+        f" -> every {cadence.interval} steps = "
+        f"{cost_s / max(cadence.interval * step_s, 1e-9):.1%} of step time"
+    )
+    for loop in loops:
+        if loop.state is not None:
+            loop.state.close()
 
 
 def main() -> None:
@@ -144,7 +229,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="100,1000", help="state sizes in MB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--batches", default="256,1024", help="batch sizes for part 2")
-    ap.add_argument("--phases", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2, help="ABCDE EDCBA rounds in part 2")
     a = ap.parse_args()
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(dir=shm_root) as shm, tempfile.TemporaryDirectory() as disk:
@@ -152,27 +237,23 @@ def main() -> None:
             "Seconds the training thread is blocked (median of "
             f"{a.repeat}); ratio to the bare memory copy"
         )
-        for mb in (int(s) for s in a.sizes.split(",")):
+        for mb in (int(s) for s in a.sizes.split(",") if s):
             r = blocking(mb, a.repeat, Path(shm) / f"s{mb}", Path(disk))
             base = r["bare copy"]
             print(f"\nstate {r['bytes'] / 1e6:.0f} MB")
             for k in ("bare copy", "snapshot (full copy)", "commit (overlapped)", "torch.save"):
                 print(f"  {k:<24}{r[k]:>9.3f}s{r[k] / base:>8.2f}x")
         print(
-            "\nTraining throughput with commit() against the same loop without it "
-            f"(median of {a.phases} interleaved phases)"
+            "\nStep time of a 101M-parameter MLP with Adam (1.2 GB of state), median of "
+            f"{2 * a.rounds} blocks of N steps; ratio to no checkpointing"
         )
-        cases = [(int(b), 1) for b in a.batches.split(",")] + [(int(a.batches.split(",")[0]), 10)]
-        for batch, every in cases:
-            t = throughput(batch, a.phases, Path(shm), every)
-            loss = (t["commit"] / t["base"] - 1) * 100
-            print(
-                f"  {t['params'] / 1e6:.0f}M-param MLP + Adam ({t['bytes'] / 1e9:.2f} GB of "
-                f"state), batch {batch:>4}, snapshot every {every:>2} step(s): "
-                f"{t['base']:.2f}s/step without, {t['commit']:.2f}s/step with: "
-                f"{loss:+.1f}%; blocked {t['blocked'] * 1000:.0f}ms/step"
-            )
-        print("\ntargets: blocking within 2x of the bare copy; throughput loss under 5%")
+        if not dist.is_initialized():  # async_save wants a process group
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        for batch in (int(b) for b in a.batches.split(",")):
+            policies(batch, Path(shm), Path(disk), a.rounds)
+        print("\ntargets: blocking within 2x of the bare copy; the default policy <= 2%")
 
 
 if __name__ == "__main__":

@@ -43,14 +43,22 @@ class SnapshotPolicy:
     """When ``elastic.State`` snapshots (to the node's shared memory) and checkpoints (to
     ``checkpoint_dir``). The agent's flags set it for the workers through ``POLICY_ENV``."""
 
-    every: int = 1  # steps between snapshots; 0: only when stopping for a resize
+    # steps between snapshots; 0: only when stopping for a resize; "auto": as often as
+    # keeps their cost within ``budget`` of the step time (elastic.worker.cadence)
+    every: int | str = "auto"
+    budget: float = 0.02
     checkpoint_every: int = 100  # snapshots between checkpoints to checkpoint_dir
     keep: int = 3  # checkpoints kept in checkpoint_dir
     checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.every < 0:
+        if isinstance(self.every, str):
+            if self.every != "auto":
+                raise ValueError(f"snapshot every {self.every!r}: a number of steps, or auto")
+        elif self.every < 0:
             raise ValueError(f"snapshot every {self.every}: must be >= 0")
+        if not 0 < self.budget < 1:
+            raise ValueError(f"snapshot budget {self.budget}: must be between 0 and 1")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint every {self.checkpoint_every}: must be >= 1")
         if self.keep < 1:

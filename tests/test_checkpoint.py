@@ -11,8 +11,9 @@ import torch
 from faults import small_tmpfs
 
 from elastic import CheckpointMismatchError, SnapshotPolicy, State
+from elastic.agent.breakdown import save_at_breakdown
 from elastic.contract import NODE_DIR_ENV
-from elastic.stored import CheckpointDir, path_for
+from elastic.stored import CheckpointDir, SnapshotSlots, path_for
 from elastic.worker import snapshot
 
 
@@ -134,3 +135,84 @@ def test_full_disk_keeps_the_last_good_checkpoint_and_training_going(tmp_path: P
         assert s.stats.checkpoint_failures == 3
         assert CheckpointDir(disk).newest_valid()[0] == 2
         s.close()
+
+
+def snapshot_in(node_dir: Path, step: int, floats: int = 64) -> None:
+    """A worker's complete snapshot of ``step`` in the node's shared memory."""
+    packed = snapshot.pack(
+        {
+            "version": 1,
+            "step": step,
+            "values": {"step": step},
+            "objects": {"w": {"t": torch.full((floats,), float(step))}},
+        }
+    )
+    slots = SnapshotSlots(node_dir)
+    slot = slots.target()
+    snapshot.write_into(slots.buffer(slot, packed.size), packed)
+    slots.commit(slot, step, packed.size)
+    slots.close()
+
+
+def test_save_at_breakdown_writes_only_a_newer_state(tmp_path: Path) -> None:
+    node, ckpt = tmp_path / "node", tmp_path / "ckpt"
+    node.mkdir()
+    assert save_at_breakdown(node, str(ckpt), 3) is None  # no snapshot: nothing to say
+    snapshot_in(node, 7)
+    said = save_at_breakdown(node, None, 3)
+    assert said is not None and "step 7" in said and "lost" in said
+    said = save_at_breakdown(node, str(ckpt), 3)
+    assert said is not None and "saved the newest state (step 7" in said
+    step, raw = CheckpointDir(ckpt).newest_valid()
+    assert step == 7 and snapshot.parse(raw)["objects"]["w"]["t"][0] == 7.0
+    said = save_at_breakdown(node, str(ckpt), 3)
+    assert said is not None and "already in" in said
+    assert CheckpointDir(ckpt).steps() == [7]
+
+
+def test_save_at_breakdown_to_a_full_disk_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    node = tmp_path / "node"
+    node.mkdir()
+    with small_tmpfs(tmp_path / "disk", "200k") as disk:
+        assert CheckpointDir(disk).write(3, blob(3)).ok
+        snapshot_in(node, 9, floats=100_000)  # 400 kB: does not fit
+        said = save_at_breakdown(node, str(disk), 3)
+        assert said is not None and "could not save the newest state (step 9)" in said, said
+        assert "No space left" in said
+        assert CheckpointDir(disk).newest_valid()[0] == 3
+        assert not list(disk.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("in_optimizer", [False, True])
+def test_frozen_tensors_are_copied_once_per_slot_and_again_once_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_optimizer: bool
+) -> None:
+    """A frozen backbone (outside the optimizer, or in it with no gradient): each slot
+    gets it once, and again after an in-place write; a restore sees every write."""
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
+    torch.manual_seed(0)
+    backbone, head = torch.nn.Linear(512, 512), torch.nn.Linear(512, 4)
+    backbone.requires_grad_(False)
+    model = torch.nn.Sequential(backbone, head)
+    opt = torch.optim.SGD((model if in_optimizer else head).parameters(), lr=0.1, momentum=0.9)
+    s = State(model=model, optimizer=opt, snapshot_policy=SnapshotPolicy(every=1))
+    frozen = backbone.weight.nbytes + backbone.bias.nbytes
+
+    def step() -> int:
+        model(torch.randn(2, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        s.commit()
+        s.flush()
+        return s.stats.unchanged_bytes
+
+    assert [step(), step(), step(), step()] == [0, 0, frozen, frozen]
+    with torch.no_grad():
+        backbone.weight.mul_(2)  # an in-place write: the next snapshot in each slot copies it
+    assert [step(), step(), step()] == [backbone.bias.nbytes, backbone.bias.nbytes, frozen]
+    s.close()
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+    s2 = State(model=fresh, snapshot_policy=SnapshotPolicy(every=1))
+    assert s2.restore() and s2.step == 7
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

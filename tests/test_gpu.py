@@ -143,7 +143,8 @@ def test_state_snapshots_cuda_tensors_and_restores_them_to_the_gpu() -> None:
     """SIGKILL right after commit 5: the restart resumes from the newest complete
     snapshot (step 5, or 4 if its copy was still in flight) on the GPU, and a step run
     twice gives bitwise the same parameters (model, Adam state and CUDA RNG restored)."""
-    done = run("--max-restarts", "1", str(ROOT / "tests" / "scripts" / "gpu_state.py"))
+    script = str(ROOT / "tests" / "scripts" / "gpu_state.py")
+    done = run("--max-restarts", "1", "--snapshot-every", "1", script)
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("step ")]
     first = {int(r[1]): r[7] for r in rows if r[3] == "0"}

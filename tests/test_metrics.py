@@ -164,9 +164,9 @@ def agent(etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         port = int(re.search(r":(\d+)/metrics", line).group(1))
         url = f"http://127.0.0.1:{port}/metrics"
         wait_until(
-            lambda: b"elastic_run_training_step{" in urllib.request.urlopen(url).read(),
+            lambda: b"elastic_run_snapshot_interval_steps{" in urllib.request.urlopen(url).read(),
             60,
-            "workers to report steps",
+            "workers to report steps and the snapshot interval they chose",
         )
         yield {"port": port, "url": url, "proc": p}
     finally:
@@ -190,6 +190,9 @@ def test_promtool_accepts_a_real_scrape(agent: dict) -> None:
         "elastic_run_training_step",
         "elastic_run_training_loss",
         "elastic_run_snapshot_seconds_bucket",
+        "elastic_run_snapshot_interval_steps",
+        "elastic_run_snapshot_steps_at_risk",
+        "elastic_run_snapshot_cost_seconds",
         "elastic_run_training_samples_total",
     ):
         assert name in text, name

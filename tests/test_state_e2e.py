@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from agents import samples_once, start_agent, wait_world
-from harness import ROOT, Proc
+from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
+from elastic.stored import CheckpointDir
 
 pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "tests" / "scripts" / "elastic_train.py"
@@ -119,7 +120,15 @@ def test_three_two_three_nodes_every_sample_exactly_once(
             SCRIPT,
             *args,
             nnodes="2:3",
-            extra=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"),
+            # at interval 1 the step count below is exact
+            extra=(
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "5",
+                "--snapshot-every",
+                "1",
+            ),
             env=env,
         )
 
@@ -233,3 +242,38 @@ def test_save_at_breakdown_and_resume_on_fresh_nodes(
     again = tmp_path / "run2"
     train(procs, etcd, run_id + "-again", again, "cd", *args, extra=("--checkpoint-dir", str(ckpt)))
     assert min(r["step"] for r in rows(again)) == saved + 1
+
+
+def test_sigterm_of_the_whole_job_saves_the_newest_state(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Every node told to stop: the workers save at their next commit and exit, and each
+    agent writes that state to the checkpoint dir (no periodic checkpoint was due)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    out.mkdir()
+    extra = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000")
+    args = ("--samples", "100000", "--epochs", "1", "--step-time", "0.05")
+    nodes = [
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            SCRIPT,
+            *args,
+            nnodes="2",
+            extra=extra,
+            env={"RESULT_DIR": str(out)},
+        )
+        for n in "ab"
+    ]
+    wait_world(out, 2, timeout=60)
+    wait_until(lambda: max(r["step"] for r in rows(out)) >= 8, 60, "some steps")
+    for n in nodes:
+        n.signal(signal.SIGTERM)
+    for n in nodes:
+        assert n.wait(60) != 0, n.transcript()
+    said = [line for n in nodes for line in n.err if "saved the newest state" in line]
+    assert said, [n.transcript() for n in nodes]
+    last = max(r["step"] for r in rows(out))
+    assert CheckpointDir(ckpt).newest_valid()[0] == last  # the step committed last

@@ -247,7 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
         None,
         "where durable checkpoints go (shared or per node); none: shared-memory snapshots only",
     )
-    _value(ckpt, "snapshot_every", 1, "snapshot every N steps (0: only to resize)", type=int)
+    _value(
+        ckpt,
+        "snapshot_every",
+        "auto",
+        "snapshot every N steps (0: only to resize); auto: as often as --snapshot-budget allows",
+    )
+    _value(
+        ckpt,
+        "snapshot_budget",
+        0.02,
+        "with --snapshot-every auto, the share of step time snapshots may cost (0.02: 2%%)",
+    )
     _value(
         ckpt, "checkpoint_every", 100, "every N-th snapshot also goes to --checkpoint-dir", type=int
     )

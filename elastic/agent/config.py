@@ -164,15 +164,29 @@ def _metrics_port(value: object) -> int | None:
 def _snapshot_policy(ns: argparse.Namespace) -> SnapshotPolicy:
     """elastic.State's settings, handed to workers through their environment."""
     try:
-        every, ckpt_every, keep = (
-            int(ns.snapshot_every),
-            int(ns.checkpoint_every),
-            int(ns.checkpoint_keep),
-        )
+        ckpt_every, keep = int(ns.checkpoint_every), int(ns.checkpoint_keep)
     except ValueError as e:
         raise UsageError(f"bad number: {e}") from None
-    if every < 0:
-        raise UsageError(f"--snapshot-every {every}: must be >= 0")
+    every: int | str = str(ns.snapshot_every).strip().lower()
+    if every != "auto":
+        try:
+            every = int(every)
+        except ValueError:
+            raise UsageError(
+                f"--snapshot-every {ns.snapshot_every!r}: a number of steps, or auto"
+            ) from None
+        if every < 0:
+            raise UsageError(f"--snapshot-every {every}: must be >= 0")
+    try:
+        budget = float(ns.snapshot_budget)
+    except ValueError:
+        raise UsageError(
+            f"--snapshot-budget {ns.snapshot_budget!r}: a share of step time, e.g. 0.02"
+        ) from None
+    if not 0 < budget < 1:
+        raise UsageError(
+            f"--snapshot-budget {budget}: a share of step time between 0 and 1 (0.02 is 2%)"
+        )
     if ckpt_every < 1:
         raise UsageError(f"--checkpoint-every {ckpt_every}: must be at least 1")
     if keep < 1:
@@ -186,7 +200,11 @@ def _snapshot_policy(ns: argparse.Namespace) -> SnapshotPolicy:
             raise UsageError(f"--checkpoint-dir {ns.checkpoint_dir}: {e.strerror}") from None
         directory = str(path.resolve())
     return SnapshotPolicy(
-        every=every, checkpoint_every=ckpt_every, keep=keep, checkpoint_dir=directory
+        every=every,
+        budget=budget,
+        checkpoint_every=ckpt_every,
+        keep=keep,
+        checkpoint_dir=directory,
     )
 
 

@@ -78,6 +78,21 @@ def _get() -> dict[str, Any] | None:
             "elastic_run_checkpoint_failures",
             "Checkpoints (or snapshots) that could not be written",
         ),
+        "interval": gauge(
+            "elastic_run_snapshot_interval_steps",
+            "Steps between snapshots (--snapshot-every, or chosen by the budget)",
+        ),
+        "at_risk": gauge(
+            "elastic_run_snapshot_steps_at_risk",
+            "The most committed steps a crash can lose at the current interval",
+        ),
+        "cost": gauge(
+            "elastic_run_snapshot_cost_seconds",
+            "Measured time a snapshot adds to training (blocking and competing for cores)",
+        ),
+        "step_time": gauge(
+            "elastic_run_step_seconds", "Measured time of a step without a snapshot in it"
+        ),
         "restore": gauge("elastic_run_restore_seconds", "Seconds the last restore took"),
         "restore_bytes": gauge("elastic_run_restore_bytes", "Bytes the last restore loaded"),
     }
@@ -114,6 +129,16 @@ def snapshot(seconds: float, nbytes: int) -> None:
         m["snapshot"].observe(seconds)
         m["snapshot_bytes"].set(nbytes)
         m["blocked"].inc(seconds)
+
+
+def cadence(interval: int, cost: float, step: float, at_risk: int) -> None:
+    """The snapshot interval the ranks agreed on, and the figures it came from."""
+    m = _get()
+    if m is not None:
+        m["interval"].set(interval)
+        m["at_risk"].set(at_risk)
+        m["cost"].set(cost)
+        m["step_time"].set(step)
 
 
 def waited(seconds: float) -> None:

@@ -34,6 +34,7 @@ class Stats:
     snapshots: int = 0
     snapshot_seconds: float = 0.0  # the last snapshot's time on the training thread
     snapshot_bytes: int = 0
+    unchanged_bytes: int = 0  # the last snapshot's bytes its slot held already: not copied
     blocked_seconds: float = 0.0  # all the time the training thread waited for snapshots
     checkpoints: int = 0
     checkpoint_failures: int = 0
@@ -48,6 +49,52 @@ def _idle_priority() -> None:
     cores, and optimizer.step() waits for whatever copy is left."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+class Held:
+    """The tensors whose bytes a slot holds, with their version counters then: a tensor
+    not written since (frozen parameters, buffers that did not change) is not copied
+    again. Every in-place write bumps ``Tensor._version`` (shared with ``detach()``ed
+    views); holding the tensors keeps their memory from going to another tensor at the
+    same address. Writes through ``.data`` bypass the counter (as they bypass autograd):
+    the README asks scripts to write frozen tensors under ``torch.no_grad()`` instead."""
+
+    def __init__(self, buf: object, packed: snapshot.Packed) -> None:
+        self.buf = buf  # the slot's mapping: a new one (grown, remapped) holds nothing
+        self.tensors: dict[int, tuple[torch.Tensor, int]] = {}  # by place in the slot
+
+    @staticmethod
+    def versions(packed: snapshot.Packed, which: list[int]) -> dict[int, tuple[torch.Tensor, int]]:
+        start = packed.data_start
+        return {
+            start + packed.offsets[i]: (packed.tensors[i], packed.tensors[i]._version)
+            for i in which
+        }
+
+    def add(self, packed: snapshot.Packed, which: list[int]) -> None:
+        self.tensors.update(self.versions(packed, which))
+
+    def unchanged(self, buf: object, packed: snapshot.Packed) -> set[int]:
+        """The tensors whose bytes are in the slot already, at their place."""
+        if buf is not self.buf:
+            return set()
+        same = set()
+        start = packed.data_start
+        for i, t in enumerate(packed.tensors):
+            was = self.tensors.get(start + packed.offsets[i])
+            if was is None or t.nbytes == 0:
+                continue
+            old, version = was
+            if (
+                old.data_ptr() == t.data_ptr()
+                and version == t._version
+                and old.dtype == t.dtype
+                and old.shape == t.shape
+                and old.stride() == t.stride()
+                and old.device == t.device
+            ):
+                same.add(i)
+        return same
 
 
 class BackgroundWriter:
@@ -105,6 +152,7 @@ class Snapshotter:
         self._pinned: dict[torch.device, torch.Tensor] = {}  # staging, per device
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._count = 0
+        self._held: dict[int, Held] = {}  # per slot: the tensors its bytes hold
         self.slots: SnapshotSlots | None = None
         if local_rank == 0 and (node_dir or policy.checkpoint_dir):
             try:
@@ -143,9 +191,15 @@ class Snapshotter:
         snapshot.write_into(buf, packed, tensors=False)
         later = [i for i, t in enumerate(packed.tensors) if t.data_ptr() in stable]
         deferred = set(later)
-        snapshot.copy_tensors(
-            buf, packed, [i for i in range(len(packed.tensors)) if i not in deferred]
-        )
+        now = [i for i in range(len(packed.tensors)) if i not in deferred]
+        held = self._held.pop(slot, None)  # void while the slot is rewritten
+        same = held.unchanged(buf, packed) if held is not None else set()
+        snapshot.copy_tensors(buf, packed, [i for i in now if i not in same])
+        record = Held(buf, packed)
+        record.add(packed, now)  # in place now; the rest once the background copy is
+        self.stats.unchanged_bytes = sum(packed.tensors[i].nbytes for i in same)
+        versions = record.versions(packed, later)  # as of now: optimizer.step() waits
+        later = [i for i in later if i not in same]
         on_gpu = [i for i in later if packed.tensors[i].is_cuda]
         staged = self._stage(packed, on_gpu)
         on_host = [i for i in later if not packed.tensors[i].is_cuda]
@@ -163,6 +217,8 @@ class Snapshotter:
             snapshot.copy_tensors_background(
                 buf, packed, on_gpu, threads, _idle_priority, sources=staged
             )
+            record.tensors.update(versions)
+            self._held[slot] = record
             slots.commit(slot, step, packed.size)
             self.stats.snapshots += 1
             self.stats.snapshot_bytes = packed.size
@@ -247,6 +303,11 @@ class Snapshotter:
             done.record(stream)
             self._device_done.append(done)
         return staged
+
+    @property
+    def copying(self) -> bool:
+        """A snapshot's copy is still running (it competes with the step now starting)."""
+        return self._copy is not None and self._copy.is_alive()
 
     def wait_for_step(self) -> None:
         """Before optimizer.step() changes the tensors in place: wait only for what still

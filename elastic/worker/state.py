@@ -30,6 +30,7 @@ from elastic import contract
 from elastic.contract import NODE_DIR_ENV, SnapshotPolicy
 from elastic.stored import SnapshotError
 from elastic.worker import comm, progress, rng, sharded, snapshot
+from elastic.worker.cadence import Cadence
 from elastic.worker.restore import (
     NOTHING,
     Candidate,
@@ -68,6 +69,14 @@ class State:
         set_(self, "_values", values)
         set_(self, "policy", snapshot_policy or SnapshotPolicy.from_env())
         set_(self, "stats", Stats())
+        every = self.policy.every
+        fixed = None if every == "auto" else int(every)
+        set_(self, "_cadence", Cadence(self.policy.budget, fixed))
+        if fixed:
+            progress.cadence(fixed, 0.0, 0.0, fixed)
+        set_(self, "_last_commit", None)  # the cadence's clock at the end of commit()
+        set_(self, "_disturbed", False)  # a snapshot ran into the step now in progress
+        set_(self, "_logged_interval", 0)
         set_(self, "_ctl", contract.worker_block())
         set_(self, "_stop_seen", self._ctl.stop_generation if self._ctl else 0)
         set_(self, "_comm", comm.ControlGroup())
@@ -125,13 +134,43 @@ class State:
             s.advance(1)
         after = sum(s.consumed for s in samplers)
         progress.report(step, loss, (after - before) // max(comm.world(), 1))
-        every = self.policy.every
-        due = every > 0 and step % every == 0
-        stop, due = (bool(x) for x in self._comm.all_reduce([self._stopping(), due], "MAX"))
+        cadence: Cadence = self._cadence
+        now = cadence.clock()
+        if self._last_commit is not None:
+            cadence.observe(now - self._last_commit, self._disturbed)
+        due = cadence.due(step)
+        stop, due, interval = self._comm.all_reduce(
+            [self._stopping(), due, cadence.proposal], "MAX"
+        )
+        if cadence.agree(interval):
+            self._tell_cadence()
         if due or stop:
-            self.snapshot(wait=stop)
+            self.snapshot(wait=bool(stop))
         if stop:
             self._leave_for_resize()
+        set_ = object.__setattr__
+        set_(self, "_disturbed", bool(due) or self._snapshotter.copying)
+        set_(self, "_last_commit", cadence.clock())
+
+    def _tell_cadence(self) -> None:
+        """The ranks agreed on a new interval: logged (rank 0) and exported, with the
+        steps a crash can cost."""
+        cadence: Cadence = self._cadence
+        risk = cadence.at_risk
+        progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
+        logged = self._logged_interval
+        if comm.rank() != 0 or (logged and logged / 2 < cadence.interval < logged * 2):
+            return  # the log shows the first choice and moves of 2x; the metrics all
+        object.__setattr__(self, "_logged_interval", cadence.interval)
+        why = cadence.choice.reason if cadence.choice else "no measurements here yet"
+        if cadence.choice and cadence.choice.interval != cadence.interval:
+            why += f" here; another rank's figures asked for every {cadence.interval}"
+        log.info(
+            "snapshot every %d step(s), at most %d step(s) lost to a crash: %s",
+            cadence.interval,
+            risk,
+            why,
+        )
 
     def heartbeat(self) -> None:
         """Progress without a step (a long evaluation): keeps the hang detector quiet."""
@@ -158,6 +197,7 @@ class State:
         """Take a snapshot now (commit() does this by policy). Collective when sharded.
         ``wait``: copy everything before returning (the process is about to stop)."""
         step = self._values["step"]
+        self._cadence.taken(step)
         rng.save(self._node_dir, comm.rank(), step)
         if self._sharded:
             self._save_sharded(step)

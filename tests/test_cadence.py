@@ -1,0 +1,180 @@
+"""The snapshot cadence on synthetic step times: it adapts to what snapshots cost."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic import State
+from elastic.contract import NODE_DIR_ENV
+from elastic.worker.cadence import LIMIT, PROBE, REFRESH, WARMUP, Cadence, choose
+
+
+def run(c: Cadence, steps: int, step_s: float, cost_s: float, start: int = 1) -> list[int]:
+    """Train ``steps`` steps of ``step_s``; a snapshot makes the next step ``cost_s``
+    longer. Returns the steps snapshotted. One rank: its proposal is the agreed one."""
+    taken: list[int] = []
+    disturbed = False
+    for step in range(start, start + steps):
+        if step > start:
+            c.observe(step_s + (cost_s if disturbed else 0.0), disturbed)
+        due = c.due(step)
+        c.agree(c.proposal)
+        if due:
+            c.taken(step)
+            taken.append(step)
+        disturbed = due
+    return taken
+
+
+def test_choose_is_the_smallest_interval_within_the_aim() -> None:
+    assert choose(0.100, 0.010, 0.02, aim=1.0).interval == 5  # 10 ms / (5 * 100 ms) = 2%
+    assert choose(0.100, 0.011, 0.02, aim=1.0).interval == 6
+    assert choose(0.100, 0.010, 0.02).interval == 7  # aim 80% of the budget: 1.6%
+    assert choose(0.100, 0.001, 0.02).interval == 1
+    assert choose(0.100, 0.0, 0.02).interval == 1
+    assert choose(0.001, 10.0, 0.02).interval == LIMIT
+    assert "capped" in choose(0.001, 10.0, 0.02).reason
+    why = choose(0.200, 0.045, 0.02).reason
+    assert "45 ms" in why and "200 ms" in why and "budget 2.0%" in why
+
+
+def test_first_snapshot_after_the_probe_then_the_budget_decides() -> None:
+    c = Cadence(0.02)
+    taken = run(c, 200, step_s=0.1, cost_s=0.05)  # 50 ms: every 32 steps is 1.6%
+    first = 1 + WARMUP + PROBE  # step 1 is not timed: the first time taken is step 2's
+    assert taken[0] == first
+    assert c.interval == 32
+    gaps = {b - a for a, b in itertools.pairwise(taken[1:])}
+    assert gaps == {32}
+    assert c.cost_s == pytest.approx(0.05)
+    assert c.step_s == pytest.approx(0.1)
+
+
+def test_a_slow_copy_stretches_the_interval_and_a_fast_one_shrinks_it() -> None:
+    c = Cadence(0.02)
+    run(c, 300, step_s=0.1, cost_s=0.02)
+    assert c.interval == 13
+    run(c, 1000, step_s=0.1, cost_s=0.08, start=301)  # the state grew: 4x the cost
+    assert c.interval == 50
+    run(c, 1000, step_s=0.1, cost_s=0.004, start=1301)  # a faster copy
+    assert c.interval == 3
+    assert c.choice is not None and c.choice.interval == 3
+
+
+def test_longer_steps_shorten_the_interval_before_the_next_snapshot() -> None:
+    c = Cadence(0.02)
+    run(c, 300, step_s=0.01, cost_s=0.08)
+    assert c.interval == 500
+    last = c.last
+    taken = run(c, 30, step_s=1.0, cost_s=0.08, start=301)
+    assert c.interval == 5 and taken and taken[0] - last < 500
+
+
+def test_noise_within_the_band_does_not_move_the_interval() -> None:
+    c = Cadence(0.02)
+    run(c, 300, step_s=0.1, cost_s=0.02)
+    assert c.interval == 13  # 1.54%
+    run(c, 300, step_s=0.1, cost_s=0.025, start=301)  # 1.9%: kept
+    run(c, 300, step_s=0.1, cost_s=0.011, start=601)  # 0.85%: kept
+    assert c.interval == 13
+    run(c, 300, step_s=0.1, cost_s=0.03, start=901)  # 2.3%: over the budget, never kept
+    assert c.interval == 19
+
+
+def test_a_pause_between_commits_is_not_a_step_nor_a_snapshot_cost() -> None:
+    c = Cadence(0.02)
+    run(c, 100, step_s=0.1, cost_s=0.02)
+    assert c.interval == 13
+    c.taken(101)
+    c.observe(60.0, disturbed=True)  # an evaluation right after a snapshot
+    c.observe(60.0, disturbed=False)  # and another, between two steps
+    assert c.interval == 13 and c.cost_s == pytest.approx(0.02)
+    assert c.step_s == pytest.approx(0.1)
+    run(c, 300, step_s=2.0, cost_s=0.02, start=102)  # steps really are 20x longer now
+    assert c.step_s == pytest.approx(2.0) and c.interval == 1
+
+
+def test_cheap_snapshots_go_every_step_but_one_in_refresh() -> None:
+    c = Cadence(0.02)
+    taken = run(c, 200, step_s=0.1, cost_s=0.0)
+    assert c.interval == 1
+    late = [s for s in range(100, 201)]
+    missed = [s for s in late if s not in taken]
+    assert missed == [s for s in late if s % REFRESH == 0]
+    assert c.at_risk == 2
+    assert Cadence(0.02, fixed=1).at_risk == 1 and Cadence(0.02, fixed=7).at_risk == 7
+
+
+def test_step_time_is_measured_only_on_clean_steps() -> None:
+    c = Cadence(0.02)
+    run(c, 400, step_s=0.2, cost_s=0.5)  # a disturbed step is 3.5x a clean one
+    assert c.step_s == pytest.approx(0.2)
+    assert c.interval == 157
+
+
+def test_the_ranks_take_the_largest_proposal() -> None:
+    c = Cadence(0.02)
+    run(c, 100, step_s=0.1, cost_s=0.02)
+    assert c.agree(30)
+    assert c.interval == 30 and c.proposal == 13
+    assert not c.agree(30)
+
+
+def test_a_fixed_interval_is_not_measured() -> None:
+    c = Cadence(0.02, fixed=3)
+    assert run(c, 10, step_s=0.1, cost_s=1.0) == [3, 6, 9]
+    assert not c.agree(50) and c.interval == 3
+    assert run(Cadence(0.02, fixed=0), 10, step_s=0.1, cost_s=0.0) == []
+
+
+def test_a_budget_outside_0_1_is_refused() -> None:
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        Cadence(1.5)
+
+
+def test_state_by_default_snapshots_as_often_as_the_budget_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real State taking real snapshots, timed by an injected clock: a step takes
+    10 ms, and the step after a snapshot 80 ms more. Snapshots are spread out and the
+    choice logged; then steps take 1 s and snapshots come far more often."""
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = State(model=model, optimizer=opt)
+    assert state.policy.every == "auto" and state.policy.budget == 0.02
+    now = [0.0]
+    state._cadence.clock = lambda: now[0]
+    x = torch.randn(2, 64)
+
+    def train(steps: int, step_s: float, cost_s: float) -> list[int]:
+        taken = []
+        for _ in range(steps):
+            if state._cadence.last == state.step and taken:
+                now[0] += cost_s  # the snapshot at the last commit slows this step
+            now[0] += step_s
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            state.commit()
+            if state._cadence.last == state.step:
+                taken.append(state.step)
+        state.flush()
+        return taken
+
+    caplog.set_level(logging.INFO, logger="elastic.state")
+    short = train(300, 0.01, 0.08)
+    assert state._cadence.interval == 500  # 80 ms / (500 * 10 ms) = 1.6%
+    assert len(short) == 1, short  # the probe; the next is due at step 506
+    assert "snapshot every 500 step(s), at most 500 step(s) lost to a crash" in caplog.text
+    long = train(30, 1.0, 0.08)
+    assert state._cadence.interval == 5, caplog.text
+    assert long and long[0] - short[0] < 500
+    assert max(b - a for a, b in itertools.pairwise(long)) == 5
+    assert "snapshot every 5 step(s), at most 5 step(s) lost" in caplog.text
+    state.close()
