@@ -74,7 +74,7 @@ def main() -> None:
         f"({nbytes / floor / 1e9:.1f} GB/s)"
     )
     n = 10 * a.steps // 3  # ten times as many steps when saving every 10
-    for every in (1, 10):
+    for every in (1, 10, "auto"):
         os.environ[POLICY_ENV] = SnapshotPolicy(every=every).encode()
         model, opt = model_and_opt(device)
         state = elastic.State(model=model, optimizer=opt)
@@ -83,7 +83,13 @@ def main() -> None:
             steps(model, opt, x, a.steps if every == 1 else n, lambda i, s=state: s.commit())
         )
         blocked = state.stats.blocked_seconds / max(state.stats.snapshots, 1)
+        chose = state._cadence
         state.close()
+        if every == "auto":
+            every = (
+                f"auto (chose {chose.interval}: snapshot {(chose.cost_s or 0) * 1e3:.0f} ms, "
+                f"step {(chose.step_s or 0) * 1e3:.1f} ms; {state.stats.snapshots} taken)"
+            )
         print(
             f"elastic.State snapshot every {every:>2} step(s): mean step {took * 1e3:.1f} ms = "
             f"{took / base:.2f}x; training thread blocked {blocked * 1e3:.1f} ms a snapshot "

@@ -184,17 +184,24 @@ def test_save_at_breakdown_to_a_full_disk_keeps_the_last_good_checkpoint(tmp_pat
 
 
 @pytest.mark.parametrize("in_optimizer", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
 def test_frozen_tensors_are_copied_once_per_slot_and_again_once_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_optimizer: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_optimizer: bool, fused: bool
 ) -> None:
     """A frozen backbone (outside the optimizer, or in it with no gradient): each slot
-    gets it once, and again after an in-place write; a restore sees every write."""
+    gets it once, and again after an in-place write; a restore sees every write, also
+    those of a fused optimizer, which does not count them in Tensor._version."""
     monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
     torch.manual_seed(0)
     backbone, head = torch.nn.Linear(512, 512), torch.nn.Linear(512, 4)
     backbone.requires_grad_(False)
     model = torch.nn.Sequential(backbone, head)
-    opt = torch.optim.SGD((model if in_optimizer else head).parameters(), lr=0.1, momentum=0.9)
+    params = (model if in_optimizer else head).parameters()
+    opt: torch.optim.Optimizer = (
+        torch.optim.Adam(params, lr=0.1, fused=True)
+        if fused
+        else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    )
     s = State(model=model, optimizer=opt, snapshot_policy=SnapshotPolicy(every=1))
     frozen = backbone.weight.nbytes + backbone.bias.nbytes
 

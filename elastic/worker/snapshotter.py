@@ -52,14 +52,16 @@ def _idle_priority() -> None:
 
 
 class Held:
-    """The tensors whose bytes a slot holds, with their version counters then: a tensor
-    not written since (frozen parameters, buffers that did not change) is not copied
-    again. Every in-place write bumps ``Tensor._version`` (shared with ``detach()``ed
-    views); holding the tensors keeps their memory from going to another tensor at the
-    same address. Writes through ``.data`` bypass the counter (as they bypass autograd):
-    the README asks scripts to write frozen tensors under ``torch.no_grad()`` instead."""
+    """The frozen tensors whose bytes a slot holds, with their version counters then: one
+    not written since is not copied again. Every in-place torch op bumps
+    ``Tensor._version`` (shared with ``detach()``ed views); holding the tensors keeps
+    their memory from going to another tensor at the same address. Only parameters that
+    take no gradient qualify: fused optimizer kernels (``Adam(fused=True)``) and some
+    library kernels (batch-norm statistics) write without bumping the counter, and never
+    touch those. Writes through ``.data`` bypass it too (as they bypass autograd): the
+    README asks scripts to write frozen tensors under ``torch.no_grad()`` instead."""
 
-    def __init__(self, buf: object, packed: snapshot.Packed) -> None:
+    def __init__(self, buf: object) -> None:
         self.buf = buf  # the slot's mapping: a new one (grown, remapped) holds nothing
         self.tensors: dict[int, tuple[torch.Tensor, int]] = {}  # by place in the slot
 
@@ -73,6 +75,12 @@ class Held:
 
     def add(self, packed: snapshot.Packed, which: list[int]) -> None:
         self.tensors.update(self.versions(packed, which))
+
+    def keep_only(self, packed: snapshot.Packed, eligible: list[int]) -> None:
+        """Forget every tensor that is not frozen now: it may have been written by a
+        kernel that does not count, and frozen again later."""
+        frozen_ptrs = {packed.tensors[i].data_ptr() for i in eligible}
+        self.tensors = {k: v for k, v in self.tensors.items() if v[0].data_ptr() in frozen_ptrs}
 
     def unchanged(self, buf: object, packed: snapshot.Packed) -> set[int]:
         """The tensors whose bytes are in the slot already, at their place."""
@@ -169,11 +177,14 @@ class Snapshotter:
         state: dict[str, Any],
         step: int,
         stable: set[int],
+        frozen: set[int],
         checkpoint: Callable[[], bool],
     ) -> None:
         """Snapshot ``state`` as of ``step``; tensors whose storage is in ``stable`` (they
-        change only in optimizer.step()) are copied in the background. ``checkpoint()``
-        says, once the copy is complete, whether this rank writes it to disk too."""
+        change only in optimizer.step()) are copied in the background, those in
+        ``frozen`` (parameters that take no gradient) only if written since the slot
+        took them. ``checkpoint()`` says, once the copy is complete, whether this rank
+        writes it to disk too."""
         if self.slots is None:
             return
         self.wait_copy()
@@ -192,13 +203,17 @@ class Snapshotter:
         later = [i for i, t in enumerate(packed.tensors) if t.data_ptr() in stable]
         deferred = set(later)
         now = [i for i in range(len(packed.tensors)) if i not in deferred]
+        eligible = [i for i, t in enumerate(packed.tensors) if t.data_ptr() in frozen]
+        for other in self._held.values():  # trainable now: it may change unseen
+            other.keep_only(packed, eligible)
         held = self._held.pop(slot, None)  # void while the slot is rewritten
         same = held.unchanged(buf, packed) if held is not None else set()
         snapshot.copy_tensors(buf, packed, [i for i in now if i not in same])
-        record = Held(buf, packed)
-        record.add(packed, now)  # in place now; the rest once the background copy is
+        record = Held(buf)
+        deferred_eligible = [i for i in eligible if i in deferred]
+        record.add(packed, [i for i in eligible if i not in deferred])  # in place now
         self.stats.unchanged_bytes = sum(packed.tensors[i].nbytes for i in same)
-        versions = record.versions(packed, later)  # as of now: optimizer.step() waits
+        versions = record.versions(packed, deferred_eligible)  # once copied; as of now
         later = [i for i in later if i not in same]
         on_gpu = [i for i in later if packed.tensors[i].is_cuda]
         staged = self._stage(packed, on_gpu)
@@ -339,6 +354,11 @@ class Snapshotter:
         self.wait_copy()
         if self._writer is not None:
             self._writer.wait(timeout)
+
+
+def frozen_storage(modules: Iterable[torch.nn.Module]) -> set[int]:
+    """Storage of the parameters that take no gradient (a frozen backbone)."""
+    return {p.data_ptr() for m in modules for p in m.parameters() if not p.requires_grad}
 
 
 def stable_storage(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:

@@ -39,7 +39,7 @@ from elastic.worker.restore import (
     local_candidate,
 )
 from elastic.worker.sampler import ElasticSampler
-from elastic.worker.snapshotter import Snapshotter, Stats, stable_storage
+from elastic.worker.snapshotter import Snapshotter, Stats, frozen_storage, stable_storage
 
 log = logging.getLogger("elastic.state")
 
@@ -203,11 +203,13 @@ class State:
             self._save_sharded(step)
             return
         stable = set() if wait else stable_storage(self._optimizers())
+        frozen = frozen_storage(o for o in self._objects.values() if isinstance(o, torch.nn.Module))
         rank0 = comm.rank() == 0
         self._snapshotter.take(
             self._state(),
             step,
             stable,
+            frozen,
             checkpoint=lambda: rank0 and self._snapshotter.due_checkpoint(wait),
         )
 
