@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -209,10 +210,18 @@ def policies(batch: int, shm: Path, disk: Path, rounds: int) -> None:
         loops[3].name: str(n),
         loops[4].name: f"{2 * n} (one save in flight)",
     }
-    print(f"\nbatch {batch}: {base:.2f} s a step without checkpoints; N = {n}")
+    print(f"\nbatch {batch}: {base:.2f} s a step without checkpoints; N = {n}", flush=True)
     for loop in loops:
         took = statistics.median(loop.times)
-        print(f"  {loop.name:<40}{took:>7.2f}s{took / base:>8.3f}x   steps lost: {lost[loop.name]}")
+        blocked = ""
+        if loop.state is not None:
+            waited = loop.state.stats.blocked_seconds / loop.step
+            blocked = f"; training thread blocked {waited * 1e3:.0f} ms a step"
+        print(
+            f"  {loop.name:<40}{took:>7.2f}s{took / base:>8.3f}x   "
+            f"steps lost: {lost[loop.name]}{blocked}",
+            flush=True,
+        )
     step_s, cost_s = cadence.step_s or 0.0, cadence.cost_s or 0.0
     print(
         f"  the default policy measured: step {step_s:.2f}s, snapshot cost {cost_s * 1e3:.0f} ms"
@@ -222,6 +231,8 @@ def policies(batch: int, shm: Path, disk: Path, rounds: int) -> None:
     for loop in loops:
         if loop.state is not None:
             loop.state.close()
+    for slots in shm.glob(f"{batch}-*"):  # two slots of 1.2 GB each, in memory
+        shutil.rmtree(slots)
 
 
 def main() -> None:

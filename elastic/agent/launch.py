@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from elastic.agent import nodedir
 from elastic.agent.breakdown import save_at_breakdown
@@ -174,13 +175,22 @@ def launch(cfg: RunConfig) -> int:
         )
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
         with handled_signals(cfg.signals, agent.on_signal):
-            code = agent.run()
+            try:
+                code = agent.run()
+            except BaseException:  # the agent itself breaks down (etcd gone, a bug)
+                workers.stop(0)  # first: no worker may overwrite the slot being saved
+                _save_at_breakdown(node_dir, policy)
+                raise
         if agent.state in (AgentState.FAILED, AgentState.LEFT):  # the job, or this node, ends
-            said = save_at_breakdown(node_dir, policy.checkpoint_dir, policy.keep)
-            if said:
-                log.info("%s", said)
+            _save_at_breakdown(node_dir, policy)
         if agent.state is AgentState.FAILED and http is not None and http.watched:
             log.info("letting Prometheus see that the job failed (one more scrape)")
             http.wait_scraped()
         return code
     raise AssertionError("unreachable")  # mypy: ExitStack may swallow exceptions
+
+
+def _save_at_breakdown(node_dir: Path, policy: SnapshotPolicy) -> None:
+    said = save_at_breakdown(node_dir, policy.checkpoint_dir, policy.keep)
+    if said:
+        log.info("%s", said)
