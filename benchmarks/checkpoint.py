@@ -15,10 +15,12 @@ state) at two batch sizes, with no checkpointing; with elastic-run's default pol
 (``--snapshot-every auto``: as often as keeps the cost within 2% of step time); with a
 snapshot every step; and with ``torch.save`` and ``torch.distributed.checkpoint.async_save``
 every N steps, N being the interval the default policy chose. Each with the most steps
-a crash can lose.
+a crash can lose. This VM's speed drifts by tens of percent over minutes, so costs are
+paired: a saver's steps against its own clean steps, every-step snapshots against no
+checkpointing in interleaved phases of three steps.
 
     python benchmarks/checkpoint.py [--sizes 100,1000] [--repeat 5] [--batches 256,1024]
-                                    [--rounds 2]     (--sizes "": part 2 only)
+                                    [--phases 12]    (--sizes "": part 2 only)
 """
 
 from __future__ import annotations
@@ -115,9 +117,10 @@ def blocking(mbytes: int, repeat: int, shm: Path, disk: Path) -> dict[str, float
 
 class Loop:
     """The ~100M-parameter MLP with Adam (1.2 GB of parameters and optimizer state) and
-    one way of saving it: steps timed in blocks."""
+    one way of saving it (``save`` returns whether it saved at that step): every step
+    timed, and the steps that saved remembered."""
 
-    def __init__(self, name: str, batch: int, save: Callable[[Loop, int], None]) -> None:
+    def __init__(self, name: str, batch: int, save: Callable[[Loop, int], bool]) -> None:
         torch.manual_seed(0)
         self.name = name
         self.model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(6)])
@@ -125,110 +128,124 @@ class Loop:
         self.x = torch.randn(batch, 4096)
         self.save = save
         self.step = 0
-        self.times: list[float] = []  # seconds per step, one per block
+        self.times: dict[int, float] = {}  # seconds, by step
+        self.saved: set[int] = set()
         self.state: State | None = None
         self.pending: list[Any] = []  # async_save futures
 
-    def run(self, steps: int, timed: bool = True) -> None:
-        t = time.perf_counter()
+    def run(self, steps: int) -> float:
+        """Seconds per step over ``steps``, finishing what is in flight."""
+        started = time.perf_counter()
         for _ in range(steps):
+            t = time.perf_counter()
             self.model(self.x).pow(2).mean().backward()
             self.opt.step()
             self.opt.zero_grad()
             self.step += 1
-            self.save(self, self.step)
-        self.finish()
-        if timed:
-            self.times.append((time.perf_counter() - t) / steps)
-
-    def finish(self) -> None:
-        """What is in flight is part of the block's cost."""
+            if self.save(self, self.step):
+                self.saved.add(self.step)
+            self.times[self.step] = time.perf_counter() - t
         if self.state is not None:
             self.state.flush()
         for f in self.pending:
             f.result()
         self.pending.clear()
+        return (time.perf_counter() - started) / steps
+
+    def overhead(self, first: int) -> float:
+        """What saving added, against this loop's own clean steps (no save in them or
+        the two before): paired in time, so the VM's drift over minutes cancels."""
+        steps = [s for s in self.times if s >= first]
+        clean = [self.times[s] for s in steps if not {s, s - 1, s - 2} & self.saved]
+        return sum(self.times[s] for s in steps) / (len(steps) * statistics.median(clean)) - 1
 
     def sd(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
 
 
-def policies(batch: int, shm: Path, disk: Path, rounds: int) -> None:
-    """Step time with no checkpointing, elastic-run's default policy, a snapshot every
-    step, and torch.save / async_save every N (N: the interval the default policy chose),
-    in blocks of N steps run ABCDE EDCBA ``rounds`` times (this VM's speed drifts by
-    tens of percent over minutes; mirrored blocks cancel a steady drift)."""
+def policies(batch: int, shm: Path, disk: Path, phases: int) -> None:
+    """elastic-run's default policy, then torch.save and async_save every N (N: the
+    interval the policy chose), each over three intervals, their cost measured against
+    their own clean steps; and a snapshot every step against no checkpointing, in
+    interleaved phases of three steps (this VM's speed drifts by tens of percent over
+    minutes: only paired measurements resolve a few percent)."""
 
-    def with_state(policy: SnapshotPolicy) -> Callable[[Loop, int], None]:
-        def commit(loop: Loop, step: int) -> None:
+    def with_state(policy: SnapshotPolicy) -> Callable[[Loop, int], bool]:
+        def commit(loop: Loop, step: int) -> bool:
             if loop.state is None:
                 os.environ[NODE_DIR_ENV] = str(shm / f"{batch}-{policy.every}")
                 loop.state = State(model=loop.model, optimizer=loop.opt, snapshot_policy=policy)
             loop.state.commit()
+            return loop.state._cadence.last == step
 
         return commit
 
     auto = Loop("elastic-run default (auto, 2% budget)", batch, with_state(SnapshotPolicy()))
-    auto.run(1, timed=False)  # the State exists; then let it measure and choose
+    auto.run(12)  # measures steps, takes one probe snapshot, chooses
     assert auto.state is not None
     cadence = auto.state._cadence
-    while (cadence.interval == 0 or auto.step < 12) and auto.step < 60:
-        auto.run(1, timed=False)
-    n = max(cadence.interval, 1)
+    while cadence.interval == 0 and auto.step < 60:
+        auto.run(1)
+    first = auto.step + 1
+    auto.run(3 * cadence.interval)
+    n = cadence.interval
     path = disk / f"save-{batch}.pt"
 
-    def torch_save(loop: Loop, step: int) -> None:
-        if step % n == 0:
-            torch.save(loop.sd(), path)
+    def torch_save(loop: Loop, step: int) -> bool:
+        if step % n:
+            return False
+        torch.save(loop.sd(), path)
+        return True
 
-    def async_save(loop: Loop, step: int) -> None:
-        if step % n == 0:
-            for f in loop.pending:  # one in flight at a time, as its docs advise
-                f.result()
-            where = disk / f"dcp-{batch}-{step // n % 2}"  # the older one is complete
-            loop.pending = [dcp.async_save(loop.sd(), checkpoint_id=str(where))]
+    def async_save(loop: Loop, step: int) -> bool:
+        if step % n:
+            return False
+        for f in loop.pending:  # one in flight at a time, as its docs advise
+            f.result()
+        where = disk / f"dcp-{batch}-{step // n % 2}"  # the older one is complete
+        loop.pending = [dcp.async_save(loop.sd(), checkpoint_id=str(where))]
+        return True
 
-    loops = [
-        Loop("no checkpointing", batch, lambda loop, step: None),
-        auto,
-        Loop("elastic-run, snapshot every step", batch, with_state(SnapshotPolicy(every=1))),
-        Loop(f"torch.save every {n}", batch, torch_save),
-        Loop(f"DCP async_save every {n}", batch, async_save),
-    ]
-    for loop in loops:  # allocate optimizer state, snapshot slots, files
-        if loop is not auto:
-            loop.run(2, timed=False)
-    for r in range(rounds):
-        order = loops if r % 2 == 0 else loops[::-1]
-        for loop in order + order[::-1]:
-            loop.run(n)
-    base = statistics.median(loops[0].times)
-    lost = {
-        "no checkpointing": "all",
-        auto.name: str(cadence.at_risk),
-        loops[2].name: "1",
-        loops[3].name: str(n),
-        loops[4].name: f"{2 * n} (one save in flight)",
-    }
-    print(f"\nbatch {batch}: {base:.2f} s a step without checkpoints; N = {n}", flush=True)
-    for loop in loops:
-        took = statistics.median(loop.times)
-        blocked = ""
-        if loop.state is not None:
-            waited = loop.state.stats.blocked_seconds / loop.step
-            blocked = f"; training thread blocked {waited * 1e3:.0f} ms a step"
-        print(
-            f"  {loop.name:<40}{took:>7.2f}s{took / base:>8.3f}x   "
-            f"steps lost: {lost[loop.name]}{blocked}",
-            flush=True,
-        )
-    step_s, cost_s = cadence.step_s or 0.0, cadence.cost_s or 0.0
+    rows: list[tuple[str, float, str, float | None]] = []
+
+    def blocked(loop: Loop, since: int) -> float | None:
+        if loop.state is None:
+            return None
+        return loop.state.stats.blocked_seconds / max(loop.step - since + 1, 1)
+
+    rows.append((auto.name, auto.overhead(first), str(cadence.at_risk), blocked(auto, 1)))
+    for name, save, lost in (
+        (f"torch.save every {n}", torch_save, str(n)),
+        (f"DCP async_save every {n}", async_save, f"{2 * n} (one save in flight)"),
+    ):
+        loop = Loop(name, batch, save)
+        loop.run(2)  # optimizer state allocated, first files written
+        loop.run(3 * n)
+        rows.append((name, loop.overhead(3), lost, None))
+        del loop
+    every = Loop("elastic-run, snapshot every step", batch, with_state(SnapshotPolicy(every=1)))
+    none = Loop("no checkpointing", batch, lambda loop, step: False)
+    for loop in (every, none):
+        loop.run(2)
+    assert every.state is not None
+    every.state.stats.blocked_seconds = 0.0
+    paired: dict[str, list[float]] = {every.name: [], none.name: []}
+    for phase in range(phases):
+        for loop in (every, none) if phase % 2 == 0 else (none, every):
+            paired[loop.name].append(loop.run(3))
+    ratio = statistics.median(paired[every.name]) / statistics.median(paired[none.name])
+    rows.append((every.name, ratio - 1, "1", blocked(every, 3)))
+    base = statistics.median(paired[none.name])
+    print(f"\nbatch {batch}: {base:.2f} s a step without checkpoints", flush=True)
+    for name, extra, lost, waited in rows:
+        note = "" if waited is None else f"; blocked {waited * 1e3:.0f} ms a step"
+        print(f"  {name:<40}{extra:>+8.1%}   steps lost: {lost}{note}", flush=True)
     print(
-        f"  the default policy measured: step {step_s:.2f}s, snapshot cost {cost_s * 1e3:.0f} ms"
-        f" -> every {cadence.interval} steps = "
-        f"{cost_s / max(cadence.interval * step_s, 1e-9):.1%} of step time"
+        f"  the default policy's own figures: step {(cadence.step_s or 0):.2f} s, snapshot "
+        f"cost {(cadence.cost_s or 0) * 1e3:.0f} ms -> every {cadence.interval} steps",
+        flush=True,
     )
-    for loop in loops:
+    for loop in (auto, every):
         if loop.state is not None:
             loop.state.close()
     for slots in shm.glob(f"{batch}-*"):  # two slots of 1.2 GB each, in memory
@@ -240,7 +257,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="100,1000", help="state sizes in MB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--batches", default="256,1024", help="batch sizes for part 2")
-    ap.add_argument("--rounds", type=int, default=2, help="ABCDE EDCBA rounds in part 2")
+    ap.add_argument("--phases", type=int, default=12, help="every step vs none, part 2")
     a = ap.parse_args()
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(dir=shm_root) as shm, tempfile.TemporaryDirectory() as disk:
@@ -255,15 +272,15 @@ def main() -> None:
             for k in ("bare copy", "snapshot (full copy)", "commit (overlapped)", "torch.save"):
                 print(f"  {k:<24}{r[k]:>9.3f}s{r[k] / base:>8.2f}x")
         print(
-            "\nStep time of a 101M-parameter MLP with Adam (1.2 GB of state), median of "
-            f"{2 * a.rounds} blocks of N steps; ratio to no checkpointing"
+            "\nWhat each way of saving adds to the step time of a 101M-parameter MLP with "
+            "Adam (1.2 GB of state)"
         )
         if not dist.is_initialized():  # async_save wants a process group
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group("gloo", rank=0, world_size=1)
         for batch in (int(b) for b in a.batches.split(",")):
-            policies(batch, Path(shm), Path(disk), a.rounds)
+            policies(batch, Path(shm), Path(disk), a.phases)
         print("\ntargets: blocking within 2x of the bare copy; the default policy <= 2%")
 
 
