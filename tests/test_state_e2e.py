@@ -26,7 +26,7 @@ def rows(result_dir: Path) -> list[dict]:
     return sorted(out, key=lambda r: r["t"])
 
 
-def train(
+def start(
     procs: list[Proc],
     etcd: EtcdServer,
     run_id: str,
@@ -35,8 +35,9 @@ def train(
     *args: str,
     extra: tuple[str, ...] = (),
 ) -> list[Proc]:
+    """One agent per name in ``nodes`` (a two-node job), results under ``out``."""
     out.mkdir()
-    agents = [
+    return [
         start_agent(
             procs,
             etcd.endpoint,
@@ -50,6 +51,18 @@ def train(
         )
         for n in nodes
     ]
+
+
+def train(
+    procs: list[Proc],
+    etcd: EtcdServer,
+    run_id: str,
+    out: Path,
+    nodes: str,
+    *args: str,
+    extra: tuple[str, ...] = (),
+) -> list[Proc]:
+    agents = start(procs, etcd, run_id, out, nodes, *args, extra=extra)
     for a in agents:
         assert a.wait(120) == 0, a.transcript()
     return agents
@@ -250,23 +263,9 @@ def test_sigterm_of_the_whole_job_saves_the_newest_state(
     """Every node told to stop: the workers save at their next commit and exit, and the
     checkpoint dir holds that step (no periodic checkpoint was due)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
-    out.mkdir()
     extra = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000")
     args = ("--samples", "100000", "--epochs", "1", "--step-time", "0.05")
-    nodes = [
-        start_agent(
-            procs,
-            etcd.endpoint,
-            run_id,
-            n,
-            SCRIPT,
-            *args,
-            nnodes="2",
-            extra=extra,
-            env={"RESULT_DIR": str(out)},
-        )
-        for n in "ab"
-    ]
+    nodes = start(procs, etcd, run_id, out, "ab", *args, extra=extra)
     wait_world(out, 2, timeout=60)
     wait_until(lambda: max(r["step"] for r in rows(out)) >= 8, 60, "some steps")
     for n in nodes:

@@ -73,9 +73,6 @@ class Held:
             for i in which
         }
 
-    def add(self, packed: snapshot.Packed, which: list[int]) -> None:
-        self.tensors.update(self.versions(packed, which))
-
     def keep_only(self, packed: snapshot.Packed, eligible: list[int]) -> None:
         """Forget every tensor that is not frozen now: it may have been written by a
         kernel that does not count, and frozen again later."""
@@ -209,11 +206,9 @@ class Snapshotter:
         held = self._held.pop(slot, None)  # void while the slot is rewritten
         same = held.unchanged(buf, packed) if held is not None else set()
         snapshot.copy_tensors(buf, packed, [i for i in now if i not in same])
-        record = Held(buf)
-        deferred_eligible = [i for i in eligible if i in deferred]
-        record.add(packed, [i for i in eligible if i not in deferred])  # in place now
+        record = Held(buf)  # takes effect once the whole copy is done
+        record.tensors = Held.versions(packed, eligible)  # as of now: optimizer.step() waits
         self.stats.unchanged_bytes = sum(packed.tensors[i].nbytes for i in same)
-        versions = record.versions(packed, deferred_eligible)  # once copied; as of now
         later = [i for i in later if i not in same]
         on_gpu = [i for i in later if packed.tensors[i].is_cuda]
         staged = self._stage(packed, on_gpu)
@@ -232,7 +227,6 @@ class Snapshotter:
             snapshot.copy_tensors_background(
                 buf, packed, on_gpu, threads, _idle_priority, sources=staged
             )
-            record.tensors.update(versions)
             self._held[slot] = record
             slots.commit(slot, step, packed.size)
             self.stats.snapshots += 1
