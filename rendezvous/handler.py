@@ -88,14 +88,14 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
             "round %d: group rank %d of %d, master %s:%d",
             r.number,
             group_rank,
-            len(r.members),
+            r.size,
             r.master_addr,
             r.master_port,
         )
         return torch_api.RendezvousInfo(
             self._store,
             group_rank,
-            len(r.members),
+            r.size,
             torch_api.RendezvousStoreInfo(r.master_addr, r.master_port),
         )
 

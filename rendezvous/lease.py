@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rendezvous.client import EtcdClient
+from rendezvous.client import EtcdClient, KeepAliveStream
 from rendezvous.errors import EtcdUnavailableError, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class LeaseKeeper:
         self.lease_id = 0
         self.lost = False
         self.last_ok = 0.0
+        self._stream: KeepAliveStream | None = None
 
     def grant(self, timeout: float | None = None) -> int:
         self.lease_id = self._client.grant(self.ttl, timeout)
@@ -58,7 +59,7 @@ class LeaseKeeper:
             if lease_id and not self.lost:
                 was_reachable = self.reachable
                 try:
-                    ttl = self._client.refresh(lease_id, timeout=self._interval)
+                    ttl = self._refresh(lease_id)
                 except EtcdUnavailableError as e:
                     if was_reachable and not self.reachable:
                         log.warning(
@@ -81,6 +82,15 @@ class LeaseKeeper:
                         self._on_change()
             self._stopped.wait(self._interval if self.reachable else min(self._interval, 0.5))
 
+    def _refresh(self, lease_id: int) -> int:
+        if self._stream is None:
+            self._stream = self._client.keep_alive()
+        try:
+            return self._stream.refresh(lease_id, timeout=self._interval)
+        except EtcdUnavailableError:
+            self._stream = None  # closed: the next keep-alive opens another
+            raise
+
     def revoke(self) -> None:
         """Drop the lease now: the node's record disappears for everyone at once."""
         lease_id, self.lease_id = self.lease_id, 0
@@ -96,3 +106,5 @@ class LeaseKeeper:
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._stream is not None:
+            self._stream.close()

@@ -4,11 +4,12 @@ One watch stream feeds the mirror; every change wakes whoever waits on it. Nothi
 etcd. When the stream breaks (etcd restarted, a member died) the mirror reads the job
 again and watches on from there.
 
-Two modes. *Full*: every change under the job prefix, as a running member (it must see
-arrivals, departures, failures) or the round's writer needs. *Lean*: only departures
-(etcd's NOPUT filter), the round and ``closed``, which is all a node waiting for someone
-else to write the round needs. With N nodes forming a round, full watching costs N
-events at each of N nodes; lean watching costs next to nothing at the N-1 that wait.
+Two modes. *Full*: every change under the job prefix, which only the leader (the node
+that writes rounds and tells members what ends them) needs. *Lean*: the round's header,
+this node's own bucket of its members, ``leader``, ``notice``, ``closed``, failure
+reports and this node's own record: what every other node needs, in O(1) bytes per
+node and round. With N nodes, full watching at every node would cost N events at each
+of N nodes; one full node and N-1 lean ones cost O(N) in all.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
     GoneRecord,
+    LeaderRecord,
     Member,
     NodeRecord,
-    NodeState,
+    NoticeRecord,
     RoundRecord,
+    bucket_of,
+    decode_bucket,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,9 @@ class JobView:
     failures: dict[int, dict[str, FailureRecord]] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     last_join: float = 0.0  # monotonic time this process saw the newest node register
+    leader: LeaderRecord | None = None
+    leader_kv: KV | None = None  # its key's revisions and lease, for guarded writes
+    notice: NoticeRecord | None = None
 
     @property
     def round(self) -> RoundRecord | None:
@@ -85,9 +92,14 @@ class _Decoded:
     def __init__(self) -> None:
         self.nodes: dict[str, LiveNode] = {}
         self.gone: dict[str, GoneRecord] = {}
-        self.round: RoundRecord | None = None
+        self.round: RoundRecord | None = None  # the header
         self.round_rev = 0
         self.round_err: str | None = None
+        self.buckets: dict[int, tuple[int, list[Member]]] = {}
+        self.shown: RoundRecord | None = None  # the newest round whose members are here
+        self.shown_rev = 0
+        self.leader: KV | None = None
+        self.notice: NoticeRecord | None = None
         self.closed: ClosedRecord | None = None
         self.closed_err: str | None = None
         self.failures: dict[int, dict[str, FailureRecord]] = {}
@@ -104,6 +116,16 @@ class _Decoded:
             elif rel == records.ROUND:
                 self.round_rev = kv.mod_revision
                 self.round = RoundRecord.decode(kv.key, kv.value)
+            elif rel.startswith(records.MEMBERS):
+                bucket = rel[len(records.MEMBERS) :]
+                if not bucket.isdigit():
+                    raise MalformedRecordError(f"malformed etcd key {kv.key}: not a bucket")
+                self.buckets[int(bucket)] = decode_bucket(kv.key, kv.value)
+            elif rel == records.LEADER:
+                LeaderRecord.decode(kv.key, kv.value)
+                self.leader = kv
+            elif rel == records.NOTICE:
+                self.notice = NoticeRecord.decode(kv.key, kv.value)
             elif rel == records.CLOSED:
                 self.closed = ClosedRecord.decode(kv.key, kv.value)
             elif rel.startswith(records.FAILURES):
@@ -135,35 +157,65 @@ class _Decoded:
                 self.failures.get(int(number), {}).pop(node, None)
         elif rel == records.ROUND:
             self.round, self.round_rev, self.round_err = None, 0, None
+        elif rel.startswith(records.MEMBERS):
+            bucket = rel[len(records.MEMBERS) :]
+            if bucket.isdigit():
+                self.buckets.pop(int(bucket), None)
+        elif rel == records.LEADER:
+            self.leader = None
+        elif rel == records.NOTICE:
+            self.notice = None
         elif rel == records.CLOSED:
             self.closed, self.closed_err = None, None
 
-    def leaving(self, rel: str) -> bool:
-        node = self.nodes.get(rel[len(records.NODES) :]) if rel.startswith(records.NODES) else None
-        return node is not None and node.record.state is NodeState.LEAVING
+    def assembled(self) -> tuple[RoundRecord | None, int]:
+        """The round with the members its buckets here hold, or, while this node's bucket
+        of a newer round is still on its way, the newest round it has whole."""
+        header = self.round
+        if header is None:
+            return None, 0
+        members = [
+            m
+            for b, (number, ms) in self.buckets.items()
+            if number == header.number and b < header.buckets
+            for m in ms
+        ]
+        fetched = {b for b, (number, _) in self.buckets.items() if number == header.number}
+        if fetched:
+            self.shown, self.shown_rev = header.with_members(members), self.round_rev
+        return self.shown, self.shown_rev
+
+    def leader_record(self) -> LeaderRecord | None:
+        kv = self.leader
+        return None if kv is None else LeaderRecord.decode(kv.key, kv.value)
 
     def view(self, revision: int, last_join: float) -> JobView:
+        shown, shown_rev = self.assembled()
         return JobView(
             revision,
             dict(self.nodes),
             dict(self.gone),
-            self.round,
-            self.round_rev,
+            shown,
+            shown_rev,
             self.round_err,
             self.closed,
             self.closed_err,
             {n: dict(f) for n, f in self.failures.items() if f},
             tuple(self.problems.values()),
             last_join,
+            self.leader_record(),
+            self.leader,
+            self.notice,
         )
 
 
 class JobMirror:
     """Keeps a JobView of ``prefix`` current from one watch stream."""
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, own: str = "") -> None:
         self._client = client
         self._prefix = prefix
+        self._own = own  # this node's id: its record and bucket are watched when lean
         self._cond = threading.Condition()
         self._kvs: dict[str, KV] = {}
         self._key_rev: dict[str, int] = {}  # newest revision applied per key (tombstones too)
@@ -171,10 +223,9 @@ class JobMirror:
         self._view = JobView()
         self._dirty = False
         self._version = 0
-        self._major = 0
         self._revision = 0
         self._last_join = time.monotonic()
-        self._full = True
+        self._full = not own
         self._catching_up = False
         self._stream: WatchStream | None = None
         self._reopen = threading.Event()
@@ -192,7 +243,8 @@ class JobMirror:
         if initial is None:
             self._load(timeout)
         else:
-            self._load_from(*initial)
+            revision, kvs = initial
+            self._load_from(revision, kvs + self._bucket(kvs, revision))
         self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
         self._thread.start()
 
@@ -215,13 +267,14 @@ class JobMirror:
         return self._full and not self._catching_up
 
     def set_full(self, full: bool, wait: bool = True) -> None:
-        """Switch modes. Going full reads the job again: here when ``wait`` (the view is
-        complete on return), else in the watch thread (``complete`` says when)."""
+        """Switch modes; the job is read again in the new mode: going full, here when
+        ``wait`` (the view is complete on return), else in the watch thread (``complete``
+        says when)."""
         if full == self._full:
             return
         with self._cond:
             self._full = full
-            self._catching_up = full and not wait
+            self._catching_up = not (full and wait)
         self._reopen.set()
         stream = self._stream
         if stream is not None:
@@ -247,19 +300,9 @@ class JobMirror:
         with self._cond:
             return self._version
 
-    @property
-    def major_version(self) -> int:
-        """Counts only changes that can end a wait for someone else's round: the round,
-        closed, a node leaving or gone. Arrivals and 'done' updates do not count."""
+    def wait(self, version: int, timeout: float | None) -> int:
+        """Block until the version moves past ``version`` or ``timeout``."""
         with self._cond:
-            return self._major
-
-    def wait(self, version: int, timeout: float | None, major: bool = False) -> int:
-        """Block until the (major) version moves past ``version`` or ``timeout``."""
-        with self._cond:
-            if major:
-                self._cond.wait_for(lambda: self._major != version, timeout)
-                return self._major
             self._cond.wait_for(lambda: self._version != version, timeout)
             return self._version
 
@@ -267,7 +310,6 @@ class JobMirror:
         """Wake waiters without a change (a lease was lost, a deadline moved)."""
         with self._cond:
             self._version += 1
-            self._major += 1
             self._cond.notify_all()
 
     # -- feeding -----------------------------------------------------------------------
@@ -277,18 +319,41 @@ class JobMirror:
             self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
             self._publish()
 
+    def lean_keys(self) -> tuple[list[str], list[str]]:
+        """(keys, prefixes) a lean node reads and watches (its bucket aside)."""
+        p = self._prefix
+        keys = [p + records.ROUND, p + records.CLOSED, p + records.LEADER, p + records.NOTICE]
+        return [*keys, p + records.NODES + self._own], [p + records.FAILURES]
+
     def _specs(self) -> list[WatchSpec]:
         if self._full:
             return [WatchSpec(self._prefix, prefix=True)]
-        return [
-            WatchSpec(self._prefix, prefix=True, no_put=True),
-            WatchSpec(self._prefix + records.ROUND),
-            WatchSpec(self._prefix + records.CLOSED),
-        ]
+        keys, prefixes = self.lean_keys()
+        return [WatchSpec(k) for k in keys] + [WatchSpec(k, prefix=True) for k in prefixes]
 
     def _load(self, timeout: float | None = None) -> None:
-        """Read everything (at start, going full, and to catch up after a broken watch)."""
-        self._load_from(*self._client.get_prefix(self._prefix, timeout))
+        """Read what this mode sees (at start, on a mode change, to catch up after a
+        broken watch)."""
+        if self._full:
+            self._load_from(*self._client.get_prefix(self._prefix, timeout))
+            return
+        revision, kvs = self._client.read(*self.lean_keys(), timeout=timeout)
+        self._load_from(revision, kvs + self._bucket(kvs, revision))
+
+    def _bucket(self, kvs: list[KV], revision: int) -> list[KV]:
+        """This node's bucket of the round among ``kvs`` (a lean node reads only that one),
+        as of ``revision``: written in the same transaction as the round's header."""
+        key = self._prefix + records.ROUND
+        header = next((kv for kv in kvs if kv.key == key and kv.value is not None), None)
+        if self._full or header is None:
+            return []
+        try:
+            buckets = RoundRecord.decode(key, header.value).buckets
+        except MalformedRecordError:
+            return []  # the view says so, naming the key
+        wanted = f"{self._prefix}{records.MEMBERS}{bucket_of(self._own, buckets)}"
+        kv = self._client.get(wanted, revision=revision)
+        return [kv] if kv is not None else []
 
     def _load_from(self, revision: int, kvs: list[KV]) -> None:
         fresh = {kv.key: kv for kv in kvs}
@@ -302,9 +367,17 @@ class JobMirror:
         self.connected = True
 
     def _apply_one(
-        self, key: str, value: bytes | None, create_rev: int, mod_rev: int, lease: int
+        self,
+        key: str,
+        value: bytes | None,
+        create_rev: int,
+        mod_rev: int,
+        lease: int,
+        seen: bool = False,
     ) -> None:
-        """One change, unless a newer one for the same key was applied already."""
+        """One change, unless a newer one for the same key was applied already. ``seen``:
+        it came as it happened (a watch event), so a new node record is a join now; a read
+        (at start, on going full) says nothing of when a node registered."""
         if mod_rev <= self._key_rev.get(key, 0):
             return
         self._key_rev[key] = mod_rev
@@ -313,22 +386,33 @@ class JobMirror:
         old = self._kvs.get(key)
         if old is not None and (value is None or old.create_revision != create_rev):
             self._kvs.pop(key)
-            self._major += 1
             self._decoded.delete(rel)
         if value is None:
             return
         kv = KV(key, value, create_rev, mod_rev, lease)
-        if rel.startswith(records.NODES) and key not in self._kvs and self._version:
+        if seen and rel.startswith(records.NODES) and key not in self._kvs:
             self._last_join = time.monotonic()
         self._kvs[key] = kv
         self._decoded.put(rel, kv)
-        if rel in (records.ROUND, records.CLOSED) or self._decoded.leaving(rel):
-            self._major += 1
 
     def _apply(self, events: list[Event]) -> None:
+        round_key = self._prefix + records.ROUND
+        news = [
+            KV(e.key, e.value, e.create_revision, e.mod_revision, e.lease)
+            for e in events
+            if e.key == round_key and e.value is not None
+        ]
+        if news:  # lean: fetch this node's bucket of the new round before showing it
+            extra = self._bucket(news[-1:], news[-1].mod_revision)
+            events = events + [
+                Event(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+                for kv in extra
+            ]
         with self._cond:
             for ev in events:
-                self._apply_one(ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease)
+                self._apply_one(
+                    ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease, seen=True
+                )
             self._publish()
 
     def _publish(self) -> None:

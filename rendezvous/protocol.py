@@ -37,15 +37,20 @@ from rendezvous.records import (
     FailureRecord,
     GoneRecord,
     JobOutcome,
+    LeaderRecord,
     NodeRecord,
     NodeState,
+    NoticeRecord,
+    RoundEnd,
     RoundRecord,
 )
-from rendezvous.rules import Change, Plan, plan, round_end
+from rendezvous.rules import Change, Plan, lean_round_end, plan, round_end
 
 log = logging.getLogger(__name__)
 
 GONE_TTL = 60  # seconds a departed node's tombstone stays
+# what the leader gives notice of: the rest each member sees for itself
+NOTICED = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.LEAVING, RoundEnd.STOPPING, RoundEnd.WAITING)
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class Rendezvous:
         self.options = options
         self.me = me
         self.max_restarts = max_restarts
-        self.mirror = JobMirror(client, options.job_prefix)
+        self.mirror = JobMirror(client, options.job_prefix, own=me.id)
         self.lease = LeaseKeeper(
             client, options.lease_ttl, options.keep_alive_interval, on_change=self.mirror.poke
         )
@@ -82,6 +87,7 @@ class Rendezvous:
         self._shut = False
         self._probe: ProbeListener | None = None
         self._probed: dict[str, float] = {}  # node id -> monotonic time last probed
+        self._noticed: tuple[int, RoundEnd] | None = None  # the last notice this node gave
 
     @property
     def node_id(self) -> str:
@@ -101,9 +107,13 @@ class Rendezvous:
 
     def probe_members(self) -> None:
         """Find out now whether a member of this node's round is gone: a member whose agent
-        refuses its probe port loses its lease at once (see ``probe``)."""
-        if self.round is not None:
-            self._probe_gone(self.mirror.view(), tuple(m.id for m in self.round.members))
+        refuses its probe port loses its lease at once (see ``probe``). The leader probes
+        them all; the others probe the leader, which hears of the rest from etcd."""
+        view = self.mirror.view()
+        if not self.mirror.full:
+            self._probe_leader(view)
+        elif self.round is not None:
+            self._probe_gone(view, tuple(m.id for m in self.round.members))
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, rel: str) -> str:
@@ -121,7 +131,7 @@ class Rendezvous:
         rec = self._new_record()
         value = rec.encode()
         revision, kvs = self.client.create_and_read(
-            self.node_key, value, lease_id, self.options.job_prefix, self.key(records.CLOSED)
+            self.node_key, value, lease_id, self.mirror.lean_keys(), self.key(records.CLOSED)
         )
         try:
             if not revision:
@@ -217,14 +227,16 @@ class Rendezvous:
         gone_lease = self.client.grant(ttl, timeout=2.0)
         rec = GoneRecord(rev=self.rev, host=self.me.host, at=time.time())
         ops = self.client.ops
-        self.client.txn(
-            [],
-            [
-                ops.put(self.key(records.GONE + self.me.id), rec.encode(), lease=gone_lease),
-                ops.delete(self.node_key),
-            ],
-            timeout=2.0,
-        )
+        leave = [
+            ops.put(self.key(records.GONE + self.me.id), rec.encode(), lease=gone_lease),
+            ops.delete(self.node_key),
+        ]
+        view = self.mirror.view()
+        if self._is_leader(view) and view.leader_kv is not None:  # resign in the same step
+            held = ops.mod(self.key(records.LEADER)) == view.leader_kv.mod_revision
+            self.client.txn([held], [*leave, ops.delete(self.key(records.LEADER))], leave, 2.0)
+        else:
+            self.client.txn([], leave, timeout=2.0)
 
     def _put_record(self, rec: NodeRecord) -> None:
         value = rec.encode()
@@ -282,22 +294,29 @@ class Rendezvous:
             self.alive_at = time.monotonic()
             if cancel is not None and cancel.is_set():
                 raise RendezvousCancelled("cancelled while waiting for the next round")
-            version, major = self.mirror.version, self.mirror.major_version
+            version = self.mirror.version
             view = self.mirror.view()
             self._raise_if_closed(view)
             if self._fenced(view):
                 log.warning("this node's lease is gone; joining again as a new node")
                 self.lease.revoke()
-                self.mirror.set_full(True)
+                self.mirror.set_full(False)
                 self._register()
                 continue
             r = view.round
             newer = r is not None and (self.round is None or r.number > self.round.number)
             if r is not None and newer and self._member_of(r):
-                # a running member must see everything; its workers need not wait for that
-                self.mirror.set_full(True, wait=False)
                 self.round = r
                 return r
+            if not self._leads(view):
+                # the leader forms the round: only its writing, or its going, matters here
+                leader = view.leader.id if view.leader else "a leader"
+                note.say(f"waiting for {leader} to form round {(r.number if r else 0) + 1}")
+                self._probe_leader(view)
+                self.mirror.wait(version, 1.0)
+                continue
+            view = self.mirror.view()
+            self._give_notice(view)
             p = plan(
                 view,
                 self.options.min_nodes,
@@ -305,18 +324,10 @@ class Rendezvous:
                 self.options.last_call_timeout,
                 self.max_restarts,
                 time.monotonic(),
-                self.me.id,
             )
             note.say(p.reason)
-            writing = p.writer == self.me.id
-            if writing != self.mirror.full:
-                self.mirror.set_full(writing)
-                continue  # plan again on a view of the right kind
-            if not writing:
-                # someone else forms the round: only its writing, or a departure, matters
-                if p.writer is not None:
-                    self._probe_gone(view, (p.writer,))
-                self.mirror.wait(major, 1.0, major=True)
+            if p.writer is not None and p.writer != self.me.id:
+                self._hand_over(view, p.writer)  # the next round's rank 0 writes it
                 continue
             if p.form:
                 if p.budget_spent:
@@ -339,24 +350,93 @@ class Rendezvous:
                 wait = min(wait, max(deadline - now, 0.01))
             self.mirror.wait(version, wait)
 
+    # -- the leader ---------------------------------------------------------------------
+    def _is_leader(self, view: JobView) -> bool:
+        ld = view.leader
+        return ld is not None and ld.id == self.me.id and ld.rev == self.rev
+
+    def _leads(self, view: JobView) -> bool:
+        """Whether this node leads: reads the whole job, writes rounds, gives notice. A
+        vacant post is claimed first (whoever's create lands first holds it)."""
+        if view.leader is None and not self._fenced(view):
+            record = LeaderRecord(self.me.id, self.rev, self.me.addr, self._probe_port())
+            key = self.key(records.LEADER)
+            revision, held = self.client.create(key, record.encode(), lease=self.lease.lease_id)
+            if revision:
+                log.debug("leading job %s", self.options.run_id)
+                held = KV(key, record.encode(), revision, revision, self.lease.lease_id)
+            if held is not None:
+                self.mirror.record_own(held)
+            view = self.mirror.view()
+        mine = self._is_leader(view)
+        if mine != self.mirror.full:
+            self.mirror.set_full(mine)
+        return mine
+
+    def _probe_port(self) -> int:
+        return self._probe.port if self._probe else 0
+
+    def _hand_over(self, view: JobView, writer: str) -> None:
+        """Make ``writer`` the leader (on its own lease), unless the post changed since."""
+        node, held = view.nodes.get(writer), view.leader_kv
+        if node is None or held is None:
+            return
+        value = LeaderRecord(writer, node.rev, node.record.addr, node.record.probe).encode()
+        key = self.key(records.LEADER)
+        try:
+            revision = self.client.put_if(key, value, held.mod_revision, lease=node.lease)
+        except RendezvousError as e:  # its lease just expired: the view will say so
+            log.debug("could not hand the lead to %s: %s", writer, e)
+            return
+        if revision:
+            log.debug("handed the lead to %s, the next round's rank 0", writer)
+            self.mirror.record_own(KV(key, value, held.create_revision, revision, node.lease))
+            self.mirror.set_full(False)
+
+    def _give_notice(self, view: JobView) -> None:
+        """Tell the members what ends their round, once per round (again only to make it
+        urgent): what the leader sees in everyone's records, the others cannot."""
+        r = view.round
+        c = round_end(view, "", 0, r, self.options.max_nodes, False) if r else None
+        if r is None or c is None or c.end not in NOTICED:
+            return
+        given = self._noticed
+        old = view.notice
+        if old is not None and old.round == r.number and (old.end.urgent or not c.end.urgent):
+            return
+        if given is not None and given[0] == r.number and (given[1].urgent or not c.end.urgent):
+            return
+        rec = NoticeRecord(r.number, c.end, c.detail, c.nodes)
+        ops = self.client.ops
+        if self.client.txn(
+            [ops.mod(self.key(records.ROUND)) == view.round_mod_revision],
+            [ops.put(self.key(records.NOTICE), rec.encode())],
+        ):
+            self._noticed = (r.number, c.end)
+
+    def _probe_leader(self, view: JobView) -> None:
+        held, ld = view.leader_kv, view.leader
+        if held is not None and ld is not None and ld.id != self.me.id:
+            self._check_gone(ld.id, ld.addr, ld.probe, held.lease)
+
     def _probe_gone(self, view: JobView, nodes: tuple[str, ...]) -> None:
         """Revoke the lease of a node whose agent is provably gone (see probe.py)."""
-        now = time.monotonic()
         for node_id in nodes:
             node = view.nodes.get(node_id)
-            if node is None or node.record.id == self.me.id:
-                continue
-            if now - self._probed.get(node_id, 0.0) < 0.5:
-                continue
-            self._probed[node_id] = now
-            if process_gone(node.record.addr, node.record.probe):
-                log.warning(
-                    "%s refuses its probe port: its agent is gone; revoking its lease", node_id
-                )
-                try:
-                    self.client.revoke(node.lease, timeout=2.0)
-                except RendezvousError as e:
-                    log.warning("could not revoke %s's lease: %s", node_id, e)
+            if node is not None and node.record.id != self.me.id:
+                self._check_gone(node_id, node.record.addr, node.record.probe, node.lease)
+
+    def _check_gone(self, node_id: str, addr: str, port: int, lease: int) -> None:
+        now = time.monotonic()
+        if now - self._probed.get(node_id, 0.0) < 0.5:
+            return
+        self._probed[node_id] = now
+        if process_gone(addr, port):
+            log.warning("%s refuses its probe port: its agent is gone; revoking its lease", node_id)
+            try:
+                self.client.revoke(lease, timeout=2.0)
+            except RendezvousError as e:
+                log.warning("could not revoke %s's lease: %s", node_id, e)
 
     def _write_round(self, view: JobView, p: Plan) -> bool:
         current = view.round
@@ -386,10 +466,14 @@ class Rendezvous:
             ops.mod(self.key(records.ROUND)) == view.round_mod_revision,
             ops.create(self.key(records.CLOSED)) == 0,
         ]
+        buckets = rec.encode_buckets()
+        stale = range(len(buckets), current.buckets if current else 0)
         return self.client.txn(
             compare,
             [
                 ops.put(self.key(records.ROUND), rec.encode()),
+                *(ops.put(self.key(f"{records.MEMBERS}{b}"), v) for b, v in buckets.items()),
+                *(ops.delete(self.key(f"{records.MEMBERS}{b}")) for b in stale),
                 ops.delete(failures, range_end=prefix_range_end(failures)),
             ],
         )
@@ -448,9 +532,12 @@ class Rendezvous:
         self.finish_round()
 
     def announce_leaving(self) -> None:
-        """Say this node is about to leave, so the others drain for a resize."""
+        """Say this node is about to leave, so the others drain for a resize (a leader
+        gives the notice itself: nobody else reads its record)."""
         if self._record is not None and self._record.state is not NodeState.LEAVING:
             self._put_record(replace(self._record, state=NodeState.LEAVING))
+            if self.mirror.complete:
+                self._give_notice(self.mirror.view())
 
     # -- watching a running round ---------------------------------------------------------
     @property
@@ -462,13 +549,23 @@ class Rendezvous:
         return self.mirror.wait(version, timeout)
 
     def check(self) -> Change | None:
-        """What, if anything, should end this node's current round (see ``round_end``)."""
-        if not self.mirror.complete:
-            return None  # right after joining: the full view is a moment away
+        """What, if anything, should end this node's current round (see ``round_end``).
+        The leader reads everyone's records and gives the others notice of what it sees."""
         view = self.mirror.view()
-        return round_end(
-            view, self.me.id, self.rev, self.round, self.options.max_nodes, self._fenced(view)
-        )
+        try:
+            leads = self._leads(view)
+        except RendezvousError as e:  # etcd unreachable: the lease keeper says so in time
+            log.debug("could not take up a vacant lead: %s", e)
+            leads = self.mirror.full
+        fenced = self._fenced(self.mirror.view())
+        if not leads:
+            return lean_round_end(self.mirror.view(), self.me.id, self.rev, self.round, fenced)
+        if not self.mirror.complete:
+            return None  # the full view is a moment away
+        view = self.mirror.view()
+        with contextlib.suppress(RendezvousError):
+            self._give_notice(view)
+        return round_end(view, self.me.id, self.rev, self.round, self.options.max_nodes, fenced)
 
     def closed(self) -> ClosedRecord | None:
         """The job's end, if another node has closed it."""

@@ -7,16 +7,30 @@ raises ``MalformedRecordError`` naming the key.
     <prefix>/<run_id>/nodes/<node_id>          NodeRecord, attached to the node's lease
     <prefix>/<run_id>/gone/<node_id>           GoneRecord: a node that left on purpose,
                                                on a short lease of its own
-    <prefix>/<run_id>/round                    RoundRecord, written by transaction only
+    <prefix>/<run_id>/round                    RoundRecord without its members, written
+                                               by transaction only, with:
+    <prefix>/<run_id>/members/<bucket>         the round's members whose id hashes to
+                                               that bucket (``bucket_of``)
+    <prefix>/<run_id>/leader                   LeaderRecord: the node that writes rounds,
+                                               on its lease
+    <prefix>/<run_id>/notice                   NoticeRecord: the leader's word on what
+                                               ends the running round
     <prefix>/<run_id>/failures/<round>/<node>  a node's worker failures in that round
     <prefix>/<run_id>/closed                   ClosedRecord: the job is over
+
+Why the round is split: a node needs the round's header and its own place in it, not the
+whole membership. Each reads the header and one bucket of at most ``PER_BUCKET`` members,
+so the bytes etcd sends for a round grow with N, not N squared, and no value nears etcd's
+request limit (10,000 members: 120 buckets of 84 in one transaction, about 0.5 MB).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import zlib
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 from rendezvous.errors import MalformedRecordError
@@ -24,8 +38,15 @@ from rendezvous.errors import MalformedRecordError
 NODES = "nodes/"
 GONE = "gone/"
 ROUND = "round"
+MEMBERS = "members/"
+LEADER = "leader"
+NOTICE = "notice"
 FAILURES = "failures/"
 CLOSED = "closed"
+
+PER_BUCKET = 64  # members per bucket, up to MAX_BUCKETS buckets
+MAX_BUCKETS = 120  # a round's puts and deletes stay within etcd's --max-txn-ops (128)
+NAMES = 32  # node names a round or notice lists in full (the counts are always exact)
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -185,16 +206,32 @@ class GoneRecord:
 @dataclass(frozen=True)
 class Member:
     """A node as a round saw it. ``rev`` (its record's create revision) tells incarnations
-    apart: a node that lost its lease and registered again is a new member."""
+    apart: a node that lost its lease and registered again is a new member. ``rank`` (its
+    group rank) and ``base`` (its first worker's global rank) are set by the round."""
 
     id: str
     rev: int
     addr: str
     nproc: int
+    rank: int = -1
+    base: int = -1
+
+
+def bucket_of(node_id: str, buckets: int) -> int:
+    """The bucket that holds ``node_id``'s entry in a round of ``buckets`` buckets."""
+    return zlib.crc32(node_id.encode()) % buckets
+
+
+def buckets_for(size: int) -> int:
+    return min(MAX_BUCKETS, max(1, math.ceil(size / PER_BUCKET)))
 
 
 @dataclass(frozen=True)
 class RoundRecord:
+    """A round. ``members`` is all of them where the node reads the whole job (the leader,
+    ``elastic-run status``) and only its own bucket elsewhere: ``complete`` says which.
+    ``size`` and ``world_size`` are the round's, whatever ``members`` holds."""
+
     number: int
     members: tuple[Member, ...]
     master_addr: str
@@ -202,49 +239,85 @@ class RoundRecord:
     store_port: int
     restarts: int = 0
     cause: RoundCause = RoundCause.START
-    joined: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()  # at most NAMES of each; the counts are exact
     left: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
     root_cause: dict[str, Any] = field(default_factory=dict)
     formed_at: float = 0.0
+    size: int = -1  # members in the round (-1: all of them are in ``members``)
+    world: int = -1  # workers in the round
+    counts: tuple[int, int, int] = (-1, -1, -1)  # joined, left, lost
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.size < 0:  # a new round, all of it: ranks in member order
+            base, ranked = 0, []
+            for i, m in enumerate(self.members):
+                ranked.append(replace(m, rank=i, base=base))
+                base += m.nproc
+            set_(self, "members", tuple(ranked))
+            set_(self, "size", len(self.members))
+        if self.world < 0:
+            set_(self, "world", sum(m.nproc for m in self.members))
+        if min(self.counts) < 0:
+            set_(self, "counts", (len(self.joined), len(self.left), len(self.lost)))
+        for name in ("joined", "left", "lost"):
+            set_(self, name, tuple(getattr(self, name))[:NAMES])
 
     @property
     def world_size(self) -> int:
-        return sum(m.nproc for m in self.members)
+        return self.world
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.size
+
+    @property
+    def buckets(self) -> int:
+        return buckets_for(self.size)
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.id == node_id), None)
 
     def rank_of(self, node_id: str) -> int:
-        for i, m in enumerate(self.members):
-            if m.id == node_id:
-                return i
-        return -1
-
-    def base_rank(self, group_rank: int) -> int:
-        return sum(m.nproc for m in self.members[:group_rank])
+        m = self.member(node_id)
+        return m.rank if m is not None else -1
 
     def encode(self) -> bytes:
+        """The header: everything but the members (see ``encode_buckets``)."""
         obj = asdict(self)
-        obj["members"] = [asdict(m) for m in self.members]
+        del obj["members"]
         return dumps(obj)
+
+    def encode_buckets(self) -> dict[int, bytes]:
+        """The members, bucket by bucket: each entry ``[id, rev, addr, nproc, rank, base]``."""
+        assert self.complete, "only a complete round can be written"
+        parts: dict[int, list[list[Any]]] = {b: [] for b in range(self.buckets)}
+        for m in self.members:
+            parts[bucket_of(m.id, self.buckets)].append(
+                [m.id, m.rev, m.addr, m.nproc, m.rank, m.base]
+            )
+        return {b: dumps({"round": self.number, "members": p}) for b, p in parts.items()}
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> RoundRecord:
+        """The header alone (``members`` empty until ``with_members``)."""
         obj = _load(key, raw)
-        members = []
-        for i, m in enumerate(_field(key, obj, "members", list)):
-            if not isinstance(m, dict):
-                raise _bad(key, f"member {i} is not an object")
-            members.append(
-                Member(
-                    id=_field(key, m, "id", str),
-                    rev=_field(key, m, "rev", int),
-                    addr=_field(key, m, "addr", str),
-                    nproc=_field(key, m, "nproc", int),
-                )
-            )
         root = obj.get("root_cause") or {}
+        size = _field(key, obj, "size", int)
+        world = _field(key, obj, "world", int)
+        counts = obj.get("counts")
+        if size < 1 or world < size:
+            raise _bad(key, f"size {size} and world {world} do not make a round")
+        if not (
+            isinstance(counts, list)
+            and len(counts) == 3
+            and all(isinstance(c, int) and c >= 0 for c in counts)
+        ):
+            raise _bad(key, "field 'counts' must be three whole numbers")
         return cls(
             number=_field(key, obj, "number", int),
-            members=tuple(members),
+            members=(),
             master_addr=_field(key, obj, "master_addr", str),
             master_port=_field(key, obj, "master_port", int),
             store_port=_field(key, obj, "store_port", int),
@@ -255,6 +328,102 @@ class RoundRecord:
             lost=_names(obj.get("lost")),
             root_cause=root if isinstance(root, dict) else {},
             formed_at=float(obj.get("formed_at") or 0.0),
+            size=size,
+            world=world,
+            counts=(counts[0], counts[1], counts[2]),
+        )
+
+    def with_members(self, members: list[Member]) -> RoundRecord:
+        return replace(self, members=tuple(sorted(members, key=lambda m: m.rank)))
+
+
+def decode_bucket(key: str, raw: bytes) -> tuple[int, list[Member]]:
+    """(round number, members) of one bucket of a round."""
+    obj = _load(key, raw)
+    number = _field(key, obj, "round", int)
+    members = []
+    for i, e in enumerate(_field(key, obj, "members", list)):
+        kinds = (str, int, str, int, int, int)
+        if not (
+            isinstance(e, list)
+            and len(e) == 6
+            and all(
+                isinstance(v, k) and not isinstance(v, bool) for v, k in zip(e, kinds, strict=True)
+            )
+        ):
+            raise _bad(key, f"member {i} is not [id, rev, addr, nproc, rank, base]")
+        members.append(Member(e[0], e[1], e[2], e[3], e[4], e[5]))
+    return number, members
+
+
+class RoundEnd(enum.Enum):
+    """What ends a node's current round. ``urgent`` ones leave its workers' round broken:
+    stop them now. The others let them save at their next step and stop (drain)."""
+
+    JOB_SUCCEEDED = "job succeeded"  # another node closed the job as succeeded
+    JOB_FAILED = "job failed"  # closed as failed (restart budget spent)
+    FENCED = "fenced"  # etcd dropped this node: the job went on without it
+    SUPERSEDED = "superseded"  # a newer round that includes this node formed
+    LOST = "lost"  # a member vanished without a word
+    PEER_FAILED = "peer failed"  # a member's workers failed
+    LEFT = "left"  # a member left before this node drained
+    LEAVING = "leaving"  # a member is about to leave
+    STOPPING = "stopping"  # a member stopped its workers for this round
+    WAITING = "waiting"  # a node waits to join and the round has room
+
+    @property
+    def urgent(self) -> bool:
+        return self not in (RoundEnd.LEAVING, RoundEnd.STOPPING, RoundEnd.WAITING)
+
+
+@dataclass(frozen=True)
+class LeaderRecord:
+    """The node that reads the whole job and writes its rounds, held on that node's lease:
+    the first candidate of the next round (its rank 0), so that it can pick a free port
+    on its own host."""
+
+    id: str
+    rev: int
+    addr: str
+    probe: int = 0
+
+    def encode(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes) -> LeaderRecord:
+        obj = _load(key, raw)
+        return cls(
+            id=_field(key, obj, "id", str),
+            rev=_field(key, obj, "rev", int),
+            addr=_field(key, obj, "addr", str),
+            probe=_int(obj, "probe"),
+        )
+
+
+@dataclass(frozen=True)
+class NoticeRecord:
+    """The leader's word to the members of ``round`` that it ends: what the others could
+    only see by reading every node's record."""
+
+    round: int
+    end: RoundEnd
+    detail: str
+    nodes: tuple[str, ...] = ()
+
+    def encode(self) -> bytes:
+        obj = asdict(self)
+        obj["nodes"] = list(self.nodes[:NAMES])
+        return dumps(obj)
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes) -> NoticeRecord:
+        obj = _load(key, raw)
+        return cls(
+            round=_field(key, obj, "round", int),
+            end=_enum(key, RoundEnd, _field(key, obj, "end", str)),
+            detail=str(obj.get("detail", "")),
+            nodes=_names(obj.get("nodes")),
         )
 
 

@@ -39,8 +39,11 @@ from rendezvous.records import (
     Member,
     NodeState,
     RoundCause,
+    RoundEnd,
     RoundRecord,
 )
+
+__all__ = ["Change", "MemberState", "Plan", "RoundEnd", "lean_round_end", "plan", "round_end"]
 
 
 class MemberState(enum.Enum):
@@ -233,26 +236,6 @@ def plan(
 
 
 # -- ending rounds ------------------------------------------------------------------------------
-class RoundEnd(enum.Enum):
-    """What ends a node's current round. ``urgent`` ones leave its workers' round broken:
-    stop them now. The others let them save at their next step and stop (drain)."""
-
-    JOB_SUCCEEDED = "job succeeded"  # another node closed the job as succeeded
-    JOB_FAILED = "job failed"  # closed as failed (restart budget spent)
-    FENCED = "fenced"  # etcd dropped this node: the job went on without it
-    SUPERSEDED = "superseded"  # a newer round that includes this node formed
-    LOST = "lost"  # a member vanished without a word
-    PEER_FAILED = "peer failed"  # a member's workers failed
-    LEFT = "left"  # a member left before this node drained
-    LEAVING = "leaving"  # a member is about to leave
-    STOPPING = "stopping"  # a member stopped its workers for this round
-    WAITING = "waiting"  # a node waits to join and the round has room
-
-    @property
-    def urgent(self) -> bool:
-        return self not in (RoundEnd.LEAVING, RoundEnd.STOPPING, RoundEnd.WAITING)
-
-
 @dataclass(frozen=True)
 class Change:
     """Something that ends this node's current round, with the nodes concerned."""
@@ -262,30 +245,48 @@ class Change:
     nodes: tuple[str, ...] = ()
 
 
-def round_end(
-    view: JobView, me: str, rev: int, mine: RoundRecord | None, max_nodes: int, fenced: bool
-) -> Change | None:
-    """What, if anything, ends round ``mine`` for node ``me`` (incarnation ``rev``);
-    ``fenced``: etcd has dropped this incarnation (see ``Rendezvous.fenced``)."""
+def _settled(
+    view: JobView, me: str, rev: int, mine: RoundRecord | None, fenced: bool
+) -> tuple[bool, Change | None]:
+    """What ends round ``mine`` whatever else happens: the job's end, this node's fencing,
+    a newer round. (True, change) when decided, (False, None) to look further."""
     closed = view.closed
     if closed is not None:
         end = (
             RoundEnd.JOB_SUCCEEDED if closed.state is JobOutcome.SUCCEEDED else RoundEnd.JOB_FAILED
         )
-        return Change(end, f"job {closed.state.value}: {closed.reason}".rstrip(": "))
+        return True, Change(end, f"job {closed.state.value}: {closed.reason}".rstrip(": "))
     if fenced:
-        return Change(
+        return True, Change(
             RoundEnd.FENCED, "etcd dropped this node's lease; the job moved on without it"
         )
     r = view.round
-    if mine is None or r is None:
-        return None
+    if mine is None or r is None or r.number < mine.number:
+        return True, None  # no round, or our own view lags behind one we already joined
     if r.number > mine.number:
         if any(m.id == me and m.rev == rev for m in r.members):
-            return Change(RoundEnd.SUPERSEDED, f"round {r.number} formed")
-        return Change(RoundEnd.FENCED, f"round {r.number} formed without this node")
-    if r.number < mine.number:
-        return None  # our own view lags behind a round we already joined
+            return True, Change(RoundEnd.SUPERSEDED, f"round {r.number} formed")
+        return True, Change(RoundEnd.FENCED, f"round {r.number} formed without this node")
+    return False, None
+
+
+def _peer_failed(view: JobView, me: str, number: int) -> Change | None:
+    failed = tuple(sorted(n for n in view.failures.get(number, {}) if n != me))
+    if failed:
+        return Change(RoundEnd.PEER_FAILED, f"workers failed on {', '.join(failed)}", failed)
+    return None
+
+
+def round_end(
+    view: JobView, me: str, rev: int, mine: RoundRecord | None, max_nodes: int, fenced: bool
+) -> Change | None:
+    """What, if anything, ends round ``mine`` for node ``me`` (incarnation ``rev``), read
+    from the whole job; ``fenced``: etcd has dropped this incarnation (see
+    ``Rendezvous.fenced``). With ``me`` empty: what ends the round for all its members
+    (the leader's notice)."""
+    decided, change = _settled(view, me, rev, mine, fenced)
+    if decided or mine is None:
+        return change
     states = _members(view, max_nodes)
     others = [m.id for m in mine.members if m.id != me]
 
@@ -294,9 +295,8 @@ def round_end(
 
     if lost := having(MemberState.LOST):
         return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
-    failed = tuple(sorted(n for n in view.failures.get(mine.number, {}) if n != me))
-    if failed:
-        return Change(RoundEnd.PEER_FAILED, f"workers failed on {', '.join(failed)}", failed)
+    if failed := _peer_failed(view, me, mine.number):
+        return failed
     if left := having(MemberState.LEFT):
         return Change(RoundEnd.LEFT, f"{', '.join(left)} left", left)
     if leaving := having(MemberState.LEAVING):
@@ -307,3 +307,23 @@ def round_end(
     if waiting and len(mine.members) < max_nodes:
         return Change(RoundEnd.WAITING, f"{', '.join(waiting)} waiting to join", waiting)
     return None
+
+
+def lean_round_end(
+    view: JobView, me: str, rev: int, mine: RoundRecord | None, fenced: bool
+) -> Change | None:
+    """``round_end`` for a node that reads only its share of the job (see mirror.py): the
+    job's end, fencing, a newer round, failure reports, and the leader's notice of the rest
+    (a notice about this node alone is no news to it)."""
+    decided, change = _settled(view, me, rev, mine, fenced)
+    if decided or mine is None:
+        return change
+    if failed := _peer_failed(view, me, mine.number):
+        return failed
+    notice = view.notice
+    if notice is None or notice.round != mine.number:
+        return None
+    nodes = tuple(n for n in notice.nodes if n != me)
+    if notice.nodes and not nodes:
+        return None
+    return Change(notice.end, notice.detail, nodes)

@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options, parse_conf
 from rendezvous.errors import RendezvousError
+from rendezvous.mirror import read_view
 from rendezvous.protocol import NodeSpec, Rendezvous
-from rendezvous.records import JobOutcome
+from rendezvous.records import JobOutcome, RoundRecord
 
 _out = threading.Lock()
 
@@ -30,6 +31,16 @@ _out = threading.Lock()
 def emit(event: str, **fields: object) -> None:
     with _out:
         print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def members(rdzv: Rendezvous, r: RoundRecord) -> list[str]:
+    """All of round ``r``'s members: a node that does not lead holds only its own bucket
+    of them, so the test reads the round once, whole (as ``elastic-run status`` does)."""
+    if not r.complete:
+        whole = read_view(rdzv.client, rdzv.options.job_prefix).round
+        if whole is not None and whole.number == r.number:
+            r = whole
+    return [m.id for m in r.members]
 
 
 def main() -> None:
@@ -83,7 +94,8 @@ def main() -> None:
                     "round",
                     number=r.number,
                     rank=r.rank_of(a.id),
-                    members=[m.id for m in r.members],
+                    members=members(rdzv, r),
+                    leads=rdzv.mirror.full,
                     world_size=r.world_size,
                     master_addr=r.master_addr,
                     master_port=r.master_port,

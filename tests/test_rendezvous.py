@@ -80,6 +80,8 @@ def test_round_forms_with_join_order_ranks(
     assert {tuple(r["members"]) for r in rounds} == {("a", "b", "c")}
     assert {r["master_port"] for r in rounds} == {rounds[0]["master_port"]}
     assert rounds[0]["cause"] == "start" and rounds[0]["world_size"] == 3
+    # rank 0 leads (reads the whole job); the others read their share of it
+    assert [r["leads"] for r in rounds] == [True, False, False]
 
 
 def test_min_max_last_call(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:

@@ -3,6 +3,8 @@ real-etcd behaviour is in test_rendezvous."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rendezvous.mirror import JobView, LiveNode
@@ -14,10 +16,19 @@ from rendezvous.records import (
     Member,
     NodeRecord,
     NodeState,
+    NoticeRecord,
     RoundCause,
     RoundRecord,
 )
-from rendezvous.rules import MemberState, RoundEnd, earliest_failure, member_state, plan, round_end
+from rendezvous.rules import (
+    MemberState,
+    RoundEnd,
+    earliest_failure,
+    lean_round_end,
+    member_state,
+    plan,
+    round_end,
+)
 
 LEAVING = NodeState.LEAVING
 
@@ -228,3 +239,48 @@ def test_urgent_changes_are_the_ones_that_break_a_round() -> None:
         RoundEnd.STOPPING,
         RoundEnd.WAITING,
     }
+
+
+# -- the leader's notice and the lean members -------------------------------------------------
+def lean(r: RoundRecord, me: str) -> RoundRecord:
+    """What a lean node holds of ``r``: the header and a bucket with only ``me`` in it."""
+    return r.with_members([m for m in r.members if m.id == me])
+
+
+def test_the_notice_is_what_ends_the_round_for_every_member() -> None:
+    a, b, c, n = node("a", 1), node("b", 2), node("c", 3), node("n", 9)
+    r = rnd(1, a, b, c)
+    outsider = round_end(view(a, b, n, r=r), "", 0, r, max_nodes=4, fenced=False)
+    assert outsider is not None and (outsider.end, outsider.nodes) == (RoundEnd.LOST, ("c",))
+    waiting = round_end(view(a, b, c, n, r=r), "", 0, r, max_nodes=4, fenced=False)
+    assert waiting is not None and (waiting.end, waiting.nodes) == (RoundEnd.WAITING, ("n",))
+    assert round_end(view(a, b, c, r=r), "", 0, r, max_nodes=4, fenced=False) is None
+
+
+def test_lean_round_end_reads_the_notice_failures_and_the_round() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b, c)
+    mine = lean(r, "b")
+    assert mine.size == 3 and mine.world_size == 6 and not mine.complete
+    assert mine.member("b") == Member("b", 2, "h", 2, rank=1, base=2)
+
+    def lean_end(v: JobView, fenced: bool = False) -> tuple[RoundEnd, tuple[str, ...]] | None:
+        c = lean_round_end(v, "b", 2, mine, fenced)
+        return None if c is None else (c.end, c.nodes)
+
+    own = view(b, r=mine)
+    assert lean_end(own) is None  # the others' records are not read: no news is no change
+    lost = NoticeRecord(1, RoundEnd.LOST, "lost c", ("c",))
+    assert lean_end(replace(own, notice=lost)) == (RoundEnd.LOST, ("c",))
+    stale = NoticeRecord(0, RoundEnd.LOST, "lost c", ("c",))
+    assert lean_end(replace(own, notice=stale)) is None  # about an earlier round
+    about_me = NoticeRecord(1, RoundEnd.STOPPING, "b stopping", ("b",))
+    assert lean_end(replace(own, notice=about_me)) is None
+    fails = {1: {"a": FailureRecord("a", 1, 1.0)}}
+    assert lean_end(view(b, r=mine, failures=fails)) == (RoundEnd.PEER_FAILED, ("a",))
+    assert lean_end(own, fenced=True) == (RoundEnd.FENCED, ())
+    newer = rnd(2, a, b)
+    assert lean_end(view(b, r=lean(newer, "b"))) == (RoundEnd.SUPERSEDED, ())
+    assert lean_end(view(b, r=lean(rnd(2, a, c), "b"))) == (RoundEnd.FENCED, ())
+    closed = ClosedRecord(JobOutcome.SUCCEEDED)
+    assert lean_end(view(b, r=mine, closed=closed)) == (RoundEnd.JOB_SUCCEEDED, ())

@@ -26,7 +26,7 @@ from rendezvous.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from rendezvous.records import ClosedRecord, JobOutcome, RoundCause, RoundRecord
+from rendezvous.records import NAMES, ClosedRecord, JobOutcome, RoundCause, RoundRecord
 from rendezvous.rules import Change, RoundEnd
 
 log = logging.getLogger("elastic.agent")
@@ -281,17 +281,17 @@ class Agent:
     def _start(self) -> int | None:
         r = self.round
         assert r is not None
-        group_rank = r.rank_of(self.node_id)
-        nproc = r.members[group_rank].nproc
-        base = r.base_rank(group_rank)
+        me = r.member(self.node_id)
+        assert me is not None, "a round this node is not in"
+        group_rank, nproc = me.rank, me.nproc
         placements = [
             Placement(
                 local_rank=lr,
-                rank=base + lr,
+                rank=me.base + lr,
                 group_rank=group_rank,
                 local_world_size=nproc,
                 world_size=r.world_size,
-                group_world_size=len(r.members),
+                group_world_size=r.size,
                 master_addr=r.master_addr,
                 master_port=r.master_port,
                 restart_count=r.restarts,
@@ -316,12 +316,13 @@ class Agent:
             self.metrics.round_started(
                 r,
                 group_rank,
-                joined=len(r.joined) if self._previous is not None else 0,
+                joined=r.counts[0] if self._previous is not None else 0,
                 waited=time.monotonic() - self._asked,
                 workers=nproc,
             )
         self.state = AgentState.RUNNING
         log.info("%s", membership_line(r, self._previous, took, self._change_why))
+        base = me.base
         ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
         log.info(
             "node %s: group rank %d, %s, master %s:%d, restarts %d",
@@ -468,18 +469,26 @@ class Agent:
 
 def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float, why: str) -> str:
     """One line per membership change: who left or joined, the new size, how long it took."""
-    nodes = ", ".join(m.id for m in r.members)
-    parts = [f"round {r.number}: world size {r.world_size} on {len(r.members)} node(s) [{nodes}]"]
-    if r.lost:
-        parts.append(f"lost {', '.join(r.lost)}")
-    if r.left:
-        parts.append(f"left {', '.join(r.left)}")
-    if previous is not None and r.joined:
-        parts.append(f"joined {', '.join(r.joined)}")
+    head = f"round {r.number}: world size {r.world_size} on {r.size} node(s)"
+    if r.complete and r.size <= NAMES:  # the leader's view, or a small job: name them
+        head += f" [{', '.join(m.id for m in r.members)}]"
+    parts = [head]
+    joined, left, lost = r.counts
+    if lost:
+        parts.append(f"lost {_names(r.lost, lost)}")
+    if left:
+        parts.append(f"left {_names(r.left, left)}")
+    if previous is not None and joined:
+        parts.append(f"joined {_names(r.joined, joined)}")
     if r.cause is RoundCause.FAILURE:
         parts.append(f"restart {r.restarts} after a worker failure")
     parts.append(f"{took:.2f}s after {why}")
     return "; ".join(parts)
+
+
+def _names(names: tuple[str, ...], count: int) -> str:
+    more = count - len(names)
+    return ", ".join(names) + (f" and {more} more" if more > 0 else "")
 
 
 def _duration(seconds: float) -> str:

@@ -156,14 +156,14 @@ class AgentMetrics:
         node saw arrive (none on its first round), ``waited`` the seconds it asked for it."""
         self.round.set(r.number)
         self.world_size.set(r.world_size)
-        self.nodes.set(len(r.members))
+        self.nodes.set(r.size)
         self.group_rank.set(group_rank)
         self.job_restarts.set(r.restarts)
         self.budget.set(max(self.max_restarts - r.restarts, 0))
         self.rdzv_seconds.observe(waited)
         self.workers_running.set(workers)
         job, node = self._labels["job"], self._labels["node"]
-        for cause, n in (("joined", joined), ("left", len(r.left)), ("lost", len(r.lost))):
+        for cause, n in (("joined", joined), ("left", r.counts[1]), ("lost", r.counts[2])):
             if n:
                 self.changes.labels(job, node, cause).inc(n)
         self._running_since = time.monotonic()

@@ -126,6 +126,8 @@ def describe(view: JobView, run_id: str) -> dict[str, Any]:
             "left": list(r.left),
             "lost": list(r.lost),
         }
+    if view.leader is not None:
+        out["leader"] = view.leader.id  # the node that writes rounds (see records.py)
     if closed is not None:
         out["closed"] = {
             "state": closed.state.value,
@@ -150,6 +152,7 @@ def render(d: dict) -> str:
             f"round {r['number']} formed {_ago(r['formed_at'])} ({r['cause']}); "
             f"world size {r['world_size']} on {len(d['members'])} node(s); "
             f"restarts {r['restarts']}; changes: {change}; master {r['master']}"
+            + (f"; leader {d['leader']}" if d.get("leader") else "")
         )
     if d.get("closed"):
         c = d["closed"]
