@@ -327,6 +327,17 @@ class EtcdClient:
     def grant(self, ttl: int, timeout: float | None = None) -> int:
         return int(self.call("grant lease", lambda c: c.lease(ttl).id, timeout))
 
+    def refresh(self, lease_id: int, timeout: float | None = None) -> int:
+        """Keep the lease alive once, on a stream of its own, retried (and broken channels
+        replaced) as every call here: its remaining TTL (<= 0: it is gone)."""
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            for resp in c.refresh_lease(lease_id):
+                return int(resp.TTL)
+            return 0
+
+        return int(self.call("keep lease alive", run, timeout))
+
     def keep_alive(self) -> KeepAliveStream:
         """A stream to keep leases alive on (see ``KeepAliveStream``)."""
         return KeepAliveStream(self)

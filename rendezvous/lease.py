@@ -84,7 +84,11 @@ class LeaseKeeper:
 
     def _refresh(self, lease_id: int) -> int:
         if self._stream is None:
+            # the first keep-alive after a break goes the retrying way, which replaces a
+            # broken channel (etcd restarted); then on a stream again
+            ttl = self._client.refresh(lease_id, timeout=self._interval)
             self._stream = self._client.keep_alive()
+            return ttl
         try:
             return self._stream.refresh(lease_id, timeout=self._interval)
         except EtcdUnavailableError:
