@@ -52,6 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from elastic.agent.etcd_server import EtcdServer
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
+from rendezvous.errors import RendezvousCancelled
 from rendezvous.net import free_port
 from rendezvous.protocol import NodeSpec, Rendezvous
 
@@ -83,6 +84,8 @@ def _participants(
                 version = rdzv.version
                 while rdzv.check() is None:
                     version = rdzv.wait(version, 1.0)
+        except RendezvousCancelled:
+            return  # it left the job
         except Exception as e:
             print(f"participant {i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             report(i, -1)
@@ -210,27 +213,25 @@ class Job:
         os.close(self.rep_r)
 
 
+# etcd's metrics, by the name each is summed under here
+COUNTERS = {
+    "etcd_network_client_grpc_sent_bytes_total": "sent",
+    "etcd_network_client_grpc_received_bytes_total": "received",
+    "grpc_server_msg_received_total": "requests",
+    "etcd_debugging_mvcc_events_total": "events",
+    "etcd_debugging_mvcc_watcher_total": "watchers",
+    "etcd_debugging_lease_renewed_total": "renewed",
+    "process_cpu_seconds_total": "cpu",
+}
+
+
 def etcd_counters(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = dict.fromkeys(
-        ("sent", "received", "requests", "events", "watchers", "renewed", "cpu"), 0.0
-    )
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "etcd_network_client_grpc_sent_bytes_total":
-                out["sent"] += s.value
-            elif s.name == "etcd_network_client_grpc_received_bytes_total":
-                out["received"] += s.value
-            elif s.name == "grpc_server_msg_received_total":
-                out["requests"] += s.value
-            elif s.name == "etcd_debugging_mvcc_events_total":
-                out["events"] += s.value
-            elif s.name == "etcd_debugging_mvcc_watcher_total":
-                out["watchers"] += s.value
-            elif s.name == "etcd_debugging_lease_renewed_total":
-                out["renewed"] += s.value
-            elif s.name == "process_cpu_seconds_total":
-                out["cpu"] += s.value
+            if s.name in COUNTERS:
+                out[COUNTERS[s.name]] += s.value
     return out
 
 

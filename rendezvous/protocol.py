@@ -297,6 +297,8 @@ class Rendezvous:
             self.alive_at = time.monotonic()
             if cancel is not None and cancel.is_set():
                 raise RendezvousCancelled("cancelled while waiting for the next round")
+            if self._shut:  # never join again once shut down (its lease is revoked)
+                raise RendezvousCancelled("this node has left the job")
             version = self.mirror.version
             view = self.mirror.view()
             self._raise_if_closed(view)
