@@ -219,14 +219,16 @@ class JobMirror:
         self._cond = threading.Condition()
         self._kvs: dict[str, KV] = {}
         self._key_rev: dict[str, int] = {}  # newest revision applied per key (tombstones too)
+        self._floor = 0  # the newest read's revision: older events hold nothing new
         self._decoded = _Decoded()
         self._view = JobView()
         self._dirty = False
         self._version = 0
-        self._revision = 0
+        self._revision = 0  # the mirror has seen its share of the job up to here
         self._last_join = time.monotonic()
         self._full = not own
-        self._catching_up = False
+        self._epoch = 0  # bumped at each change of mode: reads and events of an older one
+        self._loaded_epoch = -1  # are dropped (they saw another share of the job)
         self._stream: WatchStream | None = None
         self._reopen = threading.Event()
         self._stopped = threading.Event()
@@ -244,7 +246,7 @@ class JobMirror:
             self._load(timeout)
         else:
             revision, kvs = initial
-            self._load_from(revision, kvs + self._bucket(kvs, revision))
+            self._load_from(revision, kvs + self._bucket(kvs, revision), self._epoch)
         self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
         self._thread.start()
 
@@ -264,17 +266,17 @@ class JobMirror:
     @property
     def complete(self) -> bool:
         """The view holds everything: full mode, and the catch-up read is done."""
-        return self._full and not self._catching_up
+        return self._full and self._loaded_epoch == self._epoch
 
     def set_full(self, full: bool, wait: bool = True) -> None:
         """Switch modes; the job is read again in the new mode: going full, here when
         ``wait`` (the view is complete on return), else in the watch thread (``complete``
         says when)."""
-        if full == self._full:
-            return
         with self._cond:
+            if full == self._full:
+                return
             self._full = full
-            self._catching_up = not (full and wait)
+            self._epoch += 1
         self._reopen.set()
         stream = self._stream
         if stream is not None:
@@ -316,8 +318,9 @@ class JobMirror:
     def record_own(self, kv: KV) -> None:
         """Apply a write of this process at once (a lean watch never shows it one)."""
         with self._cond:
-            self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
-            self._publish()
+            if kv.mod_revision > self._floor:
+                self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+                self._publish()
 
     def lean_keys(self) -> tuple[list[str], list[str]]:
         """(keys, prefixes) a lean node reads and watches (its bucket aside)."""
@@ -331,14 +334,15 @@ class JobMirror:
         keys, prefixes = self.lean_keys()
         return [WatchSpec(k) for k in keys] + [WatchSpec(k, prefix=True) for k in prefixes]
 
-    def _load(self, timeout: float | None = None) -> None:
+    def _load(self, timeout: float | None = None) -> bool:
         """Read what this mode sees (at start, on a mode change, to catch up after a
-        broken watch)."""
-        if self._full:
-            self._load_from(*self._client.get_prefix(self._prefix, timeout))
-            return
+        broken watch); False when the mode changed meanwhile (read again)."""
+        with self._cond:
+            epoch, full = self._epoch, self._full
+        if full:
+            return self._load_from(*self._client.get_prefix(self._prefix, timeout), epoch)
         revision, kvs = self._client.read(*self.lean_keys(), timeout=timeout)
-        self._load_from(revision, kvs + self._bucket(kvs, revision))
+        return self._load_from(revision, kvs + self._bucket(kvs, revision), epoch)
 
     def _bucket(self, kvs: list[KV], revision: int) -> list[KV]:
         """This node's bucket of the round among ``kvs`` (a lean node reads only that one),
@@ -355,16 +359,28 @@ class JobMirror:
         kv = self._client.get(wanted, revision=revision)
         return [kv] if kv is not None else []
 
-    def _load_from(self, revision: int, kvs: list[KV]) -> None:
+    def _load_from(self, revision: int, kvs: list[KV], epoch: int) -> bool:
+        """Make the mirror what a read of mode ``epoch`` at ``revision`` saw, keeping what
+        newer events said. A key the read lacks is gone, or outside this mode's share: it
+        is forgotten either way (a share read later brings it back, whatever its age)."""
         fresh = {kv.key: kv for kv in kvs}
         with self._cond:
-            for key in [k for k in self._kvs if k not in fresh]:
-                self._apply_one(key, None, 0, revision, 0)
+            if epoch != self._epoch:
+                return False  # read in the mode before: its share differs
+            if self._loaded_epoch == epoch and revision <= self._floor:
+                return True  # a newer read of this mode is in already
+            for key in [k for k, r in self._key_rev.items() if k not in fresh and r <= revision]:
+                del self._key_rev[key]
+                if self._kvs.pop(key, None) is not None:
+                    self._decoded.delete(key[len(self._prefix) :])
             for kv in fresh.values():
                 self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+            self._floor = revision
+            self._loaded_epoch = epoch
             self._revision = max(self._revision, revision)
             self._publish()
         self.connected = True
+        return True
 
     def _apply_one(
         self,
@@ -381,7 +397,6 @@ class JobMirror:
         if mod_rev <= self._key_rev.get(key, 0):
             return
         self._key_rev[key] = mod_rev
-        self._revision = max(self._revision, mod_rev)
         rel = key[len(self._prefix) :]
         old = self._kvs.get(key)
         if old is not None and (value is None or old.create_revision != create_rev):
@@ -395,7 +410,7 @@ class JobMirror:
         self._kvs[key] = kv
         self._decoded.put(rel, kv)
 
-    def _apply(self, events: list[Event]) -> None:
+    def _apply(self, events: list[Event], epoch: int) -> None:
         round_key = self._prefix + records.ROUND
         news = [
             KV(e.key, e.value, e.create_revision, e.mod_revision, e.lease)
@@ -409,10 +424,14 @@ class JobMirror:
                 for kv in extra
             ]
         with self._cond:
+            if epoch != self._epoch:
+                return  # watched in the mode before
             for ev in events:
-                self._apply_one(
-                    ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease, seen=True
-                )
+                self._revision = max(self._revision, ev.mod_revision)
+                if ev.mod_revision > self._floor:
+                    self._apply_one(
+                        ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease, seen=True
+                    )
             self._publish()
 
     def _publish(self) -> None:
@@ -425,18 +444,23 @@ class JobMirror:
         stale = False  # after a break, read everything again before watching on
         while not self._stopped.is_set():
             try:
-                if stale or self._catching_up:
-                    self._load(timeout=2.0)
-                    stale = self._catching_up = False
-                    self.poke()
                 self._reopen.clear()
-                self._stream = self._client.watch(self._specs(), self._revision + 1)
+                if stale or self._loaded_epoch != self._epoch:
+                    if not self._load(timeout=2.0):
+                        continue  # the mode changed during the read
+                    stale = False
+                    self.poke()
+                with self._cond:
+                    epoch, specs, start = self._epoch, self._specs(), self._revision + 1
+                    if self._loaded_epoch != epoch:
+                        continue  # the mode changed since the read
+                self._stream = self._client.watch(specs, start)
                 if self._stopped.is_set() or self._reopen.is_set():
                     self._stream.cancel()
                 for events in self._stream:
                     self.connected = True
                     backoff = 0.1
-                    self._apply(events)
+                    self._apply(events, epoch)
                 if self._stopped.is_set():
                     return
                 if self._reopen.is_set():

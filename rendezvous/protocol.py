@@ -320,6 +320,9 @@ class Rendezvous:
                 self._probe_leader(view, every=WAITING_PROBE)
                 self.mirror.wait(version, 1.0)
                 continue
+            if not self.mirror.complete:  # going full in another thread: the read is due
+                self.mirror.wait(version, 0.5)
+                continue
             view = self.mirror.view()
             self._give_notice(view)
             p = plan(

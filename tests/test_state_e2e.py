@@ -235,7 +235,7 @@ def test_save_at_breakdown_and_resume_on_fresh_nodes(
     due). A new run, with no shared memory left, resumes from it."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run1"
     args = ("--samples", "4000", "--epochs", "1", "--step-time", "0.02")
-    extra = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000")
+    extra = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000", "--snapshot-every", "1")
     out.mkdir()
     env = {"RESULT_DIR": str(out)}
     crash = ("--kill-rank", "1", "--kill-step", "30")
@@ -250,7 +250,9 @@ def test_save_at_breakdown_and_resume_on_fresh_nodes(
     said = [line for n in nodes for line in n.err if "saved the newest state" in line]
     assert said, [n.transcript() for n in nodes]
     saved = max(int(p.name[5:17]) for p in ckpt.glob("step-*.elr"))
-    assert saved == 30  # both snapshots hold step 30: the killed rank committed it first
+    # the newest step both nodes hold: the killed rank's copy of step 30 runs in the
+    # background after its commit, so the kill may cut it short, leaving step 29
+    assert saved in (29, 30)
     assert not list(ckpt.glob("*.tmp"))
     again = tmp_path / "run2"
     train(procs, etcd, run_id + "-again", again, "cd", *args, extra=("--checkpoint-dir", str(ckpt)))
