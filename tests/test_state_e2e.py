@@ -234,7 +234,7 @@ def test_save_at_breakdown_and_resume_on_fresh_nodes(
     writes its node's newest snapshot to the checkpoint dir (no periodic checkpoint was
     due). A new run, with no shared memory left, resumes from it."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run1"
-    args = ("--samples", "4000", "--epochs", "1", "--step-time", "0.02")
+    args = ("--samples", "320", "--epochs", "1", "--step-time", "0.02")  # 40 steps
     extra = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000", "--snapshot-every", "1")
     out.mkdir()
     env = {"RESULT_DIR": str(out)}
