@@ -14,12 +14,16 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from harness import ROOT
 
 pytestmark = pytest.mark.slow
+T = TypeVar("T")
 SCRIPT = str(ROOT / "tests" / "scripts" / "compat.py")
 ECHO = str(ROOT / "tests" / "scripts" / "echo.py")
 LAUNCHERS = {
@@ -48,20 +52,30 @@ def run(
     )
 
 
+def each(fn: Callable[[str], T]) -> dict[str, T]:
+    """``fn(launcher)`` for both launchers, side by side: they share no port or file."""
+    with ThreadPoolExecutor(len(LAUNCHERS)) as pool:
+        futures = {who: pool.submit(fn, who) for who in LAUNCHERS}
+        return {who: f.result() for who, f in futures.items()}
+
+
 def both(*args: str, **kw: object) -> dict[str, subprocess.CompletedProcess]:
-    return {who: run(who, *args, **kw) for who in LAUNCHERS}  # type: ignore[arg-type]
+    return each(lambda who: run(who, *args, **kw))  # type: ignore[arg-type]
 
 
 def lines(text: str) -> list[str]:
     return sorted(line for line in text.splitlines() if line.strip())
 
 
-def port_pair() -> int:
-    """A port P with P+1 free too (the static form's etcd)."""
+def port_pair(taken: set[int] | None = None) -> int:
+    """A port P with P+1 free too (the static form's etcd), P and P+1 not in ``taken``."""
+    taken = taken or set()
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if {port - 1, port, port + 1} & taken:
+            continue
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
@@ -69,6 +83,14 @@ def port_pair() -> int:
         except OSError:
             continue
     raise OSError("no free port pair")
+
+
+def port_pairs() -> dict[str, int]:
+    """A port pair for each launcher, all four ports distinct."""
+    ports: dict[str, int] = {}
+    for who in LAUNCHERS:
+        ports[who] = port_pair({p + i for p in ports.values() for i in (0, 1)})
+    return ports
 
 
 def static_job(who: str, port: int) -> list[subprocess.CompletedProcess]:
@@ -96,7 +118,7 @@ def static_job(who: str, port: int) -> list[subprocess.CompletedProcess]:
 
 
 def test_static_multi_node_form() -> None:
-    for who in LAUNCHERS:
+    for who in LAUNCHERS:  # one after the other: four agents at once crowd two cores
         port = port_pair()
         node1, node0 = static_job(who, port)
         assert node0.returncode == node1.returncode == 0, (who, node0.stderr, node1.stderr)
@@ -106,12 +128,13 @@ def test_static_multi_node_form() -> None:
 
 def test_c10d_style_endpoint_that_is_not_an_etcd() -> None:
     """pytorch/examples' run_example.sh line: the agent on that host serves it."""
-    port = port_pair()
     flags = ("--nnodes=1", "--nproc_per_node=2", "--rdzv_id=101")
-    got = {
-        who: run(who, *flags, f"--rdzv_endpoint=localhost:{port + i}", SCRIPT, "--allreduce")
-        for i, who in enumerate(LAUNCHERS)
-    }
+    ports = port_pairs()
+    got = each(
+        lambda who: run(
+            who, *flags, f"--rdzv_endpoint=localhost:{ports[who]}", SCRIPT, "--allreduce"
+        )
+    )
     for who, done in got.items():
         assert done.returncode == 0, (who, done.stderr)
         assert [re.sub(r"port \d+", "port P", s) for s in lines(done.stdout)] == [
@@ -122,10 +145,11 @@ def test_c10d_style_endpoint_that_is_not_an_etcd() -> None:
 
 
 def test_master_port_is_the_workers_and_tcp_init_works() -> None:
-    for who in LAUNCHERS:
-        port = port_pair()
-        done = run(who, "--nproc-per-node", "2", "--master-port", str(port), SCRIPT,
-                   "--allreduce", "--tcp")  # fmt: skip
+    ports = port_pairs()
+    got = each(lambda who: run(who, "--nproc-per-node", "2", "--master-port", str(ports[who]),
+                               SCRIPT, "--allreduce", "--tcp"))  # fmt: skip
+    for who, done in got.items():
+        port = ports[who]
         assert done.returncode == 0, (who, done.stderr)
         assert lines(done.stdout) == [
             f"rank 0/2 group 0 port {port} sum 1",
@@ -200,9 +224,9 @@ def test_prefix_template_with_tee() -> None:
 
 
 def test_log_dir_layout(tmp_path: Path) -> None:
-    for who in LAUNCHERS:
-        done = run(who, "--log-dir", str(tmp_path / who), "--rdzv-id", "j", "-r", "3", "-t", "0",
-                   "--nproc-per-node", "2", ECHO)  # fmt: skip
+    got = each(lambda who: run(who, "--log-dir", str(tmp_path / who), "--rdzv-id", "j", "-r", "3",
+                               "-t", "0", "--nproc-per-node", "2", ECHO))  # fmt: skip
+    for done in got.values():
         assert done.returncode == 0, done.stderr
     layout = {}
     for who in LAUNCHERS:
@@ -239,8 +263,7 @@ def test_record_and_restart_count(tmp_path: Path) -> None:
 
 
 def test_sigterm_exit_code_is_documented() -> None:
-    codes = {}
-    for who in LAUNCHERS:
+    def stopped(who: str) -> int:
         p = subprocess.Popen(
             [*LAUNCHERS[who], "--nproc-per-node", "1", SCRIPT, "--sleep"],
             stdout=subprocess.PIPE,
@@ -254,9 +277,11 @@ def test_sigterm_exit_code_is_documented() -> None:
             assert p.stdout is not None
             assert "sleeping" in p.stdout.readline()
             p.send_signal(signal.SIGTERM)
-            codes[who] = p.wait(60)
+            return p.wait(60)
         finally:
             p.kill()
             p.wait()
+
+    codes = each(stopped)
     # torchrun exits 1; elastic-run 128+SIGTERM, as shells and Kubernetes expect (README)
     assert codes == {"torchrun": 1, "elastic-run": 128 + signal.SIGTERM}
