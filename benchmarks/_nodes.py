@@ -39,7 +39,21 @@ class Node:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGKILL)
 
+    def term(self) -> None:
+        """The node leaves: SIGTERM to its agent, which drains its workers."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+
+    def freeze(self) -> None:
+        """The node hangs: SIGSTOP to the agent and its workers."""
+        for p in self.tree():
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGSTOP)
+
     def stop(self) -> None:
+        for p in self.tree():
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
         self.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)

@@ -1,7 +1,11 @@
 """The benchmarks' training script: a small gloo DDP loop logging every step.
 
 Each worker appends ``{"t", "step", "rank", "world"}`` lines to ``$RESULT_DIR/w<pid>.jsonl``.
-It never resumes from a checkpoint: the benchmarks time recovery, not training.
+Plain (the default), it never resumes from a checkpoint: the benchmarks time recovery, not
+training. With ``--live`` it runs the loop in ``elastic.State.run``, so under elastic-run
+its workers keep their processes through membership changes.
+
+    python benchmarks/ddp_steps.py [step seconds] [--live]
 """
 
 from __future__ import annotations
@@ -10,30 +14,50 @@ import json
 import os
 import sys
 import time
+from typing import IO
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+STEPS = 10**9
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], pause: float) -> None:
+    ddp = DDP(model)  # on the process group of this round
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        loss = ddp(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.write(json.dumps({"t": time.time(), "step": step, "rank": rank, "world": world}))
+        out.write("\n")
+        out.flush()
+        if state is not None:
+            state.commit()
+        time.sleep(pause)
+
+
+state = None
+
 
 def main() -> None:
-    step_time = float(sys.argv[1]) if len(sys.argv) > 1 else 0.05
+    global state
+    args = [a for a in sys.argv[1:] if a != "--live"]
+    pause = float(args[0]) if args else 0.05
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(torch.nn.Linear(32, 1))
+    model = torch.nn.Linear(32, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     path = os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl")
     with open(path, "a") as out:
-        for step in range(10**9):
-            loss = model(torch.randn(16, 32)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            out.write(
-                json.dumps({"t": time.time(), "step": step, "rank": rank, "world": world}) + "\n"
-            )
-            out.flush()
-            time.sleep(step_time)
+        if "--live" not in sys.argv:
+            train(model, opt, out, pause)
+            return
+        import elastic
+
+        state = elastic.State(model=model, optimizer=opt)
+        state.run(train, model, opt, out, pause)
 
 
 if __name__ == "__main__":

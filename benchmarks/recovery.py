@@ -2,13 +2,19 @@
 
 Three "nodes" (launcher plus workers, each a process tree) on this machine train the same
 small gloo DDP script, under stock torchrun (c10d rendezvous, its defaults, --max-restarts
-3 so it can recover at all), under elastic-run (its defaults, on a local etcd) and under
+3 so it can recover at all), under elastic-run (its defaults, on a local etcd), under
 elastic-run with ``--start-method forkserver`` (workers forked from a process that
-imported torch once). Once all three train, one node that does not host torchrun's c10d
-store is SIGKILLed, agent and workers together. Printed: per run, the recovery time, and
-the ratio.
+imported torch once) and under elastic-run with the script's loop in ``State.run`` (live:
+the survivors keep their processes). Once all three train, one node that does not host
+torchrun's c10d store is SIGKILLed, agent and workers together. Printed: per run, the
+recovery time, and the ratio.
 
-    python benchmarks/recovery.py [--repeat 3] [--timeout 180]
+Then, live only: a node that leaves (SIGTERM) to the first step at world size 2; a node
+frozen (SIGSTOP, agent and workers) to the first step at world size 2 (the lease TTL, 5 s
+by default, is the detection time); and the survivors' pause when a third node joins
+(their last step at world size 2 to the first at 3).
+
+    python benchmarks/recovery.py [--repeat 3] [--timeout 180] [--skip-torchrun]
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._nodes import Node, first_step
+from benchmarks._nodes import Node, first_step, steps
 from elastic.agent.etcd_server import EtcdServer
 from rendezvous.net import free_port
 
@@ -68,75 +74,107 @@ def forkserver_cmd(endpoint: str, run_id: str) -> list[str]:
     return elastic_cmd(endpoint, run_id, "--start-method", "forkserver")
 
 
+def live_cmd(endpoint: str, run_id: str) -> list[str]:
+    return [*elastic_cmd(endpoint, run_id), "--live"]
+
+
 def measure(
-    make_cmd: Callable[[str, str], list[str]], endpoint: str, work: Path, timeout: float
+    make_cmd: Callable[[str, str], list[str]],
+    endpoint: str,
+    work: Path,
+    timeout: float,
+    fault: str = "kill",
 ) -> float | None:
+    """Seconds from ``fault`` (kill, term, stop: of the third node; join: of a third
+    node) to the first step at the new world size; for join, the survivors' pause."""
     results = work / "steps"
     results.mkdir(parents=True)
     run_id = work.name
-    nodes = []
+    nodes: list[Node] = []
+
+    def start(i: int) -> None:
+        env = {"RESULT_DIR": str(results)}
+        nodes.append(Node(make_cmd(endpoint, run_id), env, work / f"node{i}.log"))
+
     try:
-        for i in range(3):
-            nodes.append(
-                Node(
-                    make_cmd(endpoint, run_id), {"RESULT_DIR": str(results)}, work / f"node{i}.log"
-                )
-            )
+        for i in range(2 if fault == "join" else 3):
+            start(i)
             time.sleep(1.0 if i == 0 else 0.2)  # node 0 first: it hosts torchrun's store
-        if first_step(results, 3, 0, 120) is None:
-            raise RuntimeError(f"the job never trained at world size 3; see {work}")
+        world = len(nodes)
+        if first_step(results, world, 0, 120) is None:
+            raise RuntimeError(f"the job never trained at world size {world}; see {work}")
         time.sleep(2.0)
-        killed = time.time()
-        nodes[2].kill()
-        resumed = first_step(results, 2, killed, timeout)
-        return None if resumed is None else resumed - killed
+        at = time.time()
+        if fault == "join":
+            start(2)
+            resumed = first_step(results, 3, at, timeout)
+            if resumed is None:
+                return None
+            before = [s["t"] for s in steps(results) if s["world"] == 2 and s["t"] < resumed]
+            return float(resumed - max(before))
+        {"kill": nodes[2].kill, "term": nodes[2].term, "stop": nodes[2].freeze}[fault]()
+        resumed = first_step(results, 2, at, timeout)
+        return None if resumed is None else resumed - at
     finally:
         for n in nodes:
             n.stop()
+
+
+def report(title: str, times: dict[str, list[float | None]], timeout: float) -> None:
+    def median(v: list[float | None]) -> float:
+        return statistics.median(x if x is not None else timeout for x in v)
+
+    base = next(iter(times.values()))
+    print(f"\n{title}")
+    print(f"{'launcher':<24}{'median':>10}{'vs first':>10}   runs")
+    for k, v in times.items():
+        runs = " ".join(f"{x:.2f}" if x is not None else f">{timeout:.0f}" for x in v)
+        print(f"{k:<24}{median(v):>9.2f}s{median(base) / median(v):>9.1f}x   {runs}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--skip-torchrun", action="store_true", help="it takes ~50 s a run")
     a = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="elastic-run-recovery-"))
-    times: dict[str, list[float | None]] = {
-        "torchrun (c10d)": [],
-        "elastic-run": [],
-        "elastic-run forkserver": [],
+    kinds: dict[str, Callable[[str, str], list[str]]] = {
+        "torchrun (c10d)": torchrun_cmd,
+        "elastic-run": elastic_cmd,
+        "elastic-run forkserver": forkserver_cmd,
+        "elastic-run live": live_cmd,
     }
+    if a.skip_torchrun:
+        del kinds["torchrun (c10d)"]
+    kill: dict[str, list[float | None]] = {k: [] for k in kinds}
+    faults = {"term": "SIGTERM leave", "stop": "SIGSTOP (frozen)", "join": "join: pause"}
+    live: dict[str, list[float | None]] = {v: [] for v in faults.values()}
     with EtcdServer(name="bench") as etcd:
         for i in range(a.repeat):
-            port = free_port()
-            times["torchrun (c10d)"].append(
-                measure(torchrun_cmd, f"127.0.0.1:{port}", base / f"torchrun{i}", a.timeout)
-            )
-            times["elastic-run"].append(
-                measure(elastic_cmd, etcd.endpoint, base / f"elastic{i}", a.timeout)
-            )
-            times["elastic-run forkserver"].append(
-                measure(forkserver_cmd, etcd.endpoint, base / f"fork{i}", a.timeout)
-            )
+            for k, make in kinds.items():
+                endpoint = etcd.endpoint
+                if make is torchrun_cmd:
+                    endpoint = f"127.0.0.1:{free_port()}"
+                work = base / f"{make.__name__}{i}"
+                kill[k].append(measure(make, endpoint, work, a.timeout))
+            for fault, name in faults.items():
+                work = base / f"live-{fault}{i}"
+                live[name].append(measure(live_cmd, etcd.endpoint, work, a.timeout, fault))
+            done = {**kill, **live}
             print(
                 f"run {i + 1}: "
                 + ", ".join(
-                    f"{k} {v[-1]:.1f}s" if v[-1] is not None else f"{k} >{a.timeout:.0f}s"
-                    for k, v in times.items()
+                    f"{k} {v[-1]:.2f}s" if v[-1] is not None else f"{k} >{a.timeout:.0f}s"
+                    for k, v in done.items()
                 ),
                 flush=True,
             )
-
-    def median(v: list[float | None]) -> float:
-        return statistics.median(x if x is not None else a.timeout for x in v)
-
-    t = median(times["torchrun (c10d)"])
-    print("\nseconds from SIGKILL of one of 3 nodes to the first step at world size 2")
-    print(f"{'launcher':<24}{'median':>10}{'vs torchrun':>13}   runs")
-    for k, v in times.items():
-        runs = " ".join(f"{x:.1f}" if x is not None else f">{a.timeout:.0f}" for x in v)
-        print(f"{k:<24}{median(v):>9.1f}s{t / median(v):>12.1f}x   {runs}")
-    print("\ntarget: elastic-run at least 10x faster than torchrun")
+    title = "seconds from SIGKILL of one of 3 nodes to the first step at world size 2"
+    report(title, kill, a.timeout)
+    report("elastic-run live: seconds to the first step at the new world size", live, a.timeout)
+    print("\ntargets (live): SIGKILL <= 1.0 s, SIGTERM leave <= 0.5 s, SIGSTOP <= lease TTL + 1 s")
+    print("(5 + 1 s), survivors' pause for a join <= 1 s")
     print(f"logs: {base}")
 
 

@@ -11,9 +11,11 @@ No torch and no etcd here: both sides import this module.
 
 from __future__ import annotations
 
+import enum
 import json
 import mmap
 import os
+import re
 import struct
 import time
 from dataclasses import asdict, dataclass
@@ -25,8 +27,17 @@ NODE_DIR_ENV = "ELASTIC_RUN_NODE_DIR"  # the node's shared-memory directory (sna
 NODE_ID_ENV = "ELASTIC_RUN_NODE_ID"  # this node's id in the job (metrics labels)
 POLICY_ENV = "ELASTIC_RUN_SNAPSHOT_POLICY"  # SnapshotPolicy.encode()
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where workers' metrics go (prometheus-client)
+RESTART_MODE_ENV = "ELASTIC_RUN_RESTART_MODE"  # live | respawn (--restart-mode)
 
-WORKER_ENV = (CONTROL_ENV, NODE_DIR_ENV, NODE_ID_ENV, POLICY_ENV, MULTIPROC_ENV)
+WORKER_ENV = (CONTROL_ENV, NODE_DIR_ENV, NODE_ID_ENV, POLICY_ENV, MULTIPROC_ENV, RESTART_MODE_ENV)
+
+
+class RestartMode(enum.Enum):
+    """What follows a membership change for workers that run ``State.run``."""
+
+    LIVE = "live"  # they keep their process and form the new process group in place
+    RESPAWN = "respawn"  # they stop and new processes start (every other script, always)
+
 
 # -- exit codes -----------------------------------------------------------------------------
 EXIT_RESIZE = 75  # a worker that saved and stopped because it was asked to: not a failure
@@ -35,6 +46,42 @@ EXIT_RESIZE = 75  # a worker that saved and stopped because it was asked to: not
 def control_path(node_dir: Path, local_rank: int) -> Path:
     """Where the agent puts the control block of the worker with ``local_rank``."""
     return node_dir / f"control-{local_rank}"
+
+
+def placement_path(control: str | Path) -> Path:
+    """Where the agent writes a live worker's next placement (next to its control block)."""
+    return Path(f"{control}.placement")
+
+
+def write_placement(control: str | Path, env: dict[str, str]) -> None:
+    """The torchrun variables of the worker's new round; atomic (written, then renamed),
+    and published only when the agent bumps the block's placement generation."""
+    path = placement_path(control)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(env, sort_keys=True))
+    tmp.replace(path)
+
+
+def read_placement(control: str | Path) -> dict[str, str]:
+    env: dict[str, str] = json.loads(placement_path(control).read_text())
+    return env
+
+
+# What a collective says when a peer vanished under it (gloo, NCCL, the store, torch's
+# own wrappers): a failure that shows only this is a consequence, not a cause. The agent
+# reads it in tracebacks, a live worker in the exception it caught.
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"DistNetworkError|DistBackendError|NCCL communicator was aborted|ncclRemoteError|"
+    r"remote process exited|Socket Timeout|Connection refused|recvBytes failed|"
+    r"connectFullMesh failed|ProcessGroupNCCL.*(?:timeout|watchdog)"
+)
+
+
+def peer_gone(text: str) -> bool:
+    """``text`` (an exception message or a traceback) is a collective failing because a
+    peer went away, rather than an error of this worker's own."""
+    return bool(_PEER_GONE.search(text))
 
 
 # -- the snapshot policy ----------------------------------------------------------------------
@@ -83,14 +130,36 @@ class SnapshotPolicy:
 
 
 # -- the control block --------------------------------------------------------------------------
-MAGIC = 0x454C5243_00000002  # "ELRC", layout 2
-SIZE = 64
+MAGIC = 0x454C5243_00000003  # "ELRC", layout 3
+SIZE = 128
 
 USES_STATE = 1  # flag: the worker runs elastic.State (it can save and stop when asked)
 REPORTS = 2  # flag: the worker reports progress (State.commit or elastic.report)
+LIVE = 4  # flag: the worker runs State.run (it can form a new process group in place)
+
+
+class Phase(enum.IntEnum):
+    """Where a live worker is. RUNNING -> WAITING (it let go of its process group: asked
+    to, or its collective failed) -> RUNNING (it formed the group of a new placement)."""
+
+    RUNNING = 0
+    WAITING = 1
+
 
 _Q = struct.Struct("<q")
-_OFF = {"stop": 8, "heartbeat": 16, "step": 24, "flags": 32, "snapshot": 40, "samples": 48}
+_OFF = {
+    "stop": 8,
+    "heartbeat": 16,
+    "step": 24,
+    "flags": 32,
+    "snapshot": 40,
+    "samples": 48,
+    "pause": 56,
+    "abandon": 64,
+    "placement": 72,
+    "phase": 80,
+    "formed": 88,
+}
 
 
 class ControlBlock:
@@ -108,6 +177,13 @@ class ControlBlock:
         32      flags: USES_STATE, REPORTS                             worker
         40      newest snapshot step, -1 for none                      worker
         48      samples processed                                      worker
+        56      pause generation ("stop at the next step, keep going   agent
+                live when the new placement comes")
+        64      abandon generation ("the round is broken: leave the    agent
+                process group now")
+        72      placement generation (the placement file is new)       agent
+        80      phase: RUNNING or WAITING                              worker
+        88      the placement generation it formed last                worker
     """
 
     def __init__(self, path: str | Path, create: bool = False) -> None:
@@ -126,7 +202,7 @@ class ControlBlock:
             self._put(_OFF["snapshot"], -1)
         elif self._get(0) != MAGIC:
             self._map.close()
-            raise ValueError(f"{self.path} is not an elastic-run control block (layout 2)")
+            raise ValueError(f"{self.path} is not an elastic-run control block (layout 3)")
 
     def _get(self, off: int) -> int:
         value: int = _Q.unpack_from(self._map, off)[0]
@@ -138,6 +214,33 @@ class ControlBlock:
     # -- agent side ------------------------------------------------------------------------
     def request_stop(self) -> None:
         self._put(_OFF["stop"], self._get(_OFF["stop"]) + 1)
+
+    def request_pause(self) -> None:
+        self._put(_OFF["pause"], self._get(_OFF["pause"]) + 1)
+
+    def request_abandon(self) -> None:
+        self._put(_OFF["abandon"], self._get(_OFF["abandon"]) + 1)
+
+    def publish_placement(self, env: dict[str, str]) -> None:
+        """Write the next placement and bump its generation: the worker forms it."""
+        write_placement(self.path, env)
+        self._put(_OFF["placement"], self._get(_OFF["placement"]) + 1)
+
+    @property
+    def live(self) -> bool:
+        return bool(self._get(_OFF["flags"]) & LIVE)
+
+    @property
+    def phase(self) -> Phase:
+        return Phase(self._get(_OFF["phase"]))
+
+    @property
+    def stranded(self) -> bool:
+        """The worker let go of its group and no placement is on its way: it waits for
+        the agent (it was asked to, or its collective failed on its own)."""
+        return self.phase is Phase.WAITING and self._get(_OFF["formed"]) == self._get(
+            _OFF["placement"]
+        )
 
     @property
     def uses_state(self) -> bool:
@@ -178,6 +281,27 @@ class ControlBlock:
         if samples is not None:
             self._put(_OFF["samples"], samples)
         self._put(_OFF["heartbeat"], time.time_ns())
+
+    @property
+    def pause_generation(self) -> int:
+        return self._get(_OFF["pause"])
+
+    @property
+    def abandon_generation(self) -> int:
+        return self._get(_OFF["abandon"])
+
+    @property
+    def placement_generation(self) -> int:
+        return self._get(_OFF["placement"])
+
+    def waiting(self) -> None:
+        """It let go of its process group and waits for a placement."""
+        self._put(_OFF["phase"], Phase.WAITING)
+
+    def running(self, generation: int) -> None:
+        """It formed the process group of placement ``generation``."""
+        self._put(_OFF["formed"], generation)
+        self._put(_OFF["phase"], Phase.RUNNING)
 
     def snapshot_taken(self, step: int) -> None:
         self._put(_OFF["snapshot"], step)

@@ -89,3 +89,25 @@ def test_exit_codes_and_lost_time() -> None:
     planned = {RestartCause.RESIZE, RestartCause.MEMBER_LEFT}
     for cause in RestartCause:
         assert cause.lost_as is (LostCause.RESIZE if cause in planned else LostCause.FAILURE)
+
+
+# with live workers, the changes of other nodes keep them: (stop) instead of TABLE's
+LIVE = {
+    RoundEnd.SUPERSEDED: Stop.ABANDON,
+    RoundEnd.LOST: Stop.ABANDON,
+    RoundEnd.PEER_FAILED: Stop.ABANDON,
+    RoundEnd.LEFT: Stop.ABANDON,
+    RoundEnd.LEAVING: Stop.PAUSE,
+    RoundEnd.STOPPING: Stop.PAUSE,
+    RoundEnd.WAITING: Stop.PAUSE,
+}
+
+
+@pytest.mark.parametrize(("state", "event"), list(TABLE), ids=lambda x: getattr(x, "name", x))
+def test_every_row_with_live_workers(state: AgentState, event: LocalEvent | RoundEnd) -> None:
+    """Only the changes of other nodes differ; this node's own events stop its workers."""
+    r = decide(state, event, live=True)
+    stop, next_state, cause, end = TABLE[state, event]
+    expected = LIVE.get(event, stop) if state is R else stop
+    assert (r.stop, r.next, r.cause, r.exit) == (expected, next_state, cause, end)
+    assert r.stop.keeps_workers == (state is R and event in LIVE)

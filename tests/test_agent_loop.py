@@ -104,6 +104,10 @@ class FakeWorkers:
         self.hangs: list[WorkerFailure] = []
         self.released: list[bool] = []  # release_held(show) calls
         self._running = False
+        self.live = False  # the workers run State.run (they can re-form in place)
+        self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
+        self.hold_fails: str | None = None  # what hold() answers
+        self.reformed: list[list[Placement]] = []
 
     @property
     def pids(self) -> list[int]:
@@ -138,6 +142,16 @@ class FakeWorkers:
 
     def last_step(self) -> int:
         return 41
+
+    def stranded(self) -> list[WorkerFailure]:
+        return self.strand.popleft() if self.strand else []
+
+    def hold(self, urgent: bool, timeout: float) -> str | None:
+        self.actions.append("abandon" if urgent else "pause")
+        return self.hold_fails
+
+    def reform(self, placements: list[Placement]) -> None:
+        self.reformed.append(placements)
 
 
 RUNNING: tuple[GroupState, list[WorkerFailure]] = (GroupState.RUNNING, [])
@@ -318,3 +332,79 @@ def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     value = registry.get_sample_value(name, {"job": "job", "node": "a", **labels})
     assert value is not None, (name, labels)
     return value
+
+
+STRANDED = WorkerFailure(0, 0, 7, 1, 1.0, "its collective failed and no member changed")
+
+
+def test_live_workers_leave_the_group_on_a_loss_and_re_form_in_place() -> None:
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    assert agent(job, workers, metrics=metrics).run() == 0
+    assert workers.actions == ["abandon"] and len(workers.started) == 1
+    [placements] = workers.reformed
+    assert [(p.rank, p.world_size, p.master_port) for p in placements] == [
+        (0, 2, 29502),
+        (1, 2, 29502),
+    ]
+    assert _sample(metrics.registry, "elastic_run_restarts_total", cause="member_lost") == 0
+    reformed = _sample(metrics.registry, "elastic_run_live_reformations_total", cause="member_lost")
+    assert reformed == 1
+
+
+def test_live_workers_pause_for_a_newcomer() -> None:
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    assert agent(job, workers).run() == 0
+    assert workers.actions == ["pause"] and len(workers.reformed) == 1
+
+
+def test_stranded_workers_wait_for_the_change_that_explains_them() -> None:
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.strand.append([STRANDED])
+    assert agent(job, workers).run() == 0
+    assert "probe_members" in job.calls and job.reported == []
+    assert len(workers.reformed) == 1 and len(workers.started) == 1
+
+
+def test_stranded_workers_with_no_change_in_sight_are_a_failure() -> None:
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", restarts=1)])
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.strand.append([STRANDED])
+    assert agent(job, workers).run() == 0
+    assert workers.actions[0] == "stop 1" and len(job.reported) == 1
+    assert len(workers.started) == 2 and workers.reformed == []
+
+
+def test_a_live_re_formation_that_cannot_hold_the_workers_falls_back_to_new_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.hold_fails = "rank(s) [1] still in their step after 5s"
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers).run() == 0
+    assert workers.actions == ["abandon", "stop 1"] and len(workers.started) == 2
+    assert "no live re-formation (rank(s) [1] still in their step" in caplog.text
+
+
+def test_respawn_mode_never_holds_workers() -> None:
+    from elastic.contract import RestartMode
+
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    assert agent(job, workers, restart_mode=RestartMode.RESPAWN).run() == 0
+    assert workers.actions == ["stop 1"] and len(workers.started) == 2

@@ -233,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _value(
         ft,
+        "restart_mode",
+        "live",
+        "live: workers in State.run keep their process through membership changes and form "
+        "the new process group in place; respawn: new workers every time (other scripts "
+        "always get new workers)",
+        choices=["live", "respawn"],
+    )
+    _value(
+        ft,
         "worker_hang_timeout",
         0.0,
         "a worker that reported progress (State.commit, elastic.heartbeat) and then none "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from elastic.agent.args import UsageError
 from elastic.agent.devices import DeviceError, choose_devices, count_devices
-from elastic.contract import POLICY_ENV, SnapshotPolicy
+from elastic.contract import POLICY_ENV, RESTART_MODE_ENV, RestartMode, SnapshotPolicy
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class RunConfig:
     master_port: int | None = None  # the workers' MASTER_PORT every round; None: fresh
     module: bool = False  # run the script as python -m
     forkserver: bool = False  # --start-method forkserver/fork: fork workers, torch imported
+    restart_mode: RestartMode = RestartMode.LIVE  # State.run workers re-form in place
 
 
 def _worker_command(ns: argparse.Namespace) -> tuple[str, ...]:
@@ -296,6 +297,8 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env[POLICY_ENV] = _snapshot_policy(ns).encode()
+    restart_mode = RestartMode(ns.restart_mode)
+    env[RESTART_MODE_ENV] = restart_mode.value
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning(
             "setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
@@ -330,6 +333,7 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         master_port=master_port,
         signals=parse_signals(ns.signals_to_handle),
         shutdown_timeout=shutdown_timeout,
+        restart_mode=restart_mode,
         virtual_local_rank=bool(ns.virtual_local_rank),
         worker_hang_timeout=_positive(
             "--worker-hang-timeout", float(ns.worker_hang_timeout), allow_zero=True

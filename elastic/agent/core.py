@@ -31,11 +31,19 @@ nowhere else: ``loop.Agent`` only gathers events and carries out reactions. The 
 RESIZING and RESTARTING last while the workers stop; then the agent joins the next
 round (JOINING). SUCCEEDED, FAILED and LEFT are ends: the agent exits.
 
+Live workers (all alive, all in ``State.run``, ``--restart-mode live``) keep their
+processes through the changes of other nodes, SUPERSEDED to WAITING: *urgent* becomes
+*abandon* and *drain* becomes *pause*, and the next round re-forms them in place instead
+of starting new ones. This node's own failures, signals and fencing stop them as above.
+
 Stops: *drain* asks ``elastic.State`` users to save at their next step and exit
 ``EXIT_RESIZE`` (other scripts get SIGTERM, or the signal the agent got), SIGKILL after
 ``--shutdown-timeout``; *urgent* is SIGTERM and SIGKILL a second later (the round is
 broken, there is nothing to save); *kill* is SIGKILL now (the workers are stale: the job
-moved on without them); *finish* lets them end on their own (``close_timeout``).
+moved on without them); *finish* lets them end on their own (``close_timeout``). Live:
+*pause* asks them to stop at their next step and wait, *abandon* to leave their process
+group at once (out of a blocked collective too) and wait; either falls back to *urgent*
+(and new workers) when a worker does not get there within ``--shutdown-timeout``.
 """
 
 from __future__ import annotations
@@ -89,6 +97,12 @@ class Stop(enum.Enum):
     DRAIN = "drain"
     URGENT = "urgent"
     KILL = "kill"
+    PAUSE = "pause"  # live: stop at the next step, keep the process
+    ABANDON = "abandon"  # live: leave the process group now, keep the process
+
+    @property
+    def keeps_workers(self) -> bool:
+        return self in (Stop.PAUSE, Stop.ABANDON)
 
 
 class RestartCause(enum.Enum):
@@ -159,13 +173,17 @@ _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
 }
 
 
-def decide(state: AgentState, event: Event) -> Reaction:
-    """The reaction to ``event`` in ``state``. Raises ValueError for an event that cannot
-    happen in that state (only JOINING and RUNNING observe anything)."""
+_LIVE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
+
+
+def decide(state: AgentState, event: Event, live: bool = False) -> Reaction:
+    """The reaction to ``event`` in ``state``; ``live``: the workers can re-form in place.
+    Raises ValueError for an event that cannot happen in that state (only JOINING and
+    RUNNING observe anything)."""
     if state is AgentState.JOINING:
         return _joining(event)
     if state is AgentState.RUNNING:
-        return _running(event)
+        return _running(event, live)
     raise ValueError(f"an agent in state {state.name} observes nothing (got {event})")
 
 
@@ -185,7 +203,7 @@ def _joining(event: Event) -> Reaction:
     raise ValueError(f"a joining agent cannot see {event}")
 
 
-def _running(event: Event) -> Reaction:
+def _running(event: Event, live: bool) -> Reaction:
     match event:
         case LocalEvent.WORKERS_SUCCEEDED:
             return Reaction(
@@ -230,6 +248,14 @@ def _running(event: Event) -> Reaction:
             )
         case RoundEnd():
             stop, next_state, cause = _CHANGES[event]
+            if live and stop in _LIVE:
+                how = "workers leave the group now" if event.urgent else "workers pause"
+                return Reaction(
+                    f"{event.value}: {how}, to re-form live",
+                    next_state,
+                    stop=_LIVE[stop],
+                    cause=cause,
+                )
             how = "stop workers now" if event.urgent else "workers save and stop"
             return Reaction(f"{event.value}: {how}", next_state, stop=stop, cause=cause)
     raise ValueError(f"a running agent cannot see {event}")

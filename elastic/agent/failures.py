@@ -9,27 +9,13 @@ report. The root cause is the earliest failure that is not a consequence of anot
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# What a collective says when a peer vanished under it (gloo, NCCL, the store, torch's
-# own wrappers): a failure that shows only this is a consequence, not a cause.
-_PEER_GONE = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-    r"DistNetworkError|DistBackendError|NCCL communicator was aborted|ncclRemoteError|"
-    r"remote process exited|Socket Timeout|Connection refused|recvBytes failed|"
-    r"connectFullMesh failed|ProcessGroupNCCL.*(?:timeout|watchdog)"
-)
-
-
-def peer_gone(text: str) -> bool:
-    """``text`` (an exception message or a traceback) is a collective failing because a
-    peer went away, rather than an error of this worker's own."""
-    return bool(_PEER_GONE.search(text))
+from elastic.contract import peer_gone
 
 
 def last_line(text: str) -> str:

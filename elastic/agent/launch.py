@@ -164,6 +164,7 @@ def launch(cfg: RunConfig) -> int:
             metrics=metrics,
             store=store,
             checkpoint_dir=policy.checkpoint_dir,
+            restart_mode=cfg.restart_mode,
         )
         log.info(
             "node %s joining job %s (nnodes %d:%d, %d worker(s) per node)",

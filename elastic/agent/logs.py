@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from elastic.agent.failures import last_line, peer_gone
+from elastic.agent.failures import last_line
 from elastic.agent.procs import Process
+from elastic.contract import peer_gone
 
 OUT, ERR = 1, 2
 PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"

@@ -20,6 +20,7 @@ from elastic.agent.failures import WorkerFailure, format_report, summarize
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement
 from elastic.agent.workers import GroupState
+from elastic.contract import RestartMode
 from rendezvous.errors import (
     RendezvousCancelled,
     RendezvousClosedError,
@@ -74,6 +75,11 @@ class Workers(Protocol):
     def stop(self, grace: float) -> None: ...
     def release_held(self, show: bool) -> dict[int, Path]: ...
     def last_step(self) -> int: ...  # the newest step the workers reported, -1 for none
+    @property
+    def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
+    def stranded(self) -> list[WorkerFailure]: ...
+    def hold(self, urgent: bool, timeout: float) -> str | None: ...
+    def reform(self, placements: list[Placement]) -> None: ...
 
 
 class Agent:
@@ -90,8 +96,12 @@ class Agent:
         metrics: AgentMetrics | None = None,
         store: storehost.StoreHost | None = None,
         checkpoint_dir: str | None = None,
+        restart_mode: RestartMode = RestartMode.LIVE,
     ) -> None:
         self.rdzv = rdzv
+        self.restart_mode = restart_mode
+        self._held = False  # the workers wait to re-form in place when the round forms
+        self._released = False  # held workers were stopped: the job ended while joining
         self.workers = workers
         self.monitor_interval = monitor_interval
         self.shutdown_timeout = shutdown_timeout
@@ -177,7 +187,8 @@ class Agent:
                 event = self._watch()
             else:
                 raise AssertionError(f"the loop never rests in {self.state}")
-            code = self._carry_out(decide(self.state, event), event)
+            live = self.restart_mode is RestartMode.LIVE and self.workers.live
+            code = self._carry_out(decide(self.state, event, live), event)
             if code is not None:
                 return code
 
@@ -223,34 +234,58 @@ class Agent:
             if change is not None:
                 self._change = change
                 return change.end
+            stranded = self.workers.stranded()
+            if stranded:
+                return self._stranded(stranded)
             if self.metrics is not None:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
 
     def _verdict(self, failures: list[WorkerFailure]) -> Event:
         """Workers failed. If every failure only says a peer vanished under it, find out
-        whether one did (probe the members, wait up to a lease TTL): then the loss is the
-        event, and the failures are its consequences, not this node's fault."""
+        whether one did: then the loss is the event, and the failures are its
+        consequences, not this node's fault."""
         if not all(f.consequence for f in failures):
             return LocalEvent.WORKERS_FAILED
+        change = self._find_change(urgent_only=True)
+        if change is None:
+            return LocalEvent.WORKERS_FAILED
+        self._consequences = tuple(failures)
+        self._failures = ()
+        return change.end
+
+    def _stranded(self, stranded: list[WorkerFailure]) -> Event:
+        """Live workers left their group on their own (a collective failed, or the other
+        ranks paused): the change of the job that explains it is the event. None found:
+        their failure is."""
+        change = self._find_change(urgent_only=False)
+        if change is not None:
+            return change.end
+        self._failures = tuple(stranded)
+        return LocalEvent.WORKERS_FAILED
+
+    def _find_change(self, urgent_only: bool) -> Change | None:
+        """Probe the members and watch the job for up to a lease TTL for a change."""
         deadline = time.monotonic() + self.rdzv.lease_ttl + 1.0
         while time.monotonic() < deadline and self.signal is None:
             version = self.rdzv.version
             self.rdzv.probe_members()
             change = self.rdzv.check()
-            if change is not None and change.end.urgent:
+            if change is not None and (change.end.urgent or not urgent_only):
                 self._change = change
-                self._consequences = tuple(failures)
-                self._failures = ()
-                return change.end
+                return change
             self.rdzv.wait(version, 0.25)
-        return LocalEvent.WORKERS_FAILED
+        return None
 
     # -- carrying out reactions ------------------------------------------------------------------
     def _carry_out(self, r: Reaction, event: Event) -> int | None:
         """Do what ``r`` says; an int is the exit code, None means carry on."""
         if r.start:
             return self._start()
+        if self._held and r.exit is not None:  # no round for the held workers to join
+            self.workers.stop(URGENT_GRACE)
+            self._held = False
+            self._released = True
         self._change_at = time.monotonic()
         self._explain(r, event)
         pids = self.workers.pids
@@ -260,11 +295,14 @@ class Agent:
             except RendezvousError as e:
                 log.warning("could not announce leaving: %s", e)
         self._stop(r.stop)
-        self._tell_consequences()
+        if not self._held:
+            self._tell_consequences()
         if r.report_failure:
             self._report(event)
         self._lost_cause = r.cause.lost_as if r.cause is not None else None
-        if self.metrics is not None and pids:
+        if self.metrics is not None and self._held:
+            self.metrics.workers_held(r.cause)
+        elif self.metrics is not None and pids:
             self.metrics.workers_stopped(r.cause)
             for pid in pids:
                 self.metrics.worker_exited(pid)
@@ -306,7 +344,15 @@ class Agent:
             self._change_why = str(e)
             self.rdzv.finish_round()
             return None
-        self.workers.start(placements)
+        live = self._held and self.workers.live
+        if live:
+            self.workers.reform(placements)
+        else:
+            if self._held:
+                log.warning("a held worker exited before the round formed: new workers follow")
+                self.workers.stop(0)
+            self.workers.start(placements)
+        self._held = False
         took = time.monotonic() - self._change_at
         if self._previous is not None:
             self._lost_total += took
@@ -325,13 +371,14 @@ class Agent:
         base = me.base
         ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
         log.info(
-            "node %s: group rank %d, %s, master %s:%d, restarts %d",
+            "node %s: group rank %d, %s, master %s:%d, restarts %d%s",
             self.node_id,
             group_rank,
             ranks,
             r.master_addr,
             r.master_port,
             r.restarts,
+            f"; workers re-form live (pids {self.workers.pids})" if live else "",
         )
         self._previous = r
         return None
@@ -359,9 +406,18 @@ class Agent:
             case RoundEnd() if change is not None and r.stop is Stop.DRAIN:
                 log.info("%s: resizing", change.detail)
                 self._change_why = change.detail
+            case RoundEnd() if change is not None and r.stop.keeps_workers:
+                log.info("%s: workers re-form live", change.detail)
+                self._change_why = change.detail
 
     def _stop(self, how: Stop) -> None:
-        if how is Stop.URGENT:
+        if how.keeps_workers:
+            why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
+            self._held = why is None
+            if why is not None:
+                log.warning("no live re-formation (%s): new workers follow", why)
+                self.workers.stop(URGENT_GRACE)
+        elif how is Stop.URGENT:
             self.workers.stop(URGENT_GRACE)
         elif how is Stop.KILL:
             self.workers.stop(0)
@@ -438,7 +494,7 @@ class Agent:
             return self._report_failed()
         if event is RoundEnd.JOB_SUCCEEDED and self._closed is not None:
             log.info("job %s has finished: %s", self.rdzv.run_id, self._closed.reason)
-        elif event is RoundEnd.JOB_SUCCEEDED:
+        elif event is RoundEnd.JOB_SUCCEEDED and not self._released:
             # another node closed the job: our own workers may have failed meanwhile
             state, failures = self.workers.poll()
             if state is GroupState.FAILED:

@@ -101,6 +101,12 @@ class AgentMetrics:
             [*base, "cause"],
             registry=r,
         )
+        self.reformations = Counter(
+            "elastic_run_live_reformations",
+            "Times this node's workers formed a new process group in place (no restart)",
+            [*base, "cause"],
+            registry=r,
+        )
         self.lost_seconds = Counter(
             "elastic_run_lost_seconds",
             "Seconds without running workers after a failure or during a resize",
@@ -123,6 +129,7 @@ class AgentMetrics:
             self.changes.labels(job, node, cause)
         for restart in RestartCause:
             self.restarts.labels(job, node, restart.value)
+            self.reformations.labels(job, node, restart.value)
         for lost in LostCause:
             self.lost_seconds.labels(job, node, lost.value)
         self.set_state(AgentState.JOINING)
@@ -184,6 +191,14 @@ class AgentMetrics:
         if restart_cause is not None:
             job, node = self._labels["job"], self._labels["node"]
             self.restarts.labels(job, node, restart_cause.value).inc()
+
+    def workers_held(self, restart_cause: RestartCause | None) -> None:
+        """The round's workers wait to re-form in place (a live re-formation)."""
+        self.tick()
+        self._running_since = None
+        if restart_cause is not None:
+            job, node = self._labels["job"], self._labels["node"]
+            self.reformations.labels(job, node, restart_cause.value).inc()
 
     def lost(self, cause: LostCause, seconds: float) -> None:
         job, node = self._labels["job"], self._labels["node"]

@@ -22,6 +22,22 @@ class Placement:
     restart_count: int
 
 
+def round_env(p: Placement) -> dict[str, str]:
+    """The variables that change from round to round (a live worker takes these in place)."""
+    return {
+        "RANK": str(p.rank),
+        "GROUP_RANK": str(p.group_rank),
+        "ROLE_RANK": str(p.rank),
+        "LOCAL_WORLD_SIZE": str(p.local_world_size),
+        "WORLD_SIZE": str(p.world_size),
+        "GROUP_WORLD_SIZE": str(p.group_world_size),
+        "ROLE_WORLD_SIZE": str(p.world_size),
+        "MASTER_ADDR": p.master_addr,
+        "MASTER_PORT": str(p.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(p.restart_count),
+    }
+
+
 def worker_env(
     p: Placement,
     *,
@@ -37,19 +53,10 @@ def worker_env(
     parent = dict(os.environ if base is None else base)
     env = dict(parent)
     env.update(extra or {})
+    env.update(round_env(p))
     env.update(
         {
-            "RANK": str(p.rank),
-            "GROUP_RANK": str(p.group_rank),
-            "ROLE_RANK": str(p.rank),
             "ROLE_NAME": role,
-            "LOCAL_WORLD_SIZE": str(p.local_world_size),
-            "WORLD_SIZE": str(p.world_size),
-            "GROUP_WORLD_SIZE": str(p.group_world_size),
-            "ROLE_WORLD_SIZE": str(p.world_size),
-            "MASTER_ADDR": p.master_addr,
-            "MASTER_PORT": str(p.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(p.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
             "TORCHELASTIC_RUN_ID": run_id,
             # the rank-0 agent hosts the store (as torchrun's c10d backend), on a port fresh to

@@ -23,7 +23,7 @@ from elastic.agent.failures import WorkerFailure, collect
 from elastic.agent.filetimer import FILE_ENV, FileTimerServer
 from elastic.agent.forkserver import ForkServer
 from elastic.agent.logs import LogRouter, WorkerStreams
-from elastic.agent.placement import Placement, worker_env
+from elastic.agent.placement import Placement, round_env, worker_env
 from elastic.agent.procs import Process, die_with_parent, signal_group, stop_group
 from elastic.contract import (
     CONTROL_ENV,
@@ -230,6 +230,59 @@ class WorkerGroup:
         if done + resized == len(self.workers):
             return (GroupState.STOPPED if resized else GroupState.SUCCEEDED), []
         return GroupState.RUNNING, []
+
+    # -- live re-formation ---------------------------------------------------------------------
+    @property
+    def live(self) -> bool:
+        """Every worker is alive and runs ``State.run``: they can re-form in place."""
+        return bool(self.workers) and all(
+            w.proc.poll() is None and w.control.live for w in self.workers
+        )
+
+    def stranded(self) -> list[WorkerFailure]:
+        """Workers that left their group on their own (a collective failed) and wait for
+        the agent, as failures in case no change of the job explains it."""
+        now = time.time()
+        return [
+            WorkerFailure(
+                w.placement.rank,
+                w.local_rank,
+                w.proc.pid,
+                1,
+                now,
+                "its collective failed and no member of the job changed (see its stderr)",
+            )
+            for w in self.workers
+            if w.proc.poll() is None and w.control.stranded
+        ]
+
+    def hold(self, urgent: bool, timeout: float) -> str | None:
+        """Ask the workers to let go of their group (``urgent``: now, out of a blocked
+        collective too; else at their next step) and wait until every one waits for a
+        placement. None once they all do, else why not (then stop them)."""
+        for w in self.workers:
+            if not w.control.stranded:
+                (w.control.request_abandon if urgent else w.control.request_pause)()
+        deadline = time.monotonic() + timeout
+        while True:
+            gone = [w for w in self.workers if w.proc.poll() is not None]
+            if gone:
+                return f"rank {gone[0].placement.rank} exited ({gone[0].proc.poll()})"
+            if all(w.control.stranded for w in self.workers):
+                return None
+            if time.monotonic() > deadline:
+                late = [w.placement.rank for w in self.workers if not w.control.stranded]
+                return f"rank(s) {late} still in their step after {timeout:g}s"
+            time.sleep(0.005)
+
+    def reform(self, placements: list[Placement]) -> None:
+        """Publish each held worker's new placement: it forms the new group in place."""
+        by_local = {p.local_rank: p for p in placements}
+        assert set(by_local) == {w.local_rank for w in self.workers}, "same local ranks"
+        for w in self.workers:
+            w.placement = by_local[w.local_rank]
+            w.exited_at = None
+            w.control.publish_placement(round_env(w.placement))
 
     @property
     def use_state(self) -> bool:

@@ -55,6 +55,11 @@ class ControlGroup:
             self._for = world_group
         return self._group
 
+    def forget(self) -> None:
+        """Drop the group (a re-formation): holding it would keep the old process group,
+        its threads and its sockets alive."""
+        self._group = self._for = None
+
     def all_reduce(self, values: list[int], op: str) -> list[int]:
         """``values`` reduced over all ranks with ``op`` (MAX, MIN, SUM)."""
         group = self.group()

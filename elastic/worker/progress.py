@@ -17,6 +17,7 @@ from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV
 
 _metrics: dict[str, Any] | None = None
 _last: tuple[float, float] | None = None  # (time, samples) at the previous report
+_parents: dict[str, Any] = {}  # the metrics, declared once per process
 
 
 def _get() -> dict[str, Any] | None:
@@ -26,8 +27,8 @@ def _get() -> dict[str, Any] | None:
     if not os.environ.get(MULTIPROC_ENV):
         _metrics = {}
         return None
-    from prometheus_client import Counter, Gauge, Histogram
-
+    if not _parents:
+        _parents.update(_declare())
     env = os.environ
     labels = {
         "job": env.get("TORCHELASTIC_RUN_ID", ""),
@@ -35,13 +36,27 @@ def _get() -> dict[str, Any] | None:
         "rank": env.get("RANK", "0"),
         "local_rank": env.get("LOCAL_RANK", "0"),
     }
-    names = list(labels)
+    _metrics = {name: parent.labels(**labels) for name, parent in _parents.items()}
+    return _metrics
+
+
+def relabel() -> None:
+    """The worker's rank changed (a live re-formation): report under the new labels."""
+    global _metrics, _last
+    if _metrics:
+        _metrics, _last = None, None
+
+
+def _declare() -> dict[str, Any]:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    names = ["job", "node", "rank", "local_rank"]
 
     def gauge(name: str, doc: str) -> Any:
-        return Gauge(name, doc, names, multiprocess_mode="livemostrecent").labels(**labels)
+        return Gauge(name, doc, names, multiprocess_mode="livemostrecent")
 
     def counter(name: str, doc: str) -> Any:
-        return Counter(name, doc, names).labels(**labels)
+        return Counter(name, doc, names)
 
     def histogram(name: str, doc: str) -> Any:
         return Histogram(
@@ -49,9 +64,9 @@ def _get() -> dict[str, Any] | None:
             doc,
             names,
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, float("inf")),
-        ).labels(**labels)
+        )
 
-    _metrics = {
+    return {
         "step": gauge("elastic_run_training_step", "Optimizer steps done"),
         "loss": gauge("elastic_run_training_loss", "Loss the script reported last"),
         "samples": counter("elastic_run_training_samples", "Samples this worker trained on"),
@@ -96,7 +111,6 @@ def _get() -> dict[str, Any] | None:
         "restore": gauge("elastic_run_restore_seconds", "Seconds the last restore took"),
         "restore_bytes": gauge("elastic_run_restore_bytes", "Bytes the last restore loaded"),
     }
-    return _metrics
 
 
 def report(step: int | None = None, loss: float | None = None, samples: int | None = None) -> None:

@@ -10,6 +10,7 @@ filesystem. A state that does not fit the objects it is loaded into is a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,11 @@ class Candidate:
     slots: SnapshotSlots | None = None  # a shared-memory snapshot in slot ``slot``
     slot: int = 0
     data: bytes | None = None  # a checkpoint file's bytes
+    held: Callable[[], memoryview] | None = None  # the state this process holds, packed
 
     def read(self) -> memoryview:
+        if self.held is not None:
+            return self.held()
         if self.slots is not None:
             return self.slots.read(self.slot)
         assert self.data is not None

@@ -89,6 +89,14 @@ def write_into(
         copy_tensors(buf, packed, range(len(packed.tensors)))
 
 
+def to_bytes(state: Any) -> memoryview:
+    """``state`` in the snapshot format, in a buffer of its own (to send it to a peer)."""
+    packed = pack(state)
+    buf = bytearray(packed.size)
+    write_into(buf, packed)
+    return memoryview(buf)
+
+
 def copy_tensors(
     buf: mmap.mmap | memoryview | bytearray, packed: Packed, which: range | list[int]
 ) -> None:

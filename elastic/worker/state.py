@@ -11,7 +11,18 @@
 
 ``commit()`` counts the step, advances the ElasticSampler, reports progress to the agent,
 and (the ranks agreeing through one tiny all-reduce) snapshots by policy or stops to let
-the job resize. The parts: ``snapshotter`` takes snapshots, ``restore`` finds and loads
+the job resize.
+
+To keep the process through membership changes, put the training in a function (build
+DDP inside it: DDP holds the process group) and hand it to ``run``:
+
+    state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
+    state.run(train)                # restore, train; again after each live re-formation
+
+``run`` calls ``train()`` again, in the same process, with the new process group formed,
+the torchrun variables updated and every rank holding the newest committed state.
+
+The parts: ``snapshotter`` takes snapshots, ``restore`` finds and loads
 the newest state, ``rng`` keeps each rank's random states, ``comm`` agrees with the
 other ranks. Knows nothing about etcd: it talks to its agent through the control block.
 """
@@ -21,16 +32,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from elastic import contract
 from elastic.contract import NODE_DIR_ENV, SnapshotPolicy
 from elastic.stored import SnapshotError
-from elastic.worker import comm, progress, rng, sharded, snapshot
+from elastic.worker import comm, live, progress, rng, sharded, snapshot
 from elastic.worker.cadence import Cadence
+from elastic.worker.live import Live, Reformation
 from elastic.worker.restore import (
     NOTHING,
     Candidate,
@@ -45,7 +58,9 @@ log = logging.getLogger("elastic.state")
 
 _RESERVED = {"step", "snapshot_policy"}
 
-__all__ = ["CheckpointMismatchError", "SnapshotPolicy", "State"]
+__all__ = ["CheckpointMismatchError", "Reformation", "SnapshotPolicy", "State"]
+
+T = TypeVar("T")
 
 
 def _has_state(obj: Any) -> bool:
@@ -94,11 +109,17 @@ class State:
             "_snapshotter",
             Snapshotter(self.policy, self._node_dir, comm.local_rank(), self._ctl, self.stats),
         )
-        hooks = [
-            opt.register_step_pre_hook(lambda *_: self._snapshotter.wait_for_step())
-            for opt in self._optimizers()
-        ]
+        set_(self, "_stepped", False)  # an optimizer stepped since the last commit()
+        set_(self, "_live", None)  # Live, while run() keeps this process through changes
+        set_(self, "_restored", False)
+        hooks = []
+        for opt in self._optimizers():
+            hooks.append(opt.register_step_pre_hook(lambda *_: self._snapshotter.wait_for_step()))
+            hooks.append(opt.register_step_post_hook(lambda *_: self._mark_stepped()))
         set_(self, "_hooks", hooks)
+
+    def _mark_stepped(self) -> None:
+        object.__setattr__(self, "_stepped", True)
 
     # -- plain values as attributes ---------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -126,6 +147,7 @@ class State:
     def commit(self, loss: float | None = None) -> None:
         """One optimizer step is done: count it, report it (``loss`` too, if given, for
         the metrics), snapshot or stop as the ranks agree."""
+        object.__setattr__(self, "_stepped", False)
         self._values["step"] += 1
         step = self._values["step"]
         samplers = self._samplers()
@@ -139,15 +161,21 @@ class State:
         if self._last_commit is not None:
             cadence.observe(now - self._last_commit, self._disturbed)
         due = cadence.due(step)
-        stop, due, interval = self._comm.all_reduce(
-            [self._stopping(), due, cadence.proposal], "MAX"
+        live_ = self._live
+        pause = live_ is not None and live_.pause_asked
+        stop, due, interval, pause = self._comm.all_reduce(
+            [self._stopping(), due, cadence.proposal, pause], "MAX"
         )
         if cadence.agree(interval):
             self._tell_cadence()
-        if due or stop:
-            self.snapshot(wait=bool(stop))
-        if stop:
+        # the ranks stop together; a live one that was not asked to leave pauses instead
+        leave = bool(stop or pause) if live_ is None else bool(stop) and self._stopping()
+        if due or stop or pause:
+            self.snapshot(wait=leave)  # pausing: the copy overlaps the re-formation
+        if leave:
             self._leave_for_resize()
+        if stop or pause:
+            raise Reformation(f"the ranks paused at step {step} for a membership change")
         set_ = object.__setattr__
         set_(self, "_disturbed", bool(due) or self._snapshotter.copying)
         set_(self, "_last_commit", cadence.clock())
@@ -183,6 +211,99 @@ class State:
         self._snapshotter.flush(timeout=60)
         log.info("stopping at step %d for a resize", self._values["step"])
         raise SystemExit(contract.EXIT_RESIZE)
+
+    # -- live re-formation ----------------------------------------------------------------
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Restore (unless ``restore()`` ran already), then return ``fn(*args, **kwargs)``.
+
+        Under elastic-run (``--restart-mode live``, the default) a membership change does
+        not end the process: ``fn`` is left (by the exception of the collective that failed,
+        or by ``commit()`` when the ranks pause together), the new process group forms, the
+        ranks agree on the newest committed state (a rank behind, or a newcomer, gets it
+        from a rank that has it) and ``fn`` is called again. Anywhere else (torchrun, plain
+        python, ``--restart-mode respawn``) it is called once."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        for name, obj in self._objects.items():
+            if isinstance(obj, DistributedDataParallel):
+                raise ValueError(
+                    f"State.run: {name!r} is a DistributedDataParallel. Give State the module "
+                    f"inside it and wrap that in DDP inside {getattr(fn, '__name__', 'fn')}(): "
+                    "DDP holds the process group, which a re-formation replaces"
+                )
+        link = self._go_live()
+        if not self._restored:
+            self.restore()
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                if link is None or not link.reforms(e):
+                    raise
+                self._reform(link, e)
+
+    def _go_live(self) -> Live | None:
+        d = comm.dist()
+        if d is None or self._sharded:
+            return None  # sharded state: DCP's collectives; the respawn path stays
+        link = live.attach(self._ctl)
+        if link is not None and link.reformations == 0:
+            link.adopt()  # the group the script formed itself
+        object.__setattr__(self, "_live", link)
+        return link
+
+    def _reform(self, link: Live, why: BaseException) -> None:
+        """Leave the broken group, form the next one, agree on the state; retried while
+        the group breaks again under it (a second change during the first)."""
+        started = time.perf_counter()
+        if not isinstance(why, Reformation) and not link.abandoned.is_set():
+            text = str(why).strip().splitlines()[0][:200] if str(why).strip() else ""
+            log.warning(
+                "rank %d: collective failed (%s: %s); waiting for the agent",
+                comm.rank(),
+                type(why).__name__,
+                text,
+            )
+        while True:
+            self._comm.forget()
+            link.let_go()
+            self._snapshotter.wait_copy()  # nothing may read the tensors a load rewrites
+            if self._stepped:  # the step finished but its commit() did not: count it
+                self._count_step()
+            for opt in self._optimizers():  # the step in flight is dropped, and its gradients
+                opt.zero_grad(set_to_none=True)
+            try:
+                link.form()
+                progress.relabel()
+                step = self._resync()
+                break
+            except Exception as e:
+                if not link.reforms(e):
+                    raise
+        log.info(
+            "re-formed live: rank %d of %d at step %d in %.2fs (re-formation %d)",
+            comm.rank(),
+            comm.world(),
+            step,
+            time.perf_counter() - started,
+            link.reformations,
+        )
+
+    def _count_step(self) -> None:
+        object.__setattr__(self, "_stepped", False)
+        self._values["step"] += 1
+        for s in self._samplers():
+            s.advance(1)
+
+    def _resync(self) -> int:
+        """Every rank offers the state it holds; the newest goes to those behind."""
+        mine = Candidate(step=self._values["step"], held=lambda: snapshot.to_bytes(self._state()))
+        step, nbytes = self._restore_snapshot(mine)
+        self.stats.restore_bytes = nbytes
+        self._apply_batch_policy()
+        if self._ctl is not None:
+            self._ctl.beat(step)
+        return step
 
     # -- snapshots ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -241,6 +362,7 @@ class State:
         else:
             step, nbytes = self._restore_snapshot()
         took = time.perf_counter() - started
+        object.__setattr__(self, "_restored", True)
         self.stats.restore_seconds = took
         self.stats.restore_bytes = nbytes
         progress.restored(took, nbytes)
@@ -252,27 +374,34 @@ class State:
             self._ctl.beat(step)
         return True
 
-    def _restore_snapshot(self) -> tuple[int, int]:
-        """(step restored or -1, bytes loaded)."""
+    def _restore_snapshot(self, mine: Candidate | None = None) -> tuple[int, int]:
+        """(step restored or -1, bytes loaded). ``mine``: what this rank offers (default:
+        the newest state it can read); a rank offering what it holds in memory
+        (``held``) and as new as the newest loads nothing."""
         started = time.perf_counter()
         policy = self.policy
-        mine: Candidate = local_candidate(
-            self._node_dir,
-            self._snapshotter.slots,
-            policy.checkpoint_dir,
-            policy.keep,
-            comm.local_rank(),
-        )
+        if mine is None:
+            mine = local_candidate(
+                self._node_dir,
+                self._snapshotter.slots,
+                policy.checkpoint_dir,
+                policy.keep,
+                comm.local_rank(),
+            )
         rank, world = comm.rank(), comm.world()
         best, lowest = self._comm.all_reduce([mine.step, -mine.step], "MAX")
         if best < 0:
             return -1, 0
         everyone = -lowest == best  # the MAX of -step is minus the smallest step
         holder = self._comm.all_reduce([rank if mine.step == best else world], "MIN")[0]
+        if everyone and mine.held is not None:
+            return best, 0  # every rank holds the newest state already
         if everyone:
             blob = mine.read()
         else:
             blob = self._comm.broadcast(mine.read() if rank == holder else None, holder)
+            if mine.held is not None and mine.step == best:
+                return best, 0
         try:
             saved = snapshot.parse(blob)
         except SnapshotError as e:

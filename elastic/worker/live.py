@@ -1,0 +1,221 @@
+"""Live re-formation, the worker's side: keep the process through a membership change.
+
+The agent asks through the control block (``pause``: stop at the next step; ``abandon``:
+the round is broken, leave now) and then publishes the new placement. The worker lets go
+of its process group, waits for the placement, takes its torchrun variables into
+``os.environ`` (so ``dist.init_process_group()`` with no arguments sees the new round)
+and forms the new default group. ``State.run`` drives it; when to re-form is the agent's
+decision, never the worker's.
+
+A collective blocked on a frozen peer never returns by itself, and gloo's ``abort()``
+does not wake it (torch 2.13, measured). Shutting down the reading side of the group's
+TCP connections does, at once: gloo reads the end of the stream and fails every operation
+pending on the connection. (Not the writing side too: gloo's asynchronous writes ignore
+EPIPE and leave the operation queued, so an operation posted just then would wait for its
+timeout; measured as a hang in about 1 of 10 abandons.) A thread watching the control
+block does that when asked to abandon. NCCL has its own abort (``_abort_process_group``),
+which is what this module calls for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+
+from elastic.contract import (
+    LIVE,
+    RESTART_MODE_ENV,
+    ControlBlock,
+    RestartMode,
+    peer_gone,
+    read_placement,
+)
+
+log = logging.getLogger("elastic.live")
+
+POLL = 0.005  # seconds between looks at the control block while waiting or watching
+
+
+class Reformation(BaseException):
+    """Leaves the training function for a re-formation (``State.commit`` raises it when
+    the ranks agree to pause). A BaseException, so a script's ``except Exception`` does
+    not swallow it; ``State.run`` catches it."""
+
+
+Conn = tuple[int, Any, Any]  # (fd, local address, remote address)
+
+
+def _connections() -> set[Conn]:
+    """This process's TCP connections, in any state but listening: one the peer already
+    closed (CLOSE_WAIT) must still be shut on our side to wake a reader blocked on it."""
+    conns = psutil.Process().net_connections(kind="tcp")
+    idle = (psutil.CONN_LISTEN, psutil.CONN_NONE)
+    return {(c.fd, c.laddr, c.raddr) for c in conns if c.status not in idle and c.fd >= 0}
+
+
+class GroupSockets:
+    """The TCP connections a process group made (those that appeared while it formed),
+    so that another thread can cut them. Matched by descriptor *and* both addresses, so a
+    descriptor number reused later by the script's own socket is never touched."""
+
+    def __init__(self) -> None:
+        self._conns: set[Conn] = set()
+        self._before: set[Conn] | None = None  # while forming: what was there already
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def forming(self) -> Iterator[None]:
+        with self._lock:
+            self._before = _connections()
+        try:
+            yield
+        finally:
+            with self._lock:
+                before, self._before = self._before, None
+                self._conns = _connections() - (before or set())
+
+    def adopt(self) -> None:
+        with self._lock:
+            self._conns = _connections()
+
+    def cut(self) -> int:
+        """Shut the reading side of the group's connections; how many were cut. Every
+        operation pending on them fails at once (see the module doc)."""
+        with self._lock:
+            now = _connections()
+            mine = now - self._before if self._before is not None else now & self._conns
+            self._conns = set()
+        for fd, _, _ in mine:
+            with contextlib.suppress(OSError):
+                s = socket.socket(fileno=os.dup(fd))
+                try:
+                    s.shutdown(socket.SHUT_RD)
+                finally:
+                    s.close()
+        return len(mine)
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+class Live:
+    """One live worker's link to its agent: the watcher thread and the re-formation steps."""
+
+    def __init__(self, block: ControlBlock) -> None:
+        self.block = block
+        self.sockets = GroupSockets()
+        self.abandoned = threading.Event()  # the agent asked to leave the group now
+        self._seen_abandon = block.abandon_generation
+        self._seen_pause = block.pause_generation
+        self.generation = block.placement_generation  # the placement it runs
+        self.reformations = 0
+        self._backend = ""
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        block.running(self.generation)
+        block.mark(LIVE)
+        self._thread = threading.Thread(target=self._watch, name="elastic-live", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def wanted(block: ControlBlock | None) -> bool:
+        """Under elastic-run with ``--restart-mode live`` (the default)."""
+        mode = os.environ.get(RESTART_MODE_ENV, RestartMode.LIVE.value)
+        return block is not None and mode == RestartMode.LIVE.value
+
+    def adopt(self) -> None:
+        """Take over the default group the script formed before ``State.run``: its backend,
+        and as its connections every TCP connection the process has now (a connection the
+        script opened itself before ``State.run`` is cut along with them on an abandon)."""
+        self._backend = str(_dist().get_backend())
+        self.sockets.adopt()
+
+    # -- asks from the agent ------------------------------------------------------------------
+    @property
+    def pause_asked(self) -> bool:
+        return self.block.pause_generation != self._seen_pause
+
+    def _watch(self) -> None:
+        while not self._closed.wait(POLL):
+            with self._lock:
+                generation = self.block.abandon_generation
+                if generation == self._seen_abandon:
+                    continue
+                self._seen_abandon = generation
+                self.abandoned.set()
+            self._abort()
+
+    def _abort(self) -> None:
+        """Wake whatever the main thread has blocked on the group."""
+        if self._backend == "nccl":  # NCCL's own abort: collectives return with an error
+            with contextlib.suppress(Exception):
+                _dist().distributed_c10d._abort_process_group()
+        self.sockets.cut()
+
+    def reforms(self, e: BaseException) -> bool:
+        """``e`` ends this round rather than the job: a pause the ranks agreed on, or a
+        collective that failed because the group broke (a peer went, or we were asked to
+        leave it)."""
+        if isinstance(e, Reformation):
+            return True
+        if not isinstance(e, Exception):
+            return False  # KeyboardInterrupt, SystemExit: the script's own
+        return self.abandoned.is_set() or peer_gone(f"{type(e).__name__}: {e}")
+
+    # -- the steps of a re-formation ----------------------------------------------------------
+    def let_go(self) -> None:
+        """Leave the process group and tell the agent this worker waits for a placement."""
+        self.block.waiting()
+        self._abort()
+        dist = _dist()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a broken group may complain; it goes
+                dist.destroy_process_group()
+
+    def form(self, timeout: datetime.timedelta | None = None) -> None:
+        """Wait for the agent's next placement, take it into ``os.environ`` and form the
+        new default group (a collective that fails here is a re-formation again)."""
+        while self.block.placement_generation == self.generation:
+            time.sleep(POLL)
+        generation = self.block.placement_generation
+        env = read_placement(self.block.path)
+        os.environ.update(env)
+        with self._lock:  # asks made before this placement are answered by it
+            self._seen_abandon = self.block.abandon_generation
+            self._seen_pause = self.block.pause_generation
+            self.abandoned.clear()
+        dist = _dist()
+        with self.sockets.forming():
+            dist.init_process_group(backend=self._backend or None, timeout=timeout)
+        self.generation = generation
+        self.reformations += 1
+        self.block.running(generation)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=1.0)
+
+
+_live: Live | None = None
+
+
+def attach(block: ControlBlock | None) -> Live | None:
+    """This process's ``Live`` (one per process, whatever the number of States), or None
+    where the agent will not re-form workers in place."""
+    global _live
+    if _live is None and Live.wanted(block):
+        assert block is not None
+        _live = Live(block)
+    return _live

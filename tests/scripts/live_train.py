@@ -1,0 +1,108 @@
+"""DDP training in ``elastic.State.run``, for the live re-formation tests.
+
+Every micro-batch it is about to train on is logged as a JSON line to
+``$RESULT_DIR/w<pid>.jsonl`` (``t``, ``pid``, ``epoch``, ``step`` being attempted,
+``rank``, ``world``, ``indices``), so a test can check which processes trained at which
+world size and that no sample was lost or repeated beyond the steps in flight. The
+global batch is fixed, and each micro-batch's loss is divided by the accumulation, so the
+model does not depend on the world size: rank 0 saves it to ``$RESULT_DIR/final.pt``
+for comparison with an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from contextlib import nullcontext
+from typing import IO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+import elastic
+
+
+class Indexed(Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def train(
+    a: argparse.Namespace,
+    state: elastic.State,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loader: DataLoader,
+    out: IO[str],
+) -> None:
+    ddp = DDP(model)  # on this round's process group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = state.sampler
+    for epoch in range(state.epoch, a.epochs):
+        state.epoch = epoch
+        sampler.set_epoch(epoch)
+        accumulation = sampler.accumulation
+        for i, (idx, x, y) in enumerate(loader):
+            row = {"t": time.time(), "pid": os.getpid(), "epoch": epoch, "step": state.step + 1}
+            row.update(rank=rank, world=world, indices=idx.tolist())
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            last = (i + 1) % accumulation == 0
+            with nullcontext() if last else ddp.no_sync():
+                loss = nn.functional.mse_loss(ddp(x), y) / accumulation
+                loss.backward()
+            if not last:
+                continue
+            opt.step()
+            opt.zero_grad()
+            state.commit()
+            time.sleep(a.step_time)
+
+
+@record
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=240)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=24)
+    ap.add_argument("--step-time", type=float, default=0.1)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch)
+    data = Indexed(a.samples)
+    sampler = elastic.ElasticSampler(data, policy, shuffle=True, seed=3)
+    loader = DataLoader(data, batch_sampler=sampler, generator=torch.Generator())
+    state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
+    with open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a") as out:
+        state.run(train, a, state, model, opt, loader, out)
+    state.close()
+    if dist.get_rank() == 0:
+        final = {"model": model.state_dict(), "step": state.step}
+        torch.save(final, os.path.join(os.environ["RESULT_DIR"], "final.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

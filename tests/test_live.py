@@ -1,0 +1,272 @@
+"""Live re-formation under real agents: the survivors keep their processes.
+
+Three agents ("nodes", one worker each) train ``scripts/live_train.py`` on a real etcd;
+one node is killed, frozen, stopped or added while they train. In each case the
+survivors' worker processes train on at the new world size (same pids, no restart),
+every sample of every epoch is trained on, no more than the steps in flight are trained
+on twice, and the final model equals one computed without any change (the global batch
+is fixed, so the data order does not depend on the world size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from agents import start_agent, wait_world, worker_pids
+from harness import ROOT, Proc, wait_until
+
+from elastic.agent.etcd_server import EtcdServer
+
+pytestmark = pytest.mark.slow
+SCRIPT = ROOT / "tests" / "scripts" / "live_train.py"
+SAMPLES, EPOCHS, GLOBAL = 240, 3, 24
+
+
+def rows(result_dir: Path) -> list[dict]:
+    out = []
+    for f in result_dir.glob("w*.jsonl"):
+        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return sorted(out, key=lambda r: r["t"])
+
+
+def start(
+    procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, node: str, *args: str
+) -> Proc:
+    out.mkdir(exist_ok=True)
+    return start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        node,
+        SCRIPT,
+        *args,
+        nnodes="2:3",
+        extra=("--max-restarts", "2"),
+        env={"RESULT_DIR": str(out)},
+    )
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """The model after the same steps with no change at all, in this process."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from live_train import Indexed, net
+
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = Indexed(SAMPLES)
+    for epoch in range(EPOCHS):
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(3 + epoch))
+        for start_ in range(0, SAMPLES, GLOBAL):
+            idx = order[start_ : start_ + GLOBAL]
+            loss = torch.nn.functional.mse_loss(model(data.x[idx]), data.y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.state_dict()
+
+
+def check_run(out: Path, changes: int) -> None:
+    """No sample lost; at most the steps in flight repeated; the undisturbed model."""
+    history = rows(out)
+    for epoch in range(EPOCHS):
+        used = [i for r in history if r["epoch"] == epoch for i in r["indices"]]
+        assert sorted(set(used)) == list(range(SAMPLES)), f"epoch {epoch} lost samples"
+        assert len(used) - SAMPLES <= changes * GLOBAL, f"epoch {epoch}: repeats beyond a step"
+    final = torch.load(out / "final.pt")
+    assert final["step"] == EPOCHS * SAMPLES // GLOBAL
+    for k, v in reference().items():
+        torch.testing.assert_close(final["model"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def pids_at(out: Path, world: int) -> set[int]:
+    return {r["pid"] for r in rows(out) if r["world"] == world}
+
+
+def three(procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path) -> list[Proc]:
+    agents = [start(procs, etcd, run_id, out, n) for n in "abc"]
+    wait_world(out, 3, timeout=90)
+    return agents
+
+
+def survivors_kept(out: Path, before: set[int], after_world: int = 2) -> None:
+    after = pids_at(out, after_world)
+    assert len(after) == after_world and after <= before, (before, after)
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["a-node", "the-rank-0-node"])
+def test_sigkill_of_a_node(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, victim: int
+) -> None:
+    agents = three(procs, etcd, run_id, tmp_path)
+    before = pids_at(tmp_path, 3)
+    killed = [p for p in before if p in worker_pids(agents[victim])]
+    agents[victim].kill_tree()
+    wait_world(tmp_path, 2, after=time.time() - 1, timeout=60)
+    for i, a in enumerate(agents):
+        if i != victim:
+            assert a.wait(120) == 0, a.transcript()
+            assert "workers re-form live" in a.transcript()
+    survivors_kept(tmp_path, before - set(killed))
+    check_run(tmp_path, changes=1)
+
+
+def test_sigstop_of_a_node(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    agents = three(procs, etcd, run_id, tmp_path)
+    before = pids_at(tmp_path, 3)
+    frozen = agents[2]
+    tree = [frozen.pid, *worker_pids(frozen)]
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_world(tmp_path, 2, after=time.time(), timeout=60)
+        for a in agents[:2]:
+            assert a.wait(120) == 0, a.transcript()
+    finally:
+        frozen.kill_tree()
+    survivors_kept(tmp_path, before - set(tree))
+    check_run(tmp_path, changes=1)
+
+
+def test_sigterm_leave(etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path) -> None:
+    agents = three(procs, etcd, run_id, tmp_path)
+    before = pids_at(tmp_path, 3)
+    leaving = set(worker_pids(agents[2]))
+    agents[2].signal(signal.SIGTERM)
+    assert agents[2].wait(60) == 143, agents[2].transcript()
+    for a in agents[:2]:
+        assert a.wait(120) == 0, a.transcript()
+        assert "workers re-form live" in a.transcript()
+    survivors_kept(tmp_path, before - leaving)
+    check_run(tmp_path, changes=1)
+
+
+def test_a_join_while_training(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    agents = [start(procs, etcd, run_id, tmp_path, n) for n in "ab"]
+    wait_world(tmp_path, 2, timeout=90)
+    before = pids_at(tmp_path, 2)
+    agents.append(start(procs, etcd, run_id, tmp_path, "c"))
+    wait_world(tmp_path, 3, timeout=90)
+    for a in agents:
+        assert a.wait(120) == 0, a.transcript()
+    assert before <= pids_at(tmp_path, 3), "the first two nodes' workers kept their processes"
+    check_run(tmp_path, changes=1)
+
+
+def test_a_worker_crash_on_one_node(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Node c's worker dies: c starts a new one, a and b keep theirs and re-form."""
+    agents = three(procs, etcd, run_id, tmp_path)
+    kept = [worker_pids(a) for a in agents[:2]]
+    os.kill(worker_pids(agents[2])[0], signal.SIGKILL)
+    wait_until(lambda: len(pids_at(tmp_path, 3)) > 3, 60, "a new worker on c", interval=0.1)
+    wait_world(tmp_path, 3, after=time.time(), timeout=60)
+    assert [worker_pids(a) for a in agents[:2]] == kept
+    for a in agents:
+        assert a.wait(120) == 0, a.transcript()
+    assert "workers re-form live" in agents[0].transcript()
+    check_run(tmp_path, changes=1)
+
+
+class Node:
+    """The agent's side of the contract for one node of two workers, played by the test
+    (a real agent re-forms only on a real membership change: 50 of those would take
+    minutes): control blocks, the round's TCPStore, placements."""
+
+    def __init__(self, procs: list[Proc], out: Path) -> None:
+        from elastic.contract import CONTROL_ENV, RESTART_MODE_ENV, ControlBlock, control_path
+
+        self.out = out
+        self.store: object = None
+        self.port = self._host()
+        self.blocks = [ControlBlock(control_path(out, lr), create=True) for lr in range(2)]
+        self.workers = []
+        for lr in range(2):
+            env = {"RESULT_DIR": str(out), CONTROL_ENV: self.blocks[lr].path}
+            env.update({RESTART_MODE_ENV: "live", "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": "2"})
+            env.update(self.placement(lr, lr), TORCHELASTIC_USE_AGENT_STORE="True")
+            cmd = [__import__("sys").executable, str(ROOT / "tests" / "scripts" / "live_leak.py")]
+            self.workers.append(Proc(cmd, env=env, name=f"worker{lr}"))
+            procs.append(self.workers[-1])
+
+    def _host(self) -> int:
+        from torch.distributed import TCPStore
+
+        from rendezvous.net import free_port
+
+        port = free_port()
+        self.store = TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+        return port
+
+    def placement(self, local_rank: int, rank: int) -> dict[str, str]:
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+        }
+
+    def reform(self, n: int, urgent: bool) -> None:
+        """Ask both to let go, host a fresh store, give them swapped ranks."""
+        for b in self.blocks:
+            (b.request_abandon if urgent else b.request_pause)()
+        try:
+            wait_until(lambda: all(b.stranded for b in self.blocks), 30, f"both stranded ({n})")
+        except AssertionError as e:
+            phases = [(b.phase, b.step) for b in self.blocks]
+            for w in self.workers:
+                w.signal(signal.SIGUSR1)  # its stacks, to its stderr
+            time.sleep(1.0)
+            logs = "\n".join(w.transcript()[-3000:] for w in self.workers)
+            raise AssertionError(f"{e}; (phase, step) {phases}\n{logs}") from None
+        self.port = self._host()
+        for lr, b in enumerate(self.blocks):
+            b.publish_placement(self.placement(lr, (lr + n) % 2))
+
+    def entries(self) -> dict[int, list[dict]]:
+        return {pid: [r for r in rows(self.out) if r["pid"] == pid] for pid in self.pids}
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+
+def test_fifty_live_re_formations_leak_nothing(procs: list[Proc], tmp_path: Path) -> None:
+    node = Node(procs, tmp_path)
+    wait_until(lambda: all(node.entries().values()), 60, "both workers training")
+    for n in range(1, 51):
+        node.reform(n, urgent=n % 2 == 0)
+        wait_until(
+            lambda n=n: all(len(e) > n for e in node.entries().values()),
+            30,
+            f"both workers trained after re-formation {n}",
+        )
+    for pid, entries in node.entries().items():
+        assert [e["entry"] for e in entries] == list(range(1, 52)), f"{pid} re-entered each time"
+        assert entries[-1]["rank"] == (entries[0]["rank"] + 50) % 2
+        warm, last = entries[5], entries[-1]  # after the first rounds' one-time allocations
+        grew = (last["rss"] - warm["rss"]) / 2**20
+        assert grew < 16, f"{pid}: RSS grew {grew:.1f} MiB over 45 re-formations"
+        assert last["fds"] <= warm["fds"] + 2, (warm, last)
+        assert last["threads"] == warm["threads"], (warm, last)
+        assert last["os_threads"] <= warm["os_threads"] + 2, (warm, last)
+        print(
+            f"pid {pid}: after 5 and 50 re-formations: RSS {warm['rss'] >> 20} -> "
+            f"{last['rss'] >> 20} MiB, fds {warm['fds']} -> {last['fds']}, threads "
+            f"{warm['os_threads']} -> {last['os_threads']}"
+        )
+    for w in node.workers:
+        w.kill_tree()
