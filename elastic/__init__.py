@@ -3,7 +3,8 @@
 The worker-side API, imported lazily (the agent imports this package too, and must not
 pay for torch):
 
-    elastic.State, elastic.SnapshotPolicy, elastic.CheckpointMismatchError
+    elastic.State, elastic.SnapshotPolicy, elastic.CheckpointMismatchError,
+    elastic.Reformation (what leaves State.run's function for a live re-formation)
     elastic.ElasticSampler, elastic.BatchPolicy
     elastic.report(), elastic.heartbeat()
     elastic.tune_workers(dataset, batch_size)  (DataLoader num_workers, measured)
@@ -17,6 +18,7 @@ _LAZY = {
     "State": "elastic.worker.state",
     "SnapshotPolicy": "elastic.contract",
     "CheckpointMismatchError": "elastic.worker.restore",
+    "Reformation": "elastic.worker.live",
     "ElasticSampler": "elastic.worker.sampler",
     "BatchPolicy": "elastic.worker.sampler",
     "tune_workers": "elastic.tools.tune_workers",

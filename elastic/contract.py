@@ -139,11 +139,13 @@ LIVE = 4  # flag: the worker runs State.run (it can form a new process group in 
 
 
 class Phase(enum.IntEnum):
-    """Where a live worker is. RUNNING -> WAITING (it let go of its process group: asked
-    to, or its collective failed) -> RUNNING (it formed the group of a new placement)."""
+    """Where a worker is. RUNNING -> WAITING (live: it let go of its process group, asked
+    to or because its collective failed) -> RUNNING (it formed the group of a new
+    placement). RUNNING -> LEAVING: it saved and is exiting (EXIT_RESIZE)."""
 
     RUNNING = 0
     WAITING = 1
+    LEAVING = 2
 
 
 _Q = struct.Struct("<q")
@@ -182,7 +184,7 @@ class ControlBlock:
         64      abandon generation ("the round is broken: leave the    agent
                 process group now")
         72      placement generation (the placement file is new)       agent
-        80      phase: RUNNING or WAITING                              worker
+        80      phase: RUNNING, WAITING or LEAVING                     worker
         88      the placement generation it formed last                worker
     """
 
@@ -297,6 +299,10 @@ class ControlBlock:
     def waiting(self) -> None:
         """It let go of its process group and waits for a placement."""
         self._put(_OFF["phase"], Phase.WAITING)
+
+    def leaving(self) -> None:
+        """It saved and is exiting: nothing of its round depends on it any more."""
+        self._put(_OFF["phase"], Phase.LEAVING)
 
     def running(self, generation: int) -> None:
         """It formed the process group of placement ``generation``."""

@@ -10,6 +10,7 @@ import logging
 import signal
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,10 @@ class FakeWorkers:
     def hung(self, timeout: float) -> list[WorkerFailure]:
         return self.hangs
 
-    def drain(self, sig: int, timeout: float) -> bool:
+    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> bool:
         self.actions.append(f"drain {signal.Signals(sig).name}")
+        if let_go is not None:
+            let_go()
         return True
 
     def finish(self, timeout: float, grace: float) -> bool:
@@ -260,6 +263,8 @@ def test_a_signal_announces_leaving_drains_with_that_signal_and_exits_128_plus_i
     workers.poll = poll  # type: ignore[method-assign]
     assert a.run() == 128 + signal.SIGINT
     assert "announce_leaving" in job.calls and workers.actions == ["drain SIGINT"]
+    # the next round need not wait for the workers' interpreters to end
+    assert job.calls.index("finish_round") < job.calls.index("shutdown")
     assert a.state is AgentState.LEFT
 
 

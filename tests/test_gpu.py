@@ -154,3 +154,14 @@ def test_state_snapshots_cuda_tensors_and_restores_them_to_the_gpu() -> None:
     for step in set(first) & set(again):
         assert first[step] == again[step], (step, first[step], again[step])
     assert all(r[5].startswith("cuda") for r in rows)
+
+
+def test_live_re_formation_on_nccl(procs: list[Proc], tmp_path: Path) -> None:
+    """Ten re-formations (pause and abandon in turn) of NCCL workers, one per GPU: the
+    communicators are aborted or destroyed and formed again in the same processes."""
+    from test_live import Node
+
+    node = Node(procs, tmp_path, n=min(torch.cuda.device_count(), 2), env={"LEAK_BACKEND": "nccl"})
+    node.run(10)
+    for pid, entries in node.entries().items():
+        assert [e["entry"] for e in entries] == list(range(1, 12)), f"{pid} re-entered each time"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -164,6 +165,22 @@ def test_a_join_while_training(
     check_run(tmp_path, changes=1)
 
 
+def test_a_loss_then_a_join_in_quick_succession(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """c is SIGKILLed and d starts at once: the survivors re-form for each change (or
+    once, if both land in one round) and end with d, in their own processes."""
+    agents = three(procs, etcd, run_id, tmp_path)
+    kept = [worker_pids(a) for a in agents[:2]]
+    agents[2].kill_tree()
+    agents.append(start(procs, etcd, run_id, tmp_path, "d"))
+    wait_world(tmp_path, 3, after=time.time(), timeout=90)
+    assert [worker_pids(a) for a in agents[:2]] == kept
+    for a in (agents[0], agents[1], agents[3]):
+        assert a.wait(120) == 0, a.transcript()
+    check_run(tmp_path, changes=2)
+
+
 def test_a_worker_crash_on_one_node(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -181,24 +198,27 @@ def test_a_worker_crash_on_one_node(
 
 
 class Node:
-    """The agent's side of the contract for one node of two workers, played by the test
+    """The agent's side of the contract for one node of ``n`` workers, played by the test
     (a real agent re-forms only on a real membership change: 50 of those would take
     minutes): control blocks, the round's TCPStore, placements."""
 
-    def __init__(self, procs: list[Proc], out: Path) -> None:
+    def __init__(
+        self, procs: list[Proc], out: Path, n: int = 2, env: dict[str, str] | None = None
+    ) -> None:
         from elastic.contract import CONTROL_ENV, RESTART_MODE_ENV, ControlBlock, control_path
 
-        self.out = out
+        self.out, self.n = out, n
         self.store: object = None
         self.port = self._host()
-        self.blocks = [ControlBlock(control_path(out, lr), create=True) for lr in range(2)]
+        self.blocks = [ControlBlock(control_path(out, lr), create=True) for lr in range(n)]
         self.workers = []
-        for lr in range(2):
-            env = {"RESULT_DIR": str(out), CONTROL_ENV: self.blocks[lr].path}
-            env.update({RESTART_MODE_ENV: "live", "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": "2"})
-            env.update(self.placement(lr, lr), TORCHELASTIC_USE_AGENT_STORE="True")
-            cmd = [__import__("sys").executable, str(ROOT / "tests" / "scripts" / "live_leak.py")]
-            self.workers.append(Proc(cmd, env=env, name=f"worker{lr}"))
+        for lr in range(n):
+            worker_env = {**(env or {}), "RESULT_DIR": str(out), CONTROL_ENV: self.blocks[lr].path}
+            worker_env.update({RESTART_MODE_ENV: "live", "LOCAL_RANK": str(lr)})
+            worker_env.update(self.placement(lr), TORCHELASTIC_USE_AGENT_STORE="True")
+            worker_env["LOCAL_WORLD_SIZE"] = str(n)
+            cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "live_leak.py")]
+            self.workers.append(Proc(cmd, env=worker_env, name=f"worker{lr}"))
             procs.append(self.workers[-1])
 
     def _host(self) -> int:
@@ -207,24 +227,24 @@ class Node:
         from rendezvous.net import free_port
 
         port = free_port()
-        self.store = TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+        self.store = TCPStore("127.0.0.1", port, self.n, True, wait_for_workers=False)
         return port
 
-    def placement(self, local_rank: int, rank: int) -> dict[str, str]:
+    def placement(self, rank: int) -> dict[str, str]:
         return {
             "RANK": str(rank),
-            "WORLD_SIZE": "2",
+            "WORLD_SIZE": str(self.n),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.port),
             "TORCHELASTIC_RESTART_COUNT": "0",
         }
 
-    def reform(self, n: int, urgent: bool) -> None:
-        """Ask both to let go, host a fresh store, give them swapped ranks."""
+    def reform(self, k: int, urgent: bool) -> None:
+        """Ask every worker to let go, host a fresh store, give them rotated ranks."""
         for b in self.blocks:
             (b.request_abandon if urgent else b.request_pause)()
         try:
-            wait_until(lambda: all(b.stranded for b in self.blocks), 30, f"both stranded ({n})")
+            wait_until(lambda: all(b.stranded for b in self.blocks), 30, f"all stranded ({k})")
         except AssertionError as e:
             phases = [(b.phase, b.step) for b in self.blocks]
             for w in self.workers:
@@ -234,7 +254,7 @@ class Node:
             raise AssertionError(f"{e}; (phase, step) {phases}\n{logs}") from None
         self.port = self._host()
         for lr, b in enumerate(self.blocks):
-            b.publish_placement(self.placement(lr, (lr + n) % 2))
+            b.publish_placement(self.placement((lr + k) % self.n))
 
     def entries(self) -> dict[int, list[dict]]:
         return {pid: [r for r in rows(self.out) if r["pid"] == pid] for pid in self.pids}
@@ -243,17 +263,23 @@ class Node:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers]
 
+    def run(self, times: int) -> None:
+        """``times`` re-formations, pause and abandon in turn, each followed by a step."""
+        wait_until(lambda: all(self.entries().values()), 60, "every worker training")
+        for k in range(1, times + 1):
+            self.reform(k, urgent=k % 2 == 0)
+            wait_until(
+                lambda k=k: all(len(e) > k for e in self.entries().values()),
+                30,
+                f"every worker trained after re-formation {k}",
+            )
+        for w in self.workers:
+            w.kill_tree()
+
 
 def test_fifty_live_re_formations_leak_nothing(procs: list[Proc], tmp_path: Path) -> None:
     node = Node(procs, tmp_path)
-    wait_until(lambda: all(node.entries().values()), 60, "both workers training")
-    for n in range(1, 51):
-        node.reform(n, urgent=n % 2 == 0)
-        wait_until(
-            lambda n=n: all(len(e) > n for e in node.entries().values()),
-            30,
-            f"both workers trained after re-formation {n}",
-        )
+    node.run(50)
     for pid, entries in node.entries().items():
         assert [e["entry"] for e in entries] == list(range(1, 52)), f"{pid} re-entered each time"
         assert entries[-1]["rank"] == (entries[0]["rank"] + 50) % 2
@@ -268,5 +294,3 @@ def test_fifty_live_re_formations_leak_nothing(procs: list[Proc], tmp_path: Path
             f"{last['rss'] >> 20} MiB, fds {warm['fds']} -> {last['fds']}, threads "
             f"{warm['os_threads']} -> {last['os_threads']}"
         )
-    for w in node.workers:
-        w.kill_tree()

@@ -90,6 +90,7 @@ class ForkServer:
         self._exits: dict[int, int] = {}
         self._pids: list[int] = []
         self._gone = False
+        self._ready = False  # torch is imported: a fork is a fork, not an import
         self._lock = threading.Lock()  # one spawn at a time: replies come in order
         threading.Thread(target=self._read, name="forkserver", daemon=True).start()
 
@@ -106,11 +107,19 @@ class ForkServer:
                     self._cond.notify_all()
                     return
                 msg = json.loads(data)
-                if "pid" in msg:
+                if "ready" in msg:
+                    self._ready = True
+                elif "pid" in msg:
                     self._pids.append(msg["pid"])
                 else:
                     self._exits[msg["exited"]] = msg["status"]
                 self._cond.notify_all()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the server has imported torch (or is gone); True if it is ready."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._gone, timeout)
+            return self._ready
 
     def spawn(
         self,

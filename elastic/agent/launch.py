@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -176,6 +177,12 @@ def launch(cfg: RunConfig) -> int:
         )
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
         with handled_signals(cfg.signals, agent.on_signal):
+            if fork is not None:
+                # joining a running job pauses it (live workers wait for the newcomer):
+                # be ready to start workers at once before anyone sees this node
+                started = time.monotonic()
+                if fork.server.wait_ready(120.0):
+                    log.info("fork server ready in %.1fs", time.monotonic() - started)
             try:
                 code = agent.run()
             except BaseException:  # the agent itself breaks down (etcd gone, a bug)

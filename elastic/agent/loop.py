@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -70,7 +71,7 @@ class Workers(Protocol):
     def start(self, placements: list[Placement]) -> None: ...
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]: ...
     def hung(self, timeout: float) -> list[WorkerFailure]: ...
-    def drain(self, sig: int, timeout: float) -> bool: ...
+    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> bool: ...
     def finish(self, timeout: float, grace: float) -> bool: ...
     def stop(self, grace: float) -> None: ...
     def release_held(self, show: bool) -> dict[int, Path]: ...
@@ -294,7 +295,7 @@ class Agent:
                 self.rdzv.announce_leaving()
             except RendezvousError as e:
                 log.warning("could not announce leaving: %s", e)
-        self._stop(r.stop)
+        self._stop(r.stop, leaving=r.announce_leaving)
         if not self._held:
             self._tell_consequences()
         if r.report_failure:
@@ -410,7 +411,7 @@ class Agent:
                 log.info("%s: workers re-form live", change.detail)
                 self._change_why = change.detail
 
-    def _stop(self, how: Stop) -> None:
+    def _stop(self, how: Stop, leaving: bool = False) -> None:
         if how.keeps_workers:
             why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
             self._held = why is None
@@ -423,7 +424,9 @@ class Agent:
             self.workers.stop(0)
         elif how is Stop.DRAIN:
             sig = self.signal or signal.SIGTERM
-            if not self.workers.drain(sig, self.shutdown_timeout):
+            # leaving: the next round need not wait for the workers' interpreters to end
+            let_go = self.rdzv.finish_round if leaving else None
+            if not self.workers.drain(sig, self.shutdown_timeout, let_go):
                 log.warning(
                     "workers still running %gs after being asked to stop; killing them",
                     self.shutdown_timeout,

@@ -11,6 +11,7 @@ import enum
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
@@ -30,6 +31,7 @@ from elastic.contract import (
     EXIT_RESIZE,
     NODE_DIR_ENV,
     ControlBlock,
+    Phase,
     control_path,
 )
 
@@ -289,16 +291,25 @@ class WorkerGroup:
         """Every worker runs elastic.State: they can save and stop when asked."""
         return bool(self.workers) and all(w.control.uses_state for w in self.workers)
 
-    def drain(self, sig: int, timeout: float) -> bool:
+    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> bool:
         """Stop without losing a step: State users save at their next step and exit
         EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. True if they
-        all exited by themselves."""
+        all exited by themselves. ``let_go`` runs as soon as every one has exited or
+        saved and is exiting (the job need not wait for their interpreters to end)."""
         if self.use_state:
             for w in self.workers:
                 w.control.request_stop()
         else:
             self.signal(sig)
-        done = self.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while let_go is not None and time.monotonic() < deadline:
+            if all(
+                w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in self.workers
+            ):
+                let_go()
+                break
+            time.sleep(0.005)
+        done = self.wait(max(deadline - time.monotonic(), 0.0))
         self.stop(0)
         return done
 

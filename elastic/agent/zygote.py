@@ -5,7 +5,9 @@ Runs as ``python -m elastic.agent.zygote FD``; FD is a Unix SOCK_SEQPACKET socke
 A request is one message, JSON, with three file descriptors attached (the worker's
 stdin, stdout, stderr); replies are messages too: ``{"pid": N}`` for each fork,
 ``{"exited": N, "status": S}`` when a worker ends (S as Popen.returncode: negative for a
-signal). Nothing here runs threads: children are forked from a single-threaded process.
+signal), and ``{"ready": true}`` once, first, when the imports are done (the agent joins
+the job only then: a node that joins a running job pauses it until its workers start).
+Nothing here runs threads: children are forked from a single-threaded process.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import runpy
 import signal
 import socket
 import sys
-import time
 import traceback
 
 _PR_SET_PDEATHSIG = 1
@@ -73,27 +74,18 @@ def _status(raw: int) -> int:
     return os.WEXITSTATUS(raw)
 
 
-WARM_AFTER = 3.0  # seconds without a fork before the later imports (see ``_warm``)
-
-
-def _warm() -> None:
-    """Import what DDP's constructor imports on first use (``torch._dynamo``: 1.5-2.5 s
-    of CPU a worker), so that workers forked later (respawns) find it done. Done once the
-    first workers are past their start-up, not before: they would compete for the CPU."""
-    import torch._dynamo  # noqa: F401
-
-
 def serve(sock: socket.socket) -> None:
     import torch  # the point of this process: the import every worker shares
+    import torch._dynamo
     import torch.distributed  # noqa: F401
 
     me = os.getpid()
     children: set[int] = set()
-    warm_at: float | None = None  # when to run _warm: WARM_AFTER after the last fork
 
     def send(msg: dict) -> None:
         sock.send(json.dumps(msg).encode())
 
+    send({"ready": True})
     while True:
         while children:  # report exits first, so they arrive even with no request
             pid, raw = os.waitpid(-1, os.WNOHANG)
@@ -101,13 +93,7 @@ def serve(sock: socket.socket) -> None:
                 break
             children.discard(pid)
             send({"exited": pid, "status": _status(raw)})
-        if warm_at is not None and time.monotonic() >= warm_at:
-            _warm()
-            warm_at = None
-        waits = [0.05] if children else []
-        if warm_at is not None:
-            waits.append(max(warm_at - time.monotonic(), 0.0))
-        sock.settimeout(min(waits, default=None))
+        sock.settimeout(0.05 if children else None)
         try:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         except TimeoutError:
@@ -122,8 +108,6 @@ def serve(sock: socket.socket) -> None:
             os.close(fd)
         children.add(pid)
         send({"pid": pid})
-        if "torch._dynamo" not in sys.modules:
-            warm_at = time.monotonic() + WARM_AFTER
 
 
 if __name__ == "__main__":

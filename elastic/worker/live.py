@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -122,6 +122,7 @@ class Live:
         self.generation = block.placement_generation  # the placement it runs
         self.reformations = 0
         self._backend = ""
+        self._timeout: datetime.timedelta | None = None  # the script's group's, if known
         self._lock = threading.Lock()
         self._closed = threading.Event()
         block.running(self.generation)
@@ -139,7 +140,10 @@ class Live:
         """Take over the default group the script formed before ``State.run``: its backend,
         and as its connections every TCP connection the process has now (a connection the
         script opened itself before ``State.run`` is cut along with them on an abandon)."""
-        self._backend = str(_dist().get_backend())
+        dist = _dist()
+        self._backend = str(dist.get_backend())
+        with contextlib.suppress(Exception):  # private in torch: without it, the default
+            self._timeout = dist.distributed_c10d._get_default_store().timeout
         self.sockets.adopt()
 
     # -- asks from the agent ------------------------------------------------------------------
@@ -184,10 +188,13 @@ class Live:
             with contextlib.suppress(Exception):  # a broken group may complain; it goes
                 dist.destroy_process_group()
 
-    def form(self, timeout: datetime.timedelta | None = None) -> None:
+    def form(self, stopping: Callable[[], bool]) -> bool:
         """Wait for the agent's next placement, take it into ``os.environ`` and form the
-        new default group (a collective that fails here is a re-formation again)."""
+        new default group (a collective that fails here is a re-formation again). False,
+        with no group, if the agent asks this worker to stop instead (``stopping``)."""
         while self.block.placement_generation == self.generation:
+            if stopping():
+                return False
             time.sleep(POLL)
         generation = self.block.placement_generation
         env = read_placement(self.block.path)
@@ -198,10 +205,11 @@ class Live:
             self.abandoned.clear()
         dist = _dist()
         with self.sockets.forming():
-            dist.init_process_group(backend=self._backend or None, timeout=timeout)
+            dist.init_process_group(backend=self._backend or None, timeout=self._timeout)
         self.generation = generation
         self.reformations += 1
         self.block.running(generation)
+        return True
 
     def close(self) -> None:
         self._closed.set()

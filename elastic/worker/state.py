@@ -210,6 +210,8 @@ class State:
     def _leave_for_resize(self) -> None:
         self._snapshotter.flush(timeout=60)
         log.info("stopping at step %d for a resize", self._values["step"])
+        if self._ctl is not None:  # the others need not wait for this process to end
+            self._ctl.leaving()
         raise SystemExit(contract.EXIT_RESIZE)
 
     # -- live re-formation ----------------------------------------------------------------
@@ -273,7 +275,9 @@ class State:
             for opt in self._optimizers():  # the step in flight is dropped, and its gradients
                 opt.zero_grad(set_to_none=True)
             try:
-                link.form()
+                if not link.form(self._stopping):  # this node leaves meanwhile
+                    self.snapshot(wait=True)
+                    self._leave_for_resize()
                 progress.relabel()
                 step = self._resync()
                 break

@@ -3,6 +3,7 @@ training function, what its process holds: for the live re-formation leak test.
 
 Each entry appends ``{"t", "entry", "pid", "rank", "world", "rss", "fds", "threads"}`` to
 ``$RESULT_DIR/w<pid>.jsonl`` after its first step on the new process group.
+``LEAK_BACKEND=nccl``: the model on the worker's GPU, the group on NCCL.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import elastic
 entries = 0
 
 
-def train(state: elastic.State, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def train(
+    state: elastic.State, model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
+) -> None:
     global entries
     entries += 1
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = state.sampler
     data = TensorDataset(torch.randn(4096, 64), torch.randn(4096, 1))
     # worker processes of its own each round: they must go with the round
@@ -39,7 +42,7 @@ def train(state: elastic.State, model: torch.nn.Module, opt: torch.optim.Optimiz
         state.epoch = epoch
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss = torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -62,12 +65,18 @@ def train(state: elastic.State, model: torch.nn.Module, opt: torch.optim.Optimiz
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks when stuck
-    dist.init_process_group("gloo")
+    backend = os.environ.get("LEAK_BACKEND", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model = model.to(device)
     opt = torch.optim.Adam(model.parameters())
     sampler = elastic.ElasticSampler(4096, batch_size=32, seed=0)
     state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
-    state.run(train, state, model, opt)
+    state.run(train, state, model, opt, device)
 
 
 if __name__ == "__main__":
