@@ -176,7 +176,7 @@ class ControlBlock:
         8       stop request generation ("save at the next step")      agent
         16      heartbeat, ns since the epoch                          worker
         24      step                                                   worker
-        32      flags: USES_STATE, REPORTS                             worker
+        32      flags: USES_STATE, REPORTS, LIVE                       worker
         40      newest snapshot step, -1 for none                      worker
         48      samples processed                                      worker
         56      pause generation ("stop at the next step, keep going   agent
@@ -276,6 +276,9 @@ class ControlBlock:
 
     def mark(self, flag: int) -> None:
         self._put(_OFF["flags"], self._get(_OFF["flags"]) | flag)
+
+    def unmark(self, flag: int) -> None:
+        self._put(_OFF["flags"], self._get(_OFF["flags"]) & ~flag)
 
     def beat(self, step: int | None = None, samples: int | None = None) -> None:
         if step is not None:

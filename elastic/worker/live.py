@@ -195,6 +195,7 @@ class Live:
         while self.block.placement_generation == self.generation:
             if stopping():
                 return False
+            self.block.beat()  # waiting for the agent is not hanging (--worker-hang-timeout)
             time.sleep(POLL)
         generation = self.block.placement_generation
         env = read_placement(self.block.path)
@@ -212,6 +213,9 @@ class Live:
         return True
 
     def close(self) -> None:
+        """The training function returned: stop watching, and tell the agent this worker
+        no longer re-forms in place (a change now stops it, as any script)."""
+        self.block.unmark(LIVE)
         self._closed.set()
         self._thread.join(timeout=1.0)
 
@@ -227,3 +231,10 @@ def attach(block: ControlBlock | None) -> Live | None:
         assert block is not None
         _live = Live(block)
     return _live
+
+
+def detach() -> None:
+    global _live
+    if _live is not None:
+        _live.close()
+        _live = None

@@ -234,15 +234,19 @@ class State:
                     "DDP holds the process group, which a re-formation replaces"
                 )
         link = self._go_live()
-        if not self._restored:
-            self.restore()
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except BaseException as e:
-                if link is None or not link.reforms(e):
-                    raise
-                self._reform(link, e)
+        try:
+            if not self._restored:
+                self.restore()
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except BaseException as e:
+                    if link is None or not link.reforms(e):
+                        raise
+                    self._reform(link, e)
+        finally:
+            live.detach()
+            object.__setattr__(self, "_live", None)
 
     def _go_live(self) -> Live | None:
         d = comm.dist()
