@@ -10,7 +10,6 @@ is fixed, so the data order does not depend on the world size).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from agents import start_agent, wait_world, worker_pids
+from agents import steps as rows
 from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
@@ -27,13 +27,6 @@ from elastic.agent.etcd_server import EtcdServer
 pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "tests" / "scripts" / "live_train.py"
 SAMPLES, EPOCHS, GLOBAL = 240, 3, 24
-
-
-def rows(result_dir: Path) -> list[dict]:
-    out = []
-    for f in result_dir.glob("w*.jsonl"):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return sorted(out, key=lambda r: r["t"])
 
 
 def start(

@@ -20,25 +20,13 @@ from typing import IO
 
 import torch
 import torch.distributed as dist
+from elastic_train import Indexed  # this directory: the same data as the resume tests
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import elastic
-
-
-class Indexed(Dataset):
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = self.x.sum(1, keepdim=True)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return i, self.x[i], self.y[i]
 
 
 def net() -> nn.Module:
