@@ -64,7 +64,7 @@ IDLE = 5.0  # seconds the keep-alive load is measured over
 
 # -- elastic-run participants -----------------------------------------------------------------
 def _participants(
-    endpoint: str, run_id: str, n: int, ids: list[int], cmd_r: int, rep_w: int
+    endpoint: str, run_id: str, n: int, conf: dict[str, str], ids: list[int], cmd_r: int, rep_w: int
 ) -> None:
     """A process's share of the participants (runs in a forked child, never returns)."""
     go = threading.Event()
@@ -90,8 +90,8 @@ def _participants(
             print(f"participant {i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             report(i, -1)
 
-    etcd, opts = build_options(endpoint, run_id, max(1, n - 1), n, {})  # N, then N-1
-    client = EtcdClient(etcd)  # one connection per process, each participant its own streams
+    etcd, opts = build_options(endpoint, run_id, max(1, n - 1), n, conf)  # N, then N-1
+    client = EtcdClient(etcd)  # one connection per process, shared as an agent's would be
     client.get_prefix(opts.job_prefix)  # connected before the clock starts
     for i in ids:
         rdzvs[i] = Rendezvous(
@@ -128,7 +128,7 @@ class Group:
 class Job:
     """N elastic-run participants in forked processes; the victim alone in the last."""
 
-    def __init__(self, endpoint: str, run_id: str, n: int) -> None:
+    def __init__(self, endpoint: str, run_id: str, n: int, conf: dict[str, str]) -> None:
         self.n = n
         self.rep_r, rep_w = os.pipe()
         others = list(range(n - 1))
@@ -141,7 +141,7 @@ class Job:
             if pid == 0:
                 try:
                     os.close(self.rep_r)
-                    _participants(endpoint, run_id, n, ids, cmd_r, rep_w)
+                    _participants(endpoint, run_id, n, conf, ids, cmd_r, rep_w)
                 except BaseException:
                     traceback.print_exc()
                 finally:
@@ -243,8 +243,10 @@ class Measured:
     idle: dict[str, float]  # per second while the round runs: lease renewals, etcd's CPU
 
 
-def elastic(etcd: EtcdServer, n: int, run_id: str, how: str, timeout: float) -> Measured:
-    job = Job(etcd.endpoint, run_id, n)
+def elastic(
+    etcd: EtcdServer, n: int, run_id: str, how: str, timeout: float, conf: dict[str, str]
+) -> Measured:
+    job = Job(etcd.endpoint, run_id, n, conf)
     try:
         job.wait(lambda: job.ready == len(job.groups), timeout)
         before = etcd_counters(etcd.client_url)
@@ -392,14 +394,20 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="jobs of each kind per N")
     ap.add_argument("--c10d-max", type=int, default=128, help="largest N c10d is tried at")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--rdzv-conf", default="", help="as elastic-run's, e.g. lease_ttl=15 (default: none)"
+    )
     a = ap.parse_args()
+    conf = dict(kv.split("=", 1) for kv in a.rdzv_conf.split(",") if kv)
     rows = []
     with EtcdServer(name="bench") as etcd:
         for n in (int(s) for s in a.sizes.split(",")):
-            kills, leaves = [], []
+            kills: list[Measured | float | None] = []
+            leaves: list[Measured | float | None] = []
             for r in range(a.repeat):
-                kills.append(attempt(elastic, etcd, n, f"scale-{n}-kill-{r}", "kill", a.timeout))
-                leaves.append(attempt(elastic, etcd, n, f"scale-{n}-leave-{r}", "leave", a.timeout))
+                for how, out in (("kill", kills), ("leave", leaves)):
+                    job = f"scale-{n}-{how}-{r}"
+                    out.append(attempt(elastic, etcd, n, job, how, a.timeout, conf))
             ok_k = [m for m in kills if isinstance(m, Measured)]
             ok_l = [m for m in leaves if isinstance(m, Measured)]
             forms = [m.form for m in ok_k + ok_l]
@@ -427,7 +435,7 @@ def main() -> None:
     for n, form, kill, leave, _, theirs in rows:
         ratio = f"{theirs / form:.1f}x" if theirs and form else "-"
         print(f"{n:>6}{show(form):>9}{show(kill):>9}{show(leave):>9}{show(theirs):>11}{ratio:>11}")
-    print("\netcd's counters over round 1 (from its /metrics)")
+    print("\netcd's counters over round 1 (from its /metrics; requests without keep-alives)")
     print(
         f"{'N':>6}{'sent MB':>10}{'sent/N KB':>11}{'requests':>10}{'req/N':>8}"
         f"{'events':>9}{'events/N':>10}{'watchers':>10}{'etcd CPU':>10}{'their CPU':>12}"
@@ -436,9 +444,10 @@ def main() -> None:
         if m is None:
             continue
         cost = m.cost
+        requests = cost["requests"] - cost["renewed"]  # keep-alives are counted apart
         print(
             f"{n:>6}{cost['sent'] / 1e6:>10.2f}{cost['sent'] / n / 1e3:>11.1f}"
-            f"{cost['requests']:>10.0f}{cost['requests'] / n:>8.1f}"
+            f"{requests:>10.0f}{requests / n:>8.1f}"
             f"{cost['events']:>9.0f}{cost['events'] / n:>10.1f}{cost['watchers']:>10.0f}"
             f"{cost['cpu']:>9.2f}s{cost['participants']:>11.2f}s"
         )

@@ -12,9 +12,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import etcd3
 import etcd3.exceptions
@@ -66,25 +66,6 @@ class KV:
     lease: int
 
 
-@dataclass(frozen=True)
-class Event:
-    """One change from a watch: ``value`` is None for a delete."""
-
-    key: str
-    value: bytes | None
-    create_revision: int
-    mod_revision: int
-    lease: int
-
-
-class Compacted(RendezvousError):
-    """The watch asked for history etcd has compacted away; read everything again."""
-
-    def __init__(self, revision: int) -> None:
-        super().__init__(f"etcd history compacted up to revision {revision}")
-        self.revision = revision
-
-
 def _kv(kv: Any) -> KV:
     return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
 
@@ -96,6 +77,16 @@ class EtcdClient:
         self.options = options
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
+        self._shared: dict[object, Any] = {}
+
+    def shared(self, kind: Callable[[EtcdClient], T]) -> T:
+        """The one ``kind(self)`` of this client: its shared watch and keep-alive streams
+        (made on first use; ``kind``'s constructor must not touch the network)."""
+        with self._lock:
+            obj = self._shared.get(kind)
+            if obj is None:
+                obj = self._shared[kind] = kind(self)
+            return cast(T, obj)
 
     # -- connection ---------------------------------------------------------------------
     def _make(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -275,22 +266,31 @@ class EtcdClient:
         lease: int,
         reads: tuple[list[str], list[str]],
         unless: str,
+        claim: tuple[str, bytes] | None = None,
         timeout: float | None = None,
-    ) -> tuple[int, list[KV]]:
-        """In one transaction: unless ``key`` or ``unless`` exists, write ``key``; either
-        way read ``reads`` (keys, prefixes). Returns (revision of the write or 0, what was
-        read)."""
+    ) -> tuple[int, list[KV], bool]:
+        """In one transaction: unless ``key`` or ``unless`` exists, write ``key`` and, if
+        absent, ``claim`` (a key and value, on the same lease); either way read ``reads``
+        (keys, prefixes), which sees those writes. Returns (revision of the write or 0,
+        what was read, whether the claim was written)."""
 
-        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, list[KV]]:
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, list[KV], bool]:
             t = c.transactions
             gets = _gets(t, *reads)
-            ok, resp = c.transaction(
+            nested = []
+            if claim is not None:
+                ck, cv = claim
+                nested = [etcd3.transactions.Txn([t.create(ck) == 0], [t.put(ck, cv, lease)], [])]
+            ok, resp, revision = _txn(
+                c,
                 [t.create(key) == 0, t.create(unless) == 0],
-                [t.put(key, value, lease=lease), *gets],
+                [t.put(key, value, lease=lease), *nested, *gets],
                 gets,
             )
-            written = resp[0].response_put.header.revision if ok else 0
-            return written, _found(resp[1:] if ok else resp)
+            if not ok:
+                return 0, _found(resp), False
+            claimed = bool(nested) and resp[1].response_txn.succeeded
+            return revision, _found(resp[1 + len(nested) :]), claimed
 
         return self.call(f"join as {key}", run, timeout)
 
@@ -338,9 +338,9 @@ class EtcdClient:
 
         return int(self.call("keep lease alive", run, timeout))
 
-    def keep_alive(self) -> KeepAliveStream:
+    def keep_alive(self, inbox: queue.Queue) -> KeepAliveStream:
         """A stream to keep leases alive on (see ``KeepAliveStream``)."""
-        return KeepAliveStream(self)
+        return KeepAliveStream(self, inbox)
 
     def revoke(self, lease_id: int, timeout: float | None = None) -> None:
         def run(c: etcd3.MultiEndpointEtcd3Client) -> None:
@@ -352,99 +352,17 @@ class EtcdClient:
 
         self.call("revoke lease", run, timeout)
 
-    # -- watches --------------------------------------------------------------------------
-    def watch(self, specs: list[WatchSpec], start_revision: int) -> WatchStream:
-        return WatchStream(self, specs, start_revision)
-
-
-@dataclass(frozen=True)
-class WatchSpec:
-    """One watch on a stream: a key, or a prefix when ``prefix``; deletes only if ``no_put``."""
-
-    key: str
-    prefix: bool = False
-    no_put: bool = False
-
-    def request(self, start_revision: int) -> etcdrpc.WatchRequest:
-        key = self.key.encode()
-        create = etcdrpc.WatchCreateRequest(key=key, start_revision=start_revision)
-        if self.prefix:
-            create.range_end = prefix_range_end(key)
-        if self.no_put:
-            create.filters.append(etcdrpc.WatchCreateRequest.NOPUT)
-        return etcdrpc.WatchRequest(create_request=create)
-
-
-class WatchStream:
-    """One gRPC watch stream carrying one or more watches, iterated as batches of events.
-
-    python3-etcd3's callback watcher loses its callbacks when the stream breaks; here a
-    broken stream simply ends the iteration with the error, and the caller resumes from
-    the last revision it saw.
-    """
-
-    def __init__(self, client: EtcdClient, specs: list[WatchSpec], start_revision: int) -> None:
-        self._client = client
-        self._requests: queue.Queue = queue.Queue()
-        for spec in specs:
-            self._requests.put(spec.request(start_revision))
-        raw = client.call("open a watch", lambda c: c, timeout=2.0)
-        stub = etcdrpc.WatchStub(raw.channel)
-        self._call = stub.Watch(
-            self._request_iter(), credentials=raw.call_credentials, metadata=raw.metadata
-        )
-        self._cancelled = False
-
-    def _request_iter(self) -> Iterator:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            yield item
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._requests.put(None)
-        self._call.cancel()
-
-    def __iter__(self) -> Iterator[list[Event]]:
-        """Yields lists of events. Ends quietly on cancel; raises on a broken stream."""
-        try:
-            for resp in self._call:
-                if resp.compact_revision:
-                    raise Compacted(resp.compact_revision)
-                if resp.canceled:
-                    raise EtcdUnavailableError(f"etcd cancelled the watch: {resp.cancel_reason}")
-                if resp.events:
-                    yield [
-                        Event(
-                            ev.kv.key.decode(),
-                            None if ev.type == _DELETE else ev.kv.value,
-                            ev.kv.create_revision,
-                            ev.kv.mod_revision,
-                            ev.kv.lease,
-                        )
-                        for ev in resp.events
-                    ]
-        except grpc.RpcError as e:
-            if self._cancelled:
-                return
-            raise EtcdUnavailableError(
-                f"etcd watch broke: {e.code().name}: {e.details()}"
-            ) from None
-        finally:
-            self._requests.put(None)
-
 
 class KeepAliveStream:
-    """One LeaseKeepAlive stream, kept open: each keep-alive is one message on it. (A new
-    stream for each, as python3-etcd3's ``refresh_lease`` opens, costs etcd about 0.6 ms
-    of CPU and the client a thread: at 10,000 nodes that is several cores of etcd.)"""
+    """One LeaseKeepAlive stream, kept open: each keep-alive is one message on it, and
+    each answer names its lease. (A new stream for each, as python3-etcd3's
+    ``refresh_lease`` opens, costs etcd about 0.6 ms of CPU and the client a thread.)
+    What the stream brings, answers and finally the error or ``None`` that ends it, goes
+    to ``inbox`` as ``(stream, item)``."""
 
-    def __init__(self, client: EtcdClient) -> None:
-        self._describe = client.options.describe()
+    def __init__(self, client: EtcdClient, inbox: queue.Queue) -> None:
         self._requests: queue.Queue = queue.Queue()
-        self._responses: queue.Queue = queue.Queue()
+        self._inbox = inbox
         raw = client.call("open a keep-alive stream", lambda c: c, timeout=2.0)
         stub = etcdrpc.LeaseStub(raw.channel)
         self._call = stub.LeaseKeepAlive(
@@ -456,28 +374,15 @@ class KeepAliveStream:
     def _read(self) -> None:
         try:
             for resp in self._call:
-                self._responses.put(resp)
+                self._inbox.put((self, resp))
         except grpc.RpcError as e:
-            self._responses.put(e)
+            self._inbox.put((self, e))
         finally:
-            self._responses.put(None)
+            self._inbox.put((self, None))
 
-    def refresh(self, lease_id: int, timeout: float) -> int:
-        """Keep ``lease_id`` alive once: its remaining TTL (<= 0: it is gone). Raises
-        EtcdUnavailableError when the stream broke or gave no answer in ``timeout``; the
-        stream is then closed (open another)."""
+    def send(self, lease_id: int) -> None:
+        """Ask etcd to keep ``lease_id`` alive; its answer comes to the inbox."""
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
-        try:
-            got = self._responses.get(timeout=timeout)
-        except queue.Empty:
-            got = TimeoutError(f"no answer in {timeout:g}s")
-        if isinstance(got, etcdrpc.LeaseKeepAliveResponse):
-            return int(got.TTL)
-        self.close()
-        why = got.details() if isinstance(got, grpc.RpcError) else got or "the stream ended"
-        raise EtcdUnavailableError(
-            f"etcd unreachable at {self._describe} (keep lease alive): {why}"
-        )
 
     def close(self) -> None:
         if not self._closed:

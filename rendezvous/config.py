@@ -6,6 +6,7 @@ so the CLI can print it as one line.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -37,6 +38,19 @@ class EtcdOptions:
     def describe(self) -> str:
         scheme = "https" if self.secure else "http"
         return ", ".join(f"{scheme}://{e}" for e in self.endpoints)
+
+
+# keep-alives a second that the default lease TTL keeps a job under: etcd spends a few
+# hundred microseconds of CPU on each (see the README's "Scale"), so 2,000 is under a core
+RENEWALS_PER_SECOND = 2000
+
+
+def default_lease_ttl(max_nodes: int) -> int:
+    """5 s; longer for a job so large that three keep-alives per TTL from each of its
+    nodes would pass RENEWALS_PER_SECOND (10,000 nodes: 15 s). A SIGKILLed node is
+    still noticed at once through its probe port; only a frozen or cut-off one waits
+    for the TTL."""
+    return max(RendezvousOptions.lease_ttl, math.ceil(3 * max_nodes / RENEWALS_PER_SECOND))
 
 
 @dataclass(frozen=True)
@@ -138,7 +152,8 @@ KEYS: dict[str, tuple[str, _Parser, str]] = {
     "lease_ttl": (
         "lease_ttl",
         _ttl,
-        "whole seconds a silent agent keeps its place: its etcd lease TTL (5)",
+        "whole seconds a silent agent keeps its place: its etcd lease TTL (5; over 3,333 "
+        "nodes, 3 x max nodes / 2,000, which keeps keep-alives under 2,000 a second)",
     ),
     "heartbeat_timeout": ("lease_ttl", _ttl, "alias of lease_ttl (torch's c10d backend)"),
     "keep_alive_interval": (
@@ -273,7 +288,7 @@ def build_options(
         request_timeout=values.pop("request_timeout", 5.0),  # type: ignore[arg-type]
         connect_timeout=values.pop("connect_timeout", 10.0),  # type: ignore[arg-type]
     )
-    ttl = values.get("lease_ttl", RendezvousOptions.lease_ttl)
+    ttl = values.setdefault("lease_ttl", default_lease_ttl(max_nodes))
     values.setdefault("keep_alive_interval", ttl / 3)  # type: ignore[operator]
     if values["keep_alive_interval"] >= ttl:  # type: ignore[operator]
         raise ConfigError(

@@ -5,22 +5,36 @@ freezes or is cut off vanishes from etcd within the TTL, and one that leaves rev
 it and vanishes at once. The keeper distinguishes "etcd is unreachable" (keep going:
 the lease may well be alive, and etcd extends every lease when it comes back) from
 "etcd says the lease is gone" (the others have moved on: fence).
+
+Every lease of one ``EtcdClient`` is kept alive by one thread over one LeaseKeepAlive
+stream, as etcd's Go client does: a keep-alive is one message on it, answered by the
+lease's id. One agent holds one lease, so this changes nothing for it; a process that
+simulates many nodes (the scale benchmark) costs one thread and one stream, not three
+threads and a stream per node.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 
+import grpc
+from etcd3 import etcdrpc
+
 from rendezvous.client import EtcdClient, KeepAliveStream
-from rendezvous.errors import EtcdUnavailableError, RendezvousError
+from rendezvous.errors import RendezvousError
 
 log = logging.getLogger(__name__)
 
+RETRY = 0.5  # seconds between keep-alives while etcd does not answer
+
 
 class LeaseKeeper:
+    """One lease: granted here, kept alive by its client's ``KeepAlives``."""
+
     def __init__(
         self,
         client: EtcdClient,
@@ -30,70 +44,50 @@ class LeaseKeeper:
     ) -> None:
         self._client = client
         self.ttl = ttl
-        self._interval = interval
-        self._on_change = on_change
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.interval = interval
+        self.on_change = on_change
         self.lease_id = 0
         self.lost = False
         self.last_ok = 0.0
-        self._stream: KeepAliveStream | None = None
+        self.next_at = 0.0  # monotonic time of the next keep-alive
+        self.was_reachable = True
 
     def grant(self, timeout: float | None = None) -> int:
         self.lease_id = self._client.grant(self.ttl, timeout)
         self.lost = False
-        self.last_ok = time.monotonic()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="etcd-lease", daemon=True)
-            self._thread.start()
+        self.last_ok = self.next_at = time.monotonic()
+        self.next_at += self.interval
+        self.was_reachable = True
+        self._client.shared(KeepAlives).add(self)
         return self.lease_id
 
-    @property
-    def reachable(self) -> bool:
+    def reachable(self, now: float) -> bool:
         """False once no keep-alive has succeeded for a whole TTL."""
-        return time.monotonic() - self.last_ok < self.ttl
+        return now - self.last_ok < self.ttl
 
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            lease_id = self.lease_id
-            if lease_id and not self.lost:
-                was_reachable = self.reachable
-                try:
-                    ttl = self._refresh(lease_id)
-                except EtcdUnavailableError as e:
-                    if was_reachable and not self.reachable:
-                        log.warning(
-                            "etcd unreachable for %ss; workers keep running: %s", self.ttl, e
-                        )
-                        self._on_change()
-                except RendezvousError as e:
-                    log.warning("lease keep-alive failed: %s", e)
-                else:
-                    if lease_id != self.lease_id:
-                        continue
-                    if ttl <= 0:
-                        self.lost = True
-                        log.warning("etcd says this node's lease %x is gone", lease_id)
-                    else:
-                        self.last_ok = time.monotonic()
-                        if not was_reachable:
-                            log.info("etcd reachable again; lease %x still alive", lease_id)
-                    if self.lost or not was_reachable:
-                        self._on_change()
-            self._stopped.wait(self._interval if self.reachable else min(self._interval, 0.5))
+    def answered(self, lease_id: int, ttl: int, now: float) -> bool:
+        """etcd answered a keep-alive of ``lease_id`` with ``ttl`` left (<= 0: gone).
+        True when the waiters should look again (the lease is lost, or etcd is back)."""
+        if lease_id != self.lease_id or self.lost:
+            return False  # an answer for the lease before a re-registration
+        if ttl <= 0:
+            self.lost = True
+            log.warning("etcd says this node's lease %x is gone", lease_id)
+            return True
+        self.last_ok = now
+        if self.was_reachable:
+            return False
+        self.was_reachable = True
+        log.info("etcd reachable again; lease %x still alive", lease_id)
+        return True
 
-    def _refresh(self, lease_id: int) -> int:
-        if self._stream is None:
-            # the first keep-alive after a break goes the retrying way, which replaces a
-            # broken channel (etcd restarted); then on a stream again
-            ttl = self._client.refresh(lease_id, timeout=self._interval)
-            self._stream = self._client.keep_alive()
-            return ttl
-        try:
-            return self._stream.refresh(lease_id, timeout=self._interval)
-        except EtcdUnavailableError:
-            self._stream = None  # closed: the next keep-alive opens another
-            raise
+    def unreachable_now(self, now: float, why: str) -> bool:
+        """True when this is the moment the lease turned unreachable (tell the waiters)."""
+        if not self.was_reachable or self.reachable(now) or not self.lease_id or self.lost:
+            return False
+        self.was_reachable = False
+        log.warning("etcd unreachable for %ss; workers keep running: %s", self.ttl, why)
+        return True
 
     def revoke(self) -> None:
         """Drop the lease now: the node's record disappears for everyone at once."""
@@ -107,8 +101,135 @@ class LeaseKeeper:
                 )
 
     def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._client.shared(KeepAlives).remove(self)
+
+
+class KeepAlives:
+    """The keep-alive thread of one client: sends each lease's keep-alive when due on the
+    shared stream, matches answers by lease id, and reopens the stream when it breaks or
+    an answer is overdue (the first keep-alive after a break goes through the client's
+    retrying call, which replaces a broken channel, e.g. after an etcd restart)."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._keepers: dict[int, LeaseKeeper] = {}  # by id(): a keeper's lease id changes
+        self._thread: threading.Thread | None = None
+        self._inbox: queue.Queue = queue.Queue()  # (stream or None, answer / error / wake)
+        self._stream: KeepAliveStream | None = None
+        self._pending: dict[int, float] = {}  # lease id -> when its keep-alive was sent
+        self._heard = 0.0  # when the stream last brought an answer
+        self._error = "no answer"
+
+    def add(self, keeper: LeaseKeeper) -> None:
+        with self._lock:
+            self._keepers[id(keeper)] = keeper
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="etcd-lease", daemon=True)
+                self._thread.start()
+        self._inbox.put((None, None))
+
+    def remove(self, keeper: LeaseKeeper) -> None:
+        with self._lock:
+            self._keepers.pop(id(keeper), None)
+            thread = self._thread if not self._keepers else None
+        self._inbox.put((None, None))
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                keepers = list(self._keepers.values())
+                if not keepers:
+                    self._thread = None
+                    self._close()
+                    return
+            now = time.monotonic()
+            changed = [k for k in keepers if k.unreachable_now(now, self._error)]
+            live = [k for k in keepers if k.lease_id and not k.lost]
+            due = []
+            if any(k.next_at <= now for k in live):
+                # those due within half an interval go along: the leases of a process come
+                # into step, and one wake-up a round keeps them all (no more requests)
+                due = [k for k in live if k.next_at <= now + k.interval / 2]
+            if due:
+                changed += self._send(due, now)
+            for k in changed:
+                k.on_change()
+            self._receive({k.lease_id: k for k in keepers if k.lease_id and not k.lost})
+
+    def _send(self, due: list[LeaseKeeper], now: float) -> list[LeaseKeeper]:
+        """Send the due keep-alives; returns the keepers whose waiters should look again
+        (answered on the way: the first keep-alive on a new stream)."""
+        changed = []
+        if self._stream is None:
+            first = due.pop(0)
+            lease_id = first.lease_id  # the keeper may get a new lease meanwhile
+            try:
+                ttl = self._client.refresh(lease_id, timeout=first.interval)
+                self._stream = self._client.keep_alive(self._inbox)
+            except RendezvousError as e:
+                self._error = str(e)
+                for k in [first, *due]:
+                    k.next_at = now + min(k.interval, RETRY)
+                return []
+            first.next_at = now + first.interval
+            if first.answered(lease_id, ttl, time.monotonic()):
+                changed.append(first)
+        for k in due:
+            self._pending[k.lease_id] = now
+            k.next_at = now + k.interval
+            self._stream.send(k.lease_id)
+        return changed
+
+    def _receive(self, kept: dict[int, LeaseKeeper]) -> None:
+        """Take answers until the next keep-alive is due, one is overdue, or a keeper
+        came or went."""
+        for lease_id in [lid for lid in self._pending if lid not in kept]:
+            del self._pending[lease_id]  # revoked or lost meanwhile
+        while True:
+            now = time.monotonic()
+            due = [k.next_at for k in kept.values()]
+            due += [sent + kept[lid].interval for lid, sent in self._pending.items()]
+            until = min(due, default=now + 1.0)
+            if until <= now:
+                break
+            try:
+                stream, got = self._inbox.get(timeout=until - now)
+            except queue.Empty:
+                break
+            if stream is None:
+                return  # a keeper came or went
+            if stream is not self._stream:
+                continue  # from a stream closed before
+            if isinstance(got, etcdrpc.LeaseKeepAliveResponse):
+                self._heard = time.monotonic()
+                self._pending.pop(got.ID, None)
+                k = kept.get(got.ID)
+                if k is not None and k.answered(got.ID, int(got.TTL), time.monotonic()):
+                    k.on_change()
+            else:
+                why = got.details() if isinstance(got, grpc.RpcError) else "the stream ended"
+                self._broken(why)
+        # an answer is overdue, and nothing came since it was asked for: the stream is
+        # dead (a slow one, answering others, is not: its process may just be busy)
+        now = time.monotonic()
+        late = [
+            lid
+            for lid, sent in self._pending.items()
+            if now - sent >= kept[lid].interval and self._heard < sent
+        ]
+        if late:
+            self._broken(f"no answer to a keep-alive in {kept[late[0]].interval:g}s")
+
+    def _broken(self, why: str) -> None:
+        self._error = f"etcd unreachable at {self._client.options.describe()}: {why}"
+        log.debug("keep-alive stream closed: %s", self._error)
+        self._close()
+
+    def _close(self) -> None:
         if self._stream is not None:
             self._stream.close()
+            self._stream = None
+        self._pending.clear()

@@ -5,22 +5,23 @@ etcd. When the stream breaks (etcd restarted, a member died) the mirror reads th
 again and watches on from there.
 
 Two modes. *Full*: every change under the job prefix, which only the leader (the node
-that writes rounds and tells members what ends them) needs. *Lean*: the round's header,
-this node's own bucket of its members, ``leader``, ``notice``, ``closed``, failure
-reports and this node's own record: what every other node needs, in O(1) bytes per
-node and round. With N nodes, full watching at every node would cost N events at each
-of N nodes; one full node and N-1 lean ones cost O(N) in all.
+that writes rounds and tells members what ends them) needs. *Lean*: ``job/`` (the
+round's header, ``leader``, ``notice``, ``closed``, failure reports), this node's own
+bucket of the round's members and its own record: what every other node needs, in O(1)
+bytes per node and round, on three watches. With N nodes, full watching at every node
+would cost N events at each of N nodes; one full node and N-1 lean ones cost O(N).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
 from rendezvous import records
-from rendezvous.client import KV, Compacted, EtcdClient, Event, WatchSpec, WatchStream
+from rendezvous.client import KV, EtcdClient
 from rendezvous.errors import EtcdUnavailableError, MalformedRecordError, RendezvousError
 from rendezvous.records import (
     ClosedRecord,
@@ -32,8 +33,10 @@ from rendezvous.records import (
     NoticeRecord,
     RoundRecord,
     bucket_of,
+    buckets_for,
     decode_bucket,
 )
+from rendezvous.watches import Compacted, Event, Subscription, WatchSpec, watch
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,7 @@ class _Decoded:
 
     def leader_record(self) -> LeaderRecord | None:
         kv = self.leader
-        return None if kv is None else LeaderRecord.decode(kv.key, kv.value)
+        return None if kv is None else LeaderRecord.decode(kv.key, kv.value, kv.create_revision)
 
     def view(self, revision: int, last_join: float) -> JobView:
         shown, shown_rev = self.assembled()
@@ -212,10 +215,13 @@ class _Decoded:
 class JobMirror:
     """Keeps a JobView of ``prefix`` current from one watch stream."""
 
-    def __init__(self, client: EtcdClient, prefix: str, own: str = "") -> None:
+    def __init__(
+        self, client: EtcdClient, prefix: str, own: str = "", expected_size: int = 0
+    ) -> None:
         self._client = client
         self._prefix = prefix
         self._own = own  # this node's id: its record and bucket are watched when lean
+        self._expected = expected_size  # before any round: the bucket to watch is a guess
         self._cond = threading.Condition()
         self._kvs: dict[str, KV] = {}
         self._key_rev: dict[str, int] = {}  # newest revision applied per key (tombstones too)
@@ -229,7 +235,8 @@ class JobMirror:
         self._full = not own
         self._epoch = 0  # bumped at each change of mode: reads and events of an older one
         self._loaded_epoch = -1  # are dropped (they saw another share of the job)
-        self._stream: WatchStream | None = None
+        self._stream: Subscription | None = None
+        self._watched_bucket = ""  # lean: the key of this node's bucket of the round
         self._reopen = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -269,20 +276,25 @@ class JobMirror:
         return self._full and self._loaded_epoch == self._epoch
 
     def set_full(self, full: bool, wait: bool = True) -> None:
-        """Switch modes; the job is read again in the new mode: going full, here when
-        ``wait`` (the view is complete on return), else in the watch thread (``complete``
-        says when)."""
+        """Switch modes; the watch thread reads the job again in the new mode. Going full
+        with ``wait``, this waits (up to the request timeout) for that read: ``complete``
+        says whether it came in."""
         with self._cond:
             if full == self._full:
                 return
             self._full = full
             self._epoch += 1
+            epoch = self._epoch
         self._reopen.set()
         stream = self._stream
         if stream is not None:
             stream.cancel()
         if full and wait:
-            self._load()
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._loaded_epoch >= epoch or self._stopped.is_set(),
+                    self._client.options.request_timeout,
+                )
 
     # -- reading -----------------------------------------------------------------------
     def view(self) -> JobView:
@@ -323,15 +335,17 @@ class JobMirror:
                 self._publish()
 
     def lean_keys(self) -> tuple[list[str], list[str]]:
-        """(keys, prefixes) a lean node reads and watches (its bucket aside)."""
+        """(keys, prefixes) a lean node reads and watches (its bucket aside): its own
+        record, and ``job/`` (round header, leader, notice, closed, failure reports)."""
         p = self._prefix
-        keys = [p + records.ROUND, p + records.CLOSED, p + records.LEADER, p + records.NOTICE]
-        return [*keys, p + records.NODES + self._own], [p + records.FAILURES]
+        return [p + records.NODES + self._own], [p + records.JOB]
 
     def _specs(self) -> list[WatchSpec]:
         if self._full:
             return [WatchSpec(self._prefix, prefix=True)]
         keys, prefixes = self.lean_keys()
+        if self._watched_bucket:
+            keys.append(self._watched_bucket)
         return [WatchSpec(k) for k in keys] + [WatchSpec(k, prefix=True) for k in prefixes]
 
     def _load(self, timeout: float | None = None) -> bool:
@@ -346,18 +360,33 @@ class JobMirror:
 
     def _bucket(self, kvs: list[KV], revision: int) -> list[KV]:
         """This node's bucket of the round among ``kvs`` (a lean node reads only that one),
-        as of ``revision``: written in the same transaction as the round's header."""
-        key = self._prefix + records.ROUND
-        header = next((kv for kv in kvs if kv.key == key and kv.value is not None), None)
-        if self._full or header is None:
+        as of ``revision``: written in the same transaction as the round's header. From
+        here on the watch brings it (see ``_apply``); before the first round, the bucket
+        it would have in a round of the expected size is watched."""
+        header = self._header(kvs)
+        self._watched_bucket = self._bucket_key(header)
+        if header is None or not self._watched_bucket:
             return []
-        try:
-            buckets = RoundRecord.decode(key, header.value).buckets
-        except MalformedRecordError:
-            return []  # the view says so, naming the key
-        wanted = f"{self._prefix}{records.MEMBERS}{bucket_of(self._own, buckets)}"
-        kv = self._client.get(wanted, revision=revision)
+        kv = self._client.get(self._watched_bucket, revision=revision)
         return [kv] if kv is not None else []
+
+    def _header(self, kvs: list[KV]) -> RoundRecord | None:
+        """The round's header among ``kvs``, if there and readable (else the view says
+        what is wrong with it, naming the key)."""
+        key = self._prefix + records.ROUND
+        for kv in kvs:
+            if kv.key == key and kv.value is not None:
+                with contextlib.suppress(MalformedRecordError):
+                    return RoundRecord.decode(key, kv.value)
+        return None
+
+    def _bucket_key(self, header: RoundRecord | None) -> str:
+        """The key of this node's bucket in ``header``'s round, or with none yet in a round
+        of the expected size ("" in full mode, or with nothing to go by)."""
+        size = header.size if header is not None else self._expected
+        if self._full or not size:
+            return ""
+        return f"{self._prefix}{records.MEMBERS}{bucket_of(self._own, buckets_for(size))}"
 
     def _load_from(self, revision: int, kvs: list[KV], epoch: int) -> bool:
         """Make the mirror what a read of mode ``epoch`` at ``revision`` saw, keeping what
@@ -410,22 +439,27 @@ class JobMirror:
         self._kvs[key] = kv
         self._decoded.put(rel, kv)
 
-    def _apply(self, events: list[Event], epoch: int) -> None:
+    def _apply(self, events: list[Event], epoch: int) -> bool:
+        """Apply a batch of watched events. True when a new round's header puts this lean
+        node in another bucket than the one watched (its size crossed a multiple of
+        ``PER_BUCKET``): read again and watch that one. Otherwise the bucket comes by the
+        watch, with or soon after the header (the mirror shows the round once both are
+        in), at no extra request."""
         round_key = self._prefix + records.ROUND
         news = [
             KV(e.key, e.value, e.create_revision, e.mod_revision, e.lease)
             for e in events
             if e.key == round_key and e.value is not None
         ]
-        if news:  # lean: fetch this node's bucket of the new round before showing it
-            extra = self._bucket(news[-1:], news[-1].mod_revision)
-            events = events + [
-                Event(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
-                for kv in extra
-            ]
+        header = self._header(news[-1:])
+        moved = (
+            not self._full
+            and header is not None
+            and self._bucket_key(header) != self._watched_bucket
+        )
         with self._cond:
             if epoch != self._epoch:
-                return  # watched in the mode before
+                return False  # watched in the mode before
             for ev in events:
                 self._revision = max(self._revision, ev.mod_revision)
                 if ev.mod_revision > self._floor:
@@ -433,6 +467,7 @@ class JobMirror:
                         ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease, seen=True
                     )
             self._publish()
+        return moved
 
     def _publish(self) -> None:
         self._dirty = True
@@ -454,17 +489,20 @@ class JobMirror:
                     epoch, specs, start = self._epoch, self._specs(), self._revision + 1
                     if self._loaded_epoch != epoch:
                         continue  # the mode changed since the read
-                self._stream = self._client.watch(specs, start)
+                self._stream = watch(self._client, specs, start)
                 if self._stopped.is_set() or self._reopen.is_set():
                     self._stream.cancel()
                 for events in self._stream:
                     self.connected = True
                     backoff = 0.1
-                    self._apply(events, epoch)
+                    if self._apply(events, epoch):
+                        self._stream.cancel()  # its bucket moved: read again, watch that one
+                        stale = True
+                        break
                 if self._stopped.is_set():
                     return
-                if self._reopen.is_set():
-                    continue  # the mode changed: watch again, differently
+                if self._reopen.is_set() or stale:
+                    continue  # the mode or the bucket changed: watch again, differently
                 raise EtcdUnavailableError("watch stream ended")
             except Compacted:
                 log.info("etcd compacted the job's history; reading it again")

@@ -31,7 +31,7 @@ from rendezvous.errors import (
 from rendezvous.lease import LeaseKeeper
 from rendezvous.mirror import JobMirror, JobView
 from rendezvous.net import free_port
-from rendezvous.probe import ProbeListener, process_gone
+from rendezvous.probe import ProbeListener, gone_among
 from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
@@ -50,9 +50,11 @@ log = logging.getLogger(__name__)
 
 GONE_TTL = 60  # seconds a departed node's tombstone stays
 # what the leader gives notice of: the rest each member sees for itself
-# seconds between probes of the leader by each node that waits for it to form a round:
-# at 10,000 nodes, 2,000 connections a second to the leader's probe port
+# seconds a node waits for the leader to form a round before it probes it, and between
+# probes: at 10,000 nodes, at most 2,000 connections a second to the leader's probe port
 WAITING_PROBE = 5.0
+SUCCESSORS = 3  # ranks (0 aside) that probe the leader and claim its post at once
+CLAIM_AFTER = 0.5  # seconds the lead stays vacant before any other node claims it
 NOTICED = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.LEAVING, RoundEnd.STOPPING, RoundEnd.WAITING)
 
 
@@ -79,7 +81,9 @@ class Rendezvous:
         self.options = options
         self.me = me
         self.max_restarts = max_restarts
-        self.mirror = JobMirror(client, options.job_prefix, own=me.id)
+        self.mirror = JobMirror(
+            client, options.job_prefix, own=me.id, expected_size=options.max_nodes
+        )
         self.lease = LeaseKeeper(
             client, options.lease_ttl, options.keep_alive_interval, on_change=self.mirror.poke
         )
@@ -91,6 +95,7 @@ class Rendezvous:
         self._probe: ProbeListener | None = None
         self._probed: dict[str, float] = {}  # node id -> monotonic time last probed
         self._noticed: tuple[int, RoundEnd] | None = None  # the last notice this node gave
+        self._vacant_since: float | None = None  # monotonic time the lead was seen vacant
 
     @property
     def node_id(self) -> str:
@@ -114,7 +119,8 @@ class Rendezvous:
         them all; the others probe the leader, which hears of the rest from etcd."""
         view = self.mirror.view()
         if not self.mirror.full:
-            self._probe_leader(view)
+            if self._successor():  # the others hear of a dead leader from etcd
+                self._probe_leader(view)
         elif self.round is not None:
             self._probe_gone(view, tuple(m.id for m in self.round.members))
 
@@ -133,8 +139,16 @@ class Rendezvous:
         lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
         rec = self._new_record()
         value = rec.encode()
-        revision, kvs = self.client.create_and_read(
-            self.node_key, value, lease_id, self.mirror.lean_keys(), self.key(records.CLOSED)
+        # the first to come claims the vacant lead in the same transaction (rev 0: see
+        # LeaderRecord), so that a thousand nodes starting at once do not each try it
+        claim = LeaderRecord(self.me.id, 0, self.me.addr, self._probe_port()).encode()
+        revision, kvs, _ = self.client.create_and_read(
+            self.node_key,
+            value,
+            lease_id,
+            self.mirror.lean_keys(),
+            self.key(records.CLOSED),
+            claim=(self.key(records.LEADER), claim),
         )
         try:
             if not revision:
@@ -274,7 +288,7 @@ class Rendezvous:
         return node is None or node.rev != self.rev
 
     def _member_of(self, r: RoundRecord) -> bool:
-        return any(m.id == self.me.id and m.rev == self.rev for m in r.members)
+        return r.member(self.me.id, self.rev) is not None
 
     def next_round(
         self, cancel: threading.Event | None = None, timeout: float | None = None
@@ -291,7 +305,8 @@ class Rendezvous:
             with contextlib.suppress(LeaseLostError):  # then it registers again below
                 self.finish_round()
         timeout = self.options.join_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        waiting_since = time.monotonic()
+        deadline = waiting_since + timeout
         note = _Progress(deadline)
         while True:
             self.alive_at = time.monotonic()
@@ -317,7 +332,8 @@ class Rendezvous:
                 # the leader forms the round: only its writing, or its going, matters here
                 leader = view.leader.id if view.leader else "a leader"
                 note.say(f"waiting for {leader} to form round {(r.number if r else 0) + 1}")
-                self._probe_leader(view, every=WAITING_PROBE)
+                if time.monotonic() - waiting_since >= WAITING_PROBE:
+                    self._probe_leader(view, every=WAITING_PROBE)
                 self.mirror.wait(version, 1.0)
                 continue
             if not self.mirror.complete:  # going full in another thread: the read is due
@@ -366,7 +382,9 @@ class Rendezvous:
     def _leads(self, view: JobView) -> bool:
         """Whether this node leads: reads the whole job, writes rounds, gives notice. A
         vacant post is claimed first (whoever's create lands first holds it)."""
-        if view.leader is None and not self._fenced(view):
+        if view.leader is not None:
+            self._vacant_since = None
+        elif not self._fenced(view) and self._may_claim():
             record = LeaderRecord(self.me.id, self.rev, self.me.addr, self._probe_port())
             key = self.key(records.LEADER)
             revision, held = self.client.create(key, record.encode(), lease=self.lease.lease_id)
@@ -380,6 +398,21 @@ class Rendezvous:
         if mine != self.mirror.full:
             self.mirror.set_full(mine)
         return mine
+
+    def _successor(self) -> bool:
+        """One of the first ranks of this node's round, which step in for a dead leader
+        at once: a thousand nodes probing the leader and claiming its post when it dies
+        would cost etcd a thousand requests each time, for one that matters."""
+        m = self.round.member(self.me.id, self.rev) if self.round is not None else None
+        return m is not None and m.rank <= SUCCESSORS
+
+    def _may_claim(self) -> bool:
+        """Whether to claim the vacant lead now: a successor at once, any other node once
+        the post has stayed vacant for CLAIM_AFTER (the successors are gone too)."""
+        now = time.monotonic()
+        if self._vacant_since is None:
+            self._vacant_since = now
+        return self._successor() or now - self._vacant_since >= CLAIM_AFTER
 
     def _probe_port(self) -> int:
         return self._probe.port if self._probe else 0
@@ -425,26 +458,24 @@ class Rendezvous:
     def _probe_leader(self, view: JobView, every: float = 0.5) -> None:
         held, ld = view.leader_kv, view.leader
         if held is not None and ld is not None and ld.id != self.me.id:
-            self._check_gone(ld.id, ld.addr, ld.probe, held.lease, every)
+            self._check_gone({ld.id: (ld.addr, ld.probe, held.lease)}, every)
 
     def _probe_gone(self, view: JobView, nodes: tuple[str, ...]) -> None:
-        """Revoke the lease of a node whose agent is provably gone (see probe.py)."""
-        for node_id in nodes:
-            node = view.nodes.get(node_id)
-            if node is not None and node.record.id != self.me.id:
-                self._check_gone(node_id, node.record.addr, node.record.probe, node.lease)
+        """Revoke the leases of nodes whose agents are provably gone (see probe.py)."""
+        live = {n: view.nodes[n] for n in nodes if n in view.nodes and n != self.me.id}
+        targets = {n: (x.record.addr, x.record.probe, x.lease) for n, x in live.items()}
+        self._check_gone(targets)
 
-    def _check_gone(
-        self, node_id: str, addr: str, port: int, lease: int, every: float = 0.5
-    ) -> None:
+    def _check_gone(self, targets: dict[str, tuple[str, int, int]], every: float = 0.5) -> None:
+        """Probe ``targets`` (node id: address, probe port, lease) not probed in the last
+        ``every`` seconds, all at once; revoke the leases of those that refuse."""
         now = time.monotonic()
-        if now - self._probed.get(node_id, 0.0) < every:
-            return
-        self._probed[node_id] = now
-        if process_gone(addr, port):
+        due = {n: t for n, t in targets.items() if now - self._probed.get(n, 0.0) >= every}
+        self._probed.update(dict.fromkeys(due, now))
+        for node_id in gone_among({n: (addr, port) for n, (addr, port, _) in due.items()}):
             log.warning("%s refuses its probe port: its agent is gone; revoking its lease", node_id)
             try:
-                self.client.revoke(lease, timeout=2.0)
+                self.client.revoke(due[node_id][2], timeout=2.0)
             except RendezvousError as e:
                 log.warning("could not revoke %s's lease: %s", node_id, e)
 

@@ -4,19 +4,23 @@ Values are JSON, never pickle: whoever can write a key must not be able to run c
 an agent. Anything under the job's prefix that does not decode to the expected shape
 raises ``MalformedRecordError`` naming the key.
 
-    <prefix>/<run_id>/nodes/<node_id>          NodeRecord, attached to the node's lease
-    <prefix>/<run_id>/gone/<node_id>           GoneRecord: a node that left on purpose,
-                                               on a short lease of its own
-    <prefix>/<run_id>/round                    RoundRecord without its members, written
-                                               by transaction only, with:
-    <prefix>/<run_id>/members/<bucket>         the round's members whose id hashes to
-                                               that bucket (``bucket_of``)
-    <prefix>/<run_id>/leader                   LeaderRecord: the node that writes rounds,
-                                               on its lease
-    <prefix>/<run_id>/notice                   NoticeRecord: the leader's word on what
-                                               ends the running round
-    <prefix>/<run_id>/failures/<round>/<node>  a node's worker failures in that round
-    <prefix>/<run_id>/closed                   ClosedRecord: the job is over
+    <prefix>/<run_id>/nodes/<node_id>              NodeRecord, attached to the node's lease
+    <prefix>/<run_id>/gone/<node_id>               GoneRecord: a node that left on
+                                                   purpose, on a short lease of its own
+    <prefix>/<run_id>/members/<bucket>             the round's members whose id hashes to
+                                                   that bucket (``bucket_of``)
+    <prefix>/<run_id>/job/round                    RoundRecord without its members (those
+                                                   are in the buckets, written with it),
+                                                   by transaction only
+    <prefix>/<run_id>/job/leader                   LeaderRecord: the node that writes
+                                                   rounds, on its lease
+    <prefix>/<run_id>/job/notice                   NoticeRecord: the leader's word on what
+                                                   ends the running round
+    <prefix>/<run_id>/job/failures/<round>/<node>  a node's worker failures in that round
+    <prefix>/<run_id>/job/closed                   ClosedRecord: the job is over
+
+Everything every node needs is under ``job/``, so a node other than the leader watches
+three things: ``job/``, its own record and its bucket of the round.
 
 Why the round is split: a node needs the round's header and its own place in it, not the
 whole membership. Each reads the header and one bucket of at most ``PER_BUCKET`` members,
@@ -30,19 +34,21 @@ import enum
 import json
 import math
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from typing import Any, TypeVar
 
 from rendezvous.errors import MalformedRecordError
 
 NODES = "nodes/"
 GONE = "gone/"
-ROUND = "round"
 MEMBERS = "members/"
-LEADER = "leader"
-NOTICE = "notice"
-FAILURES = "failures/"
-CLOSED = "closed"
+JOB = "job/"  # what every node watches: one range, one watch
+ROUND = JOB + "round"
+LEADER = JOB + "leader"
+NOTICE = JOB + "notice"
+FAILURES = JOB + "failures/"
+CLOSED = JOB + "closed"
 
 PER_BUCKET = 64  # members per bucket, up to MAX_BUCKETS buckets
 MAX_BUCKETS = 120  # a round's puts and deletes stay within etcd's --max-txn-ops (128)
@@ -128,6 +134,12 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True, default=_plain).encode()
 
 
+def _shallow(record: Any) -> dict[str, Any]:
+    """A record's fields as a dict, as they are (``asdict`` deep-copies every value: a
+    tenth of a millisecond per record, at every registration and round)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
 def _plain(value: object) -> object:
     if isinstance(value, enum.Enum):
         return value.value
@@ -153,7 +165,7 @@ class NodeRecord:
     rank: int = -1  # the group rank it asks for (torchrun's --node-rank); -1: none
 
     def encode(self) -> bytes:
-        return dumps(asdict(self))
+        return dumps(_shallow(self))
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> NodeRecord:
@@ -191,7 +203,7 @@ class GoneRecord:
     at: float = 0.0
 
     def encode(self) -> bytes:
-        return dumps(asdict(self))
+        return dumps(_shallow(self))
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> GoneRecord:
@@ -268,6 +280,16 @@ class RoundRecord:
     def world_size(self) -> int:
         return self.world
 
+    def member(self, node_id: str, rev: int | None = None) -> Member | None:
+        """``node_id`` (incarnation ``rev``, if given) among ``members``, if there. Asked
+        once per node at every plan: a scan each time made planning O(N^2)."""
+        m = self._by_id.get(node_id)
+        return m if m is not None and rev in (None, m.rev) else None
+
+    @cached_property
+    def _by_id(self) -> dict[str, Member]:
+        return {m.id: m for m in self.members}
+
     @property
     def complete(self) -> bool:
         return len(self.members) == self.size
@@ -276,16 +298,13 @@ class RoundRecord:
     def buckets(self) -> int:
         return buckets_for(self.size)
 
-    def member(self, node_id: str) -> Member | None:
-        return next((m for m in self.members if m.id == node_id), None)
-
     def rank_of(self, node_id: str) -> int:
         m = self.member(node_id)
         return m.rank if m is not None else -1
 
     def encode(self) -> bytes:
         """The header: everything but the members (see ``encode_buckets``)."""
-        obj = asdict(self)
+        obj = _shallow(self)
         del obj["members"]
         return dumps(obj)
 
@@ -343,16 +362,19 @@ def decode_bucket(key: str, raw: bytes) -> tuple[int, list[Member]]:
     number = _field(key, obj, "round", int)
     members = []
     for i, e in enumerate(_field(key, obj, "members", list)):
-        kinds = (str, int, str, int, int, int)
-        if not (
-            isinstance(e, list)
-            and len(e) == 6
-            and all(
-                isinstance(v, k) and not isinstance(v, bool) for v, k in zip(e, kinds, strict=True)
-            )
+        # type() is, not isinstance: a bool is no number here (and this runs per member)
+        if (
+            type(e) is not list
+            or len(e) != 6
+            or type(e[0]) is not str
+            or type(e[1]) is not int
+            or type(e[2]) is not str
+            or type(e[3]) is not int
+            or type(e[4]) is not int
+            or type(e[5]) is not int
         ):
             raise _bad(key, f"member {i} is not [id, rev, addr, nproc, rank, base]")
-        members.append(Member(e[0], e[1], e[2], e[3], e[4], e[5]))
+        members.append(Member(*e))
     return number, members
 
 
@@ -380,7 +402,9 @@ class RoundEnd(enum.Enum):
 class LeaderRecord:
     """The node that reads the whole job and writes its rounds, held on that node's lease:
     the first candidate of the next round (its rank 0), so that it can pick a free port
-    on its own host."""
+    on its own host. ``rev`` 0: the node claimed the post in the transaction that
+    registered it, whose revision it does not know yet; its record and this key were
+    created together, so the key's create revision is its incarnation."""
 
     id: str
     rev: int
@@ -388,14 +412,14 @@ class LeaderRecord:
     probe: int = 0
 
     def encode(self) -> bytes:
-        return dumps(asdict(self))
+        return dumps(_shallow(self))
 
     @classmethod
-    def decode(cls, key: str, raw: bytes) -> LeaderRecord:
+    def decode(cls, key: str, raw: bytes, create_revision: int = 0) -> LeaderRecord:
         obj = _load(key, raw)
         return cls(
             id=_field(key, obj, "id", str),
-            rev=_field(key, obj, "rev", int),
+            rev=_field(key, obj, "rev", int) or create_revision,
             addr=_field(key, obj, "addr", str),
             probe=_int(obj, "probe"),
         )
@@ -412,7 +436,7 @@ class NoticeRecord:
     nodes: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        obj = asdict(self)
+        obj = _shallow(self)
         obj["nodes"] = list(self.nodes[:NAMES])
         return dumps(obj)
 
@@ -437,7 +461,7 @@ class ClosedRecord:
     root_cause: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return dumps(asdict(self))
+        return dumps(_shallow(self))
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> ClosedRecord:
@@ -463,7 +487,7 @@ class FailureRecord:
     detail: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return dumps(asdict(self))
+        return dumps(_shallow(self))
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> FailureRecord:

@@ -65,7 +65,7 @@ def member_state(view: JobView, node_id: str, rev: int, max_nodes: int) -> Membe
     live = view.nodes.get(node_id)
     if live is not None and live.rev != rev:
         live = None
-    member = r is not None and any(m.id == node_id and m.rev == rev for m in r.members)
+    member = r is not None and r.member(node_id, rev) is not None
     if member and live is None:
         gone = view.gone.get(node_id)
         return MemberState.LEFT if gone is not None and gone.rev == rev else MemberState.LOST
@@ -264,7 +264,7 @@ def _settled(
     if mine is None or r is None or r.number < mine.number:
         return True, None  # no round, or our own view lags behind one we already joined
     if r.number > mine.number:
-        if any(m.id == me and m.rev == rev for m in r.members):
+        if r.member(me, rev) is not None:
             return True, Change(RoundEnd.SUPERSEDED, f"round {r.number} formed")
         return True, Change(RoundEnd.FENCED, f"round {r.number} formed without this node")
     return False, None

@@ -1,4 +1,5 @@
-"""The job mirror against a real etcd: switching between the lean and the full share."""
+"""The job mirror against a real etcd: switching between the lean and the full share,
+following a lean node's bucket, and the lead claimed at registration."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
 from rendezvous.mirror import JobMirror
-from rendezvous.records import NodeRecord
+from rendezvous.protocol import NodeSpec, Rendezvous
+from rendezvous.records import (
+    MAX_BUCKETS,
+    LeaderRecord,
+    Member,
+    NodeRecord,
+    RoundRecord,
+    bucket_of,
+    buckets_for,
+)
 
 
 @pytest.fixture
@@ -71,3 +81,65 @@ def test_full_view_is_not_complete_until_read(client: EtcdClient, run_id: str) -
         assert set(mirror.view().nodes) == {"a", "x"}
     finally:
         mirror.stop()
+
+
+def _write_round(client: EtcdClient, prefix: str, number: int, ids: list[str]) -> RoundRecord:
+    """A round as the leader writes it: the header and its buckets in one transaction
+    (buckets a smaller round no longer uses are deleted)."""
+    members = tuple(Member(i, 1, "127.0.0.1", 1) for i in ids)
+    rec = RoundRecord(number, members, "127.0.0.1", 1, 2)
+    ops = client.ops
+    puts = [ops.put(prefix + records.ROUND, rec.encode())]
+    puts += [ops.put(f"{prefix}{records.MEMBERS}{b}", v) for b, v in rec.encode_buckets().items()]
+    stale = [ops.delete(f"{prefix}{records.MEMBERS}{b}") for b in range(rec.buckets, MAX_BUCKETS)]
+    assert client.txn([], puts + stale)
+    return rec
+
+
+def test_lean_view_follows_its_bucket_as_the_round_resizes(client: EtcdClient, run_id: str) -> None:
+    """A lean node watches its own bucket of the round; when the round's size moves it
+    to another bucket, it reads the new one: every round shows this node's true rank."""
+    prefix = f"/elastic-run/{run_id}/"
+    mirror = JobMirror(client, prefix, own="x", expected_size=8)
+    mirror.start(timeout=5)
+    try:
+        for number, size in enumerate([8, 8, 200, 200, 70, 8], start=1):
+            ids = [f"n{i:03d}" for i in range(size - 1)] + ["x"]
+            rec = _write_round(client, prefix, number, ids)
+            assert rec.buckets == buckets_for(size)
+
+            def shown(n: int = number) -> bool:
+                r = mirror.view().round
+                return r is not None and r.number == n
+
+            until(shown)
+            r = mirror.view().round
+            assert r is not None and r.size == size
+            mine = r.member("x")
+            assert mine is not None and mine.rank == size - 1
+            assert all(bucket_of(m.id, r.buckets) == bucket_of("x", r.buckets) for m in r.members)
+    finally:
+        mirror.stop()
+
+
+def test_the_first_node_claims_the_lead_as_it_registers(
+    etcd: EtcdServer, client: EtcdClient, run_id: str
+) -> None:
+    """The lead is claimed in the registering transaction (its record says rev 0: the
+    key's create revision, which is the node's own); later nodes find it taken."""
+    _, opts = build_options(etcd.endpoint, run_id, 1, 3, {})
+    nodes = [Rendezvous(client, opts, NodeSpec(id=n, addr="127.0.0.1", nproc=1)) for n in "ab"]
+    try:
+        for node in nodes:
+            node.start()
+        a, b = nodes
+        until(lambda: b.mirror.view().leader is not None)
+        for node in nodes:
+            leader = node.mirror.view().leader
+            assert leader is not None and (leader.id, leader.rev) == ("a", a.rev)
+        held = client.get(opts.job_prefix + records.LEADER)
+        assert held is not None and held.create_revision == a.rev
+        assert LeaderRecord.decode(held.key, held.value).rev == 0
+    finally:
+        for node in nodes:
+            node.shutdown()

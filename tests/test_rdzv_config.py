@@ -8,6 +8,7 @@ import pytest
 
 from rendezvous.config import (
     PASSWORD_ENV,
+    RENEWALS_PER_SECOND,
     ConfigError,
     build_options,
     parse_conf,
@@ -105,3 +106,14 @@ def test_tls_and_password_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(PASSWORD_ENV, "from-env")
     etcd, _ = build_options("h", "job", 1, 1, {"user": "u"})
     assert etcd.password == "from-env"
+
+
+def test_the_default_lease_ttl_keeps_keep_alives_under_a_budget() -> None:
+    """Three keep-alives per TTL per node: past 3,333 nodes the default TTL grows so that
+    a job sends etcd at most RENEWALS_PER_SECOND; a TTL given is kept as given."""
+    for max_nodes, ttl in [(4, 5), (3_333, 5), (10_000, 15), (100_000, 150)]:
+        _, rdzv = build_options("127.0.0.1:2379", "job", 1, max_nodes, {})
+        assert rdzv.lease_ttl == ttl and rdzv.keep_alive_interval == ttl / 3
+        assert 3 * max_nodes / rdzv.lease_ttl <= max(RENEWALS_PER_SECOND, 3 * max_nodes / 5)
+    _, rdzv = build_options("127.0.0.1:2379", "job", 1, 10_000, {"lease_ttl": "5"})
+    assert rdzv.lease_ttl == 5

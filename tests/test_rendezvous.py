@@ -9,6 +9,7 @@ import pytest
 from harness import ROOT, Proc, python
 
 from elastic.agent.etcd_server import EtcdServer
+from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
 
@@ -261,7 +262,7 @@ def test_malformed_round_is_a_clear_error(
 ) -> None:
     e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
     client = EtcdClient(e)
-    key = f"/elastic-run/{run_id}/round"
+    key = f"/elastic-run/{run_id}/{records.ROUND}"
     try:
         client.put(key, value)
         a = join(procs, etcd.endpoint, run_id, "a", nnodes="1")

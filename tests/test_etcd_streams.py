@@ -1,0 +1,181 @@
+"""The shared streams of one etcd client against a real etcd: every watch on one Watch
+stream, every lease kept alive on one LeaseKeepAlive stream; and the probe of many ports
+at once."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from elastic.agent.etcd_server import EtcdServer
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options
+from rendezvous.errors import EtcdUnavailableError
+from rendezvous.lease import LeaseKeeper
+from rendezvous.probe import ProbeListener, gone_among
+from rendezvous.watches import Subscription, Watches, WatchSpec, watch
+
+
+@pytest.fixture
+def client(etcd: EtcdServer, run_id: str) -> Iterator[EtcdClient]:
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    c = EtcdClient(e)
+    yield c
+    c.close()
+
+
+def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def drain(sub: Subscription) -> queue.Queue:
+    """Iterate ``sub`` in a thread: each batch's keys, then the error or None that ended it."""
+    out: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            for events in sub:
+                out.put([e.key for e in events])
+            out.put(None)
+        except Exception as e:
+            out.put(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
+def watch_threads() -> int:
+    return sum(t.name == "etcd-watch" for t in threading.enumerate())
+
+
+def test_watches_share_one_stream_and_each_gets_its_own_events(
+    client: EtcdClient, run_id: str
+) -> None:
+    p = f"/{run_id}/"
+    start = client.put(p + "start", b"") + 1
+    a = watch(client, [WatchSpec(p + "a"), WatchSpec(p + "both/", prefix=True)], start)
+    b = watch(client, [WatchSpec(p + "b"), WatchSpec(p + "both/", prefix=True)], start)
+    got_a, got_b = drain(a), drain(b)
+    assert watch_threads() == 1
+    client.put(p + "a", b"1")
+    client.put(p + "b", b"1")
+    client.put(p + "both/x", b"1")
+    assert got_a.get(timeout=5) == [p + "a"]
+    assert got_a.get(timeout=5) == [p + "both/x"]
+    assert got_b.get(timeout=5) == [p + "b"]
+    assert got_b.get(timeout=5) == [p + "both/x"]
+    a.cancel()
+    assert got_a.get(timeout=5) is None  # a cancel ends quietly
+    client.put(p + "a", b"2")
+    client.put(p + "b", b"2")
+    assert got_b.get(timeout=5) == [p + "b"]  # the other goes on; a saw nothing more
+    assert got_a.empty()
+    b.cancel()
+    assert got_b.get(timeout=5) is None
+    until(lambda: watch_threads() == 0)  # the last one gone, the stream and thread go
+
+
+@contextmanager
+def own_etcd(run_id: str) -> Iterator[tuple[EtcdServer, EtcdClient]]:
+    """An etcd of the test's own (it is killed and started again) and a client of it."""
+    with EtcdServer() as etcd:
+        e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+        client = EtcdClient(e)
+        try:
+            yield etcd, client
+        finally:
+            client.close()
+
+
+def test_a_broken_stream_ends_every_subscription_with_the_error(run_id: str) -> None:
+    with own_etcd(run_id) as (etcd, client):
+        _broken_stream(etcd, client, run_id)
+
+
+def _broken_stream(etcd: EtcdServer, client: EtcdClient, run_id: str) -> None:
+    p = f"/{run_id}/"
+    start = client.put(p + "start", b"") + 1
+    subs = [watch(client, [WatchSpec(p + k)], start) for k in "ab"]
+    outs = [drain(s) for s in subs]
+    etcd.stop(signal.SIGKILL)
+    try:
+        for out in outs:
+            assert isinstance(out.get(timeout=10), EtcdUnavailableError)
+    finally:
+        etcd.start()
+    # a new watch opens a new stream: what changed meanwhile comes from its start revision
+    again = watch(client, [WatchSpec(p + "a")], start)
+    got = drain(again)
+    client.put(p + "a", b"back")
+    assert got.get(timeout=10) == [p + "a"]
+    again.cancel()
+    assert client.shared(Watches) is client.shared(Watches)
+
+
+def test_many_leases_kept_alive_on_one_stream(client: EtcdClient) -> None:
+    """Twenty leases of 2 s live on past their TTL, kept by one thread; one revoked
+    behind their back is reported lost (and its waiter told), the others stay alive."""
+    changed = threading.Event()
+    keepers = [LeaseKeeper(client, ttl=2, interval=2 / 3) for _ in range(20)]
+    keepers[0].on_change = changed.set
+    try:
+        for k in keepers:
+            k.grant(timeout=5)
+        assert sum(t.name == "etcd-lease" for t in threading.enumerate()) == 1
+        time.sleep(3)  # past the TTL: only keep-alives hold them
+        raw = client.raw()
+        assert all(raw.get_lease_info(k.lease_id).TTL > 0 for k in keepers)
+        client.revoke(keepers[0].lease_id)
+        assert changed.wait(5) and keepers[0].lost
+        assert not any(k.lost for k in keepers[1:])
+        assert all(raw.get_lease_info(k.lease_id).TTL > 0 for k in keepers[1:])
+    finally:
+        for k in keepers:
+            k.revoke()
+            k.stop()
+    until(lambda: not any(t.name == "etcd-lease" for t in threading.enumerate()))
+
+
+def test_a_lease_outlives_an_etcd_restart_within_its_ttl(run_id: str) -> None:
+    with own_etcd(run_id) as (etcd, client):
+        keeper = LeaseKeeper(client, ttl=5, interval=5 / 3)
+        try:
+            keeper.grant(timeout=5)
+            etcd.stop(signal.SIGKILL)
+            time.sleep(1)
+            etcd.start()
+            sent = keeper.last_ok
+            until(lambda: keeper.last_ok > sent)  # a new stream after the broken one
+            assert not keeper.lost and client.raw().get_lease_info(keeper.lease_id).TTL > 0
+        finally:
+            keeper.revoke()
+            keeper.stop()
+
+
+def test_probing_many_ports_at_once_names_only_the_refusing_ones() -> None:
+    listeners = [ProbeListener() for _ in range(3)]
+    closed = []
+    for _ in range(300):  # more than one batch
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        closed.append(s.getsockname()[1])
+        s.close()
+    try:
+        targets = {f"live{i}": ("127.0.0.1", lst.port) for i, lst in enumerate(listeners)}
+        targets |= {f"dead{i}": ("127.0.0.1", port) for i, port in enumerate(closed)}
+        targets["unknown"] = ("127.0.0.1", 0)  # no probe port: proves nothing
+        gone = gone_among(targets)
+        assert sorted(gone) == sorted(f"dead{i}" for i in range(len(closed)))
+    finally:
+        for lst in listeners:
+            lst.close()
