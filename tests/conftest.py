@@ -16,6 +16,8 @@ import pytest
 from harness import TAG_VAR, Proc, tagged_processes
 
 from elastic.agent.etcd_server import EtcdServer
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options
 
 REQUIRE_ALL = os.environ.get("ELASTIC_RUN_REQUIRE_ALL") == "1"
 
@@ -49,6 +51,15 @@ def fresh_etcd() -> Iterator[EtcdServer]:
         yield server.start()
     finally:
         server.close()
+
+
+@pytest.fixture
+def client(etcd: EtcdServer, run_id: str) -> Iterator[EtcdClient]:
+    """A connection to the session's etcd."""
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    c = EtcdClient(e)
+    yield c
+    c.close()
 
 
 @pytest.fixture

@@ -9,10 +9,9 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
-import pytest
+from harness import wait_until
 
 from elastic.agent.etcd_server import EtcdServer
 from rendezvous.client import EtcdClient
@@ -20,22 +19,11 @@ from rendezvous.config import build_options
 from rendezvous.errors import EtcdUnavailableError
 from rendezvous.lease import LeaseKeeper
 from rendezvous.probe import ProbeListener, gone_among
-from rendezvous.watches import Subscription, Watches, WatchSpec, watch
+from rendezvous.watches import Subscription, WatchSpec, watch
 
 
-@pytest.fixture
-def client(etcd: EtcdServer, run_id: str) -> Iterator[EtcdClient]:
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
-    c = EtcdClient(e)
-    yield c
-    c.close()
-
-
-def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+def until(what: Callable[[], object], timeout: float = 10.0) -> None:
+    wait_until(what, timeout, "the condition")
 
 
 def drain(sub: Subscription) -> queue.Queue:
@@ -62,11 +50,12 @@ def test_watches_share_one_stream_and_each_gets_its_own_events(
     client: EtcdClient, run_id: str
 ) -> None:
     p = f"/{run_id}/"
+    before = watch_threads()  # other tests' clients may still be winding down
     start = client.put(p + "start", b"") + 1
     a = watch(client, [WatchSpec(p + "a"), WatchSpec(p + "both/", prefix=True)], start)
     b = watch(client, [WatchSpec(p + "b"), WatchSpec(p + "both/", prefix=True)], start)
     got_a, got_b = drain(a), drain(b)
-    assert watch_threads() == 1
+    assert watch_threads() == before + 1
     client.put(p + "a", b"1")
     client.put(p + "b", b"1")
     client.put(p + "both/x", b"1")
@@ -82,44 +71,34 @@ def test_watches_share_one_stream_and_each_gets_its_own_events(
     assert got_a.empty()
     b.cancel()
     assert got_b.get(timeout=5) is None
-    until(lambda: watch_threads() == 0)  # the last one gone, the stream and thread go
+    until(lambda: watch_threads() <= before)  # the last one gone, the stream and thread go
 
 
-@contextmanager
-def own_etcd(run_id: str) -> Iterator[tuple[EtcdServer, EtcdClient]]:
-    """An etcd of the test's own (it is killed and started again) and a client of it."""
-    with EtcdServer() as etcd:
-        e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
-        client = EtcdClient(e)
-        try:
-            yield etcd, client
-        finally:
-            client.close()
+def own_client(etcd: EtcdServer, run_id: str) -> EtcdClient:
+    return EtcdClient(build_options(etcd.endpoint, run_id, 1, 1, {})[0])
 
 
-def test_a_broken_stream_ends_every_subscription_with_the_error(run_id: str) -> None:
-    with own_etcd(run_id) as (etcd, client):
-        _broken_stream(etcd, client, run_id)
-
-
-def _broken_stream(etcd: EtcdServer, client: EtcdClient, run_id: str) -> None:
+def test_a_broken_stream_ends_every_subscription_with_the_error(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    etcd, client = fresh_etcd, own_client(fresh_etcd, run_id)
     p = f"/{run_id}/"
-    start = client.put(p + "start", b"") + 1
-    subs = [watch(client, [WatchSpec(p + k)], start) for k in "ab"]
-    outs = [drain(s) for s in subs]
-    etcd.stop(signal.SIGKILL)
     try:
-        for out in outs:
-            assert isinstance(out.get(timeout=10), EtcdUnavailableError)
+        start = client.put(p + "start", b"") + 1
+        outs = [drain(watch(client, [WatchSpec(p + k)], start)) for k in "ab"]
+        etcd.stop(signal.SIGKILL)
+        try:
+            for out in outs:
+                assert isinstance(out.get(timeout=10), EtcdUnavailableError)
+        finally:
+            etcd.start()
+        again = watch(client, [WatchSpec(p + "a")], start)  # on a new stream
+        got = drain(again)
+        client.put(p + "a", b"back")
+        assert got.get(timeout=10) == [p + "a"]
+        again.cancel()
     finally:
-        etcd.start()
-    # a new watch opens a new stream: what changed meanwhile comes from its start revision
-    again = watch(client, [WatchSpec(p + "a")], start)
-    got = drain(again)
-    client.put(p + "a", b"back")
-    assert got.get(timeout=10) == [p + "a"]
-    again.cancel()
-    assert client.shared(Watches) is client.shared(Watches)
+        client.close()
 
 
 def test_many_leases_kept_alive_on_one_stream(client: EtcdClient) -> None:
@@ -146,20 +125,23 @@ def test_many_leases_kept_alive_on_one_stream(client: EtcdClient) -> None:
     until(lambda: not any(t.name == "etcd-lease" for t in threading.enumerate()))
 
 
-def test_a_lease_outlives_an_etcd_restart_within_its_ttl(run_id: str) -> None:
-    with own_etcd(run_id) as (etcd, client):
-        keeper = LeaseKeeper(client, ttl=5, interval=5 / 3)
-        try:
-            keeper.grant(timeout=5)
-            etcd.stop(signal.SIGKILL)
-            time.sleep(1)
-            etcd.start()
-            sent = keeper.last_ok
-            until(lambda: keeper.last_ok > sent)  # a new stream after the broken one
-            assert not keeper.lost and client.raw().get_lease_info(keeper.lease_id).TTL > 0
-        finally:
-            keeper.revoke()
-            keeper.stop()
+def test_a_lease_outlives_an_etcd_restart_within_its_ttl(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    client = own_client(fresh_etcd, run_id)
+    keeper = LeaseKeeper(client, ttl=5, interval=5 / 3)
+    try:
+        keeper.grant(timeout=5)
+        fresh_etcd.stop(signal.SIGKILL)
+        time.sleep(1)
+        fresh_etcd.start()
+        sent = keeper.last_ok
+        until(lambda: keeper.last_ok > sent)  # a new stream after the broken one
+        assert not keeper.lost and client.raw().get_lease_info(keeper.lease_id).TTL > 0
+    finally:
+        keeper.revoke()
+        keeper.stop()
+        client.close()
 
 
 def test_probing_many_ports_at_once_names_only_the_refusing_ones() -> None:

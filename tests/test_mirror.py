@@ -3,10 +3,9 @@ following a lean node's bucket, and the lead claimed at registration."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
+from harness import wait_until
 
 from elastic.agent.etcd_server import EtcdServer
 from rendezvous import records
@@ -25,19 +24,8 @@ from rendezvous.records import (
 )
 
 
-@pytest.fixture
-def client(etcd: EtcdServer, run_id: str) -> Iterator[EtcdClient]:
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
-    c = EtcdClient(e)
-    yield c
-    c.close()
-
-
-def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+def until(what: Callable[[], object], timeout: float = 10.0) -> None:
+    wait_until(what, timeout, "the condition")
 
 
 def test_going_full_again_sees_keys_dropped_while_lean(client: EtcdClient, run_id: str) -> None:
