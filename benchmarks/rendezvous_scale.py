@@ -2,10 +2,11 @@
 torch's c10d side by side, with etcd's own counters for what each round cost it.
 
 For each N, two jobs of N participants, each participant a full ``Rendezvous`` (its own
-lease, keep-alive and watch streams, probe port), no torch. Participants live as threads,
-up to 64 to a process, in up to 16 processes, sharing their process's connection to etcd
-(what 1,024 of them cost this 2-core machine otherwise is mostly gRPC channel threads);
-one of them, the victim, has a process of its own so that it can be SIGKILLed for real.
+lease, record, watches and probe port), no torch. Participants live as threads, up to 64
+to a process, in up to 16 processes, sharing their process's connection to etcd and so
+its one watch stream and one keep-alive stream (etcd sees each participant's watches,
+keep-alives and requests as it would from separate agents); one of them, the victim,
+has a process of its own so that it can be SIGKILLed for real.
 The clock starts when all are connected and are released together, and stops when the
 last holds round 1 ("form"). Then:
 
@@ -23,6 +24,7 @@ it, each participant a forked process, up to ``--c10d-max`` participants.
 
     python benchmarks/rendezvous_scale.py [--sizes 8,32,128,512,1024] [--repeat 1]
                                           [--c10d-max 128] [--timeout 120]
+                                          [--rdzv-conf lease_ttl=15]
 """
 
 from __future__ import annotations
