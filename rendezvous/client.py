@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -132,6 +132,14 @@ class EtcdClient:
 
     def close(self) -> None:
         self._reset()
+
+    def stream(self, what: str, method: Callable[[Any], Any], requests: Iterator[Any]) -> Any:
+        """A streaming call, ``method(channel)``, fed by ``requests``, on the current
+        channel and with the auth token python3-etcd3 sends with its own calls."""
+        raw = self.call(what, lambda c: c, timeout=2.0)
+        return method(raw.channel)(
+            requests, credentials=raw.call_credentials, metadata=raw.metadata
+        )
 
     def _hint(self) -> str:
         """What the user can check, from what answers at the endpoints at the TCP level."""
@@ -363,10 +371,10 @@ class KeepAliveStream:
     def __init__(self, client: EtcdClient, inbox: queue.Queue) -> None:
         self._requests: queue.Queue = queue.Queue()
         self._inbox = inbox
-        raw = client.call("open a keep-alive stream", lambda c: c, timeout=2.0)
-        stub = etcdrpc.LeaseStub(raw.channel)
-        self._call = stub.LeaseKeepAlive(
-            iter(self._requests.get, None), credentials=raw.call_credentials, metadata=raw.metadata
+        self._call = client.stream(
+            "open a keep-alive stream",
+            lambda channel: etcdrpc.LeaseStub(channel).LeaseKeepAlive,
+            iter(self._requests.get, None),
         )
         self._closed = False
         threading.Thread(target=self._read, name="etcd-keepalive", daemon=True).start()

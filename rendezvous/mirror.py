@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rendezvous import records
@@ -370,14 +371,15 @@ class JobMirror:
         kv = self._client.get(self._watched_bucket, revision=revision)
         return [kv] if kv is not None else []
 
-    def _header(self, kvs: list[KV]) -> RoundRecord | None:
-        """The round's header among ``kvs``, if there and readable (else the view says
-        what is wrong with it, naming the key)."""
+    def _header(self, kvs: Sequence[KV | Event]) -> RoundRecord | None:
+        """The newest round header written among ``kvs`` (a read, or a batch of events),
+        if readable (else the view says what is wrong with it, naming the key)."""
         key = self._prefix + records.ROUND
-        for kv in kvs:
+        for kv in reversed(kvs):
             if kv.key == key and kv.value is not None:
                 with contextlib.suppress(MalformedRecordError):
                     return RoundRecord.decode(key, kv.value)
+                return None
         return None
 
     def _bucket_key(self, header: RoundRecord | None) -> str:
@@ -445,13 +447,7 @@ class JobMirror:
         ``PER_BUCKET``): read again and watch that one. Otherwise the bucket comes by the
         watch, with or soon after the header (the mirror shows the round once both are
         in), at no extra request."""
-        round_key = self._prefix + records.ROUND
-        news = [
-            KV(e.key, e.value, e.create_revision, e.mod_revision, e.lease)
-            for e in events
-            if e.key == round_key and e.value is not None
-        ]
-        header = self._header(news[-1:])
+        header = self._header(events)
         moved = (
             not self._full
             and header is not None

@@ -145,10 +145,11 @@ class Watches:
             self._close()
 
     def _open(self) -> None:
-        raw = self._client.call("open a watch", lambda c: c, timeout=2.0)
         requests: queue.SimpleQueue = queue.SimpleQueue()
-        call = etcdrpc.WatchStub(raw.channel).Watch(
-            iter(requests.get, None), credentials=raw.call_credentials, metadata=raw.metadata
+        call = self._client.stream(
+            "open a watch",
+            lambda channel: etcdrpc.WatchStub(channel).Watch,
+            iter(requests.get, None),
         )
         self._call, self._requests = call, requests
         threading.Thread(target=self._read, args=(call,), name="etcd-watch", daemon=True).start()
