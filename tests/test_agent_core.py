@@ -47,6 +47,13 @@ TABLE = {
     (R, RoundEnd.LEAVING): (Stop.DRAIN, AgentState.RESIZING, RestartCause.MEMBER_LEFT, None),
     (R, RoundEnd.STOPPING): (Stop.DRAIN, AgentState.RESIZING, RestartCause.RESIZE, None),
     (R, RoundEnd.WAITING): (Stop.DRAIN, AgentState.RESIZING, RestartCause.RESIZE, None),
+    # a drain for a resize that the workers answered by finishing
+    (AgentState.RESIZING, LocalEvent.WORKERS_SUCCEEDED): (
+        Stop.NONE,
+        AgentState.SUCCEEDED,
+        None,
+        Exit.SUCCEEDED,
+    ),
 }
 
 
@@ -68,8 +75,10 @@ def test_impossible_combinations_are_refused() -> None:
     with pytest.raises(ValueError, match="running agent"):
         decide(R, LocalEvent.ROUND_FORMED)
     for state in set(AgentState) - {J, R}:
-        with pytest.raises(ValueError, match="observes nothing"):
+        with pytest.raises(ValueError, match="does not observe"):
             decide(state, LocalEvent.SIGNALLED)
+    with pytest.raises(ValueError, match="does not observe"):
+        decide(AgentState.RESIZING, LocalEvent.WORKERS_SAVED)
 
 
 def test_side_effects_of_the_rows() -> None:
@@ -79,6 +88,7 @@ def test_side_effects_of_the_rows() -> None:
     assert not decide(R, RoundEnd.PEER_FAILED).report_failure  # the peer reports its own
     assert decide(R, LocalEvent.SIGNALLED).announce_leaving
     assert decide(R, LocalEvent.WORKERS_SUCCEEDED).close_job
+    assert decide(AgentState.RESIZING, LocalEvent.WORKERS_SUCCEEDED).close_job
     plain = Reaction("x", R)
     assert not (plain.start or plain.report_failure or plain.announce_leaving or plain.close_job)
 

@@ -22,7 +22,8 @@ from elastic.agent.failures import WorkerFailure
 from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement
-from elastic.agent.workers import GroupState
+from elastic.agent.storehost import StoreError
+from elastic.agent.workers import Drained, GroupState
 from rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
 from rendezvous.records import ClosedRecord, JobOutcome, Member, RoundCause, RoundRecord
 from rendezvous.rules import Change, RoundEnd
@@ -109,6 +110,7 @@ class FakeWorkers:
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
         self.hold_fails: str | None = None  # what hold() answers
         self.reformed: list[list[Placement]] = []
+        self.drained = Drained.STOPPED  # how drain() ends
 
     @property
     def pids(self) -> list[int]:
@@ -126,11 +128,11 @@ class FakeWorkers:
     def hung(self, timeout: float) -> list[WorkerFailure]:
         return self.hangs
 
-    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> bool:
+    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> Drained:
         self.actions.append(f"drain {signal.Signals(sig).name}")
         if let_go is not None:
             let_go()
-        return True
+        return self.drained
 
     def finish(self, timeout: float, grace: float) -> bool:
         self.actions.append("finish")
@@ -155,6 +157,23 @@ class FakeWorkers:
 
     def reform(self, placements: list[Placement]) -> None:
         self.reformed.append(placements)
+
+
+class FakeStore:
+    """The round's store host: ``hosted`` says, per round, how many worker groups had
+    started when it was hosted (so a test sees the order)."""
+
+    def __init__(self, workers: FakeWorkers, ready: bool = True, fails: bool = False) -> None:
+        self.workers, self.ready, self.fails = workers, ready, fails
+        self.hosted: list[tuple[int, int]] = []  # (port, worker groups started by then)
+
+    def host_round(self, addr: str, port: int) -> None:
+        self.hosted.append((port, len(self.workers.started)))
+        if self.fails:
+            raise StoreError(f"cannot host the round's store on port {port}: taken")
+
+    def drop_round(self) -> None:
+        pass
 
 
 RUNNING: tuple[GroupState, list[WorkerFailure]] = (GroupState.RUNNING, [])
@@ -248,6 +267,52 @@ def test_a_newcomer_drains_the_workers_with_sigterm_for_scripts_without_state() 
     workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
     assert agent(job, workers).run() == 0
     assert workers.actions[0] == "drain SIGTERM"
+
+
+def test_rank_0_hosts_the_store_before_its_workers_start_once_the_helper_is_ready() -> None:
+    job = FakeJob([round_of(1, "a", "b")])
+    workers = FakeWorkers([SUCCEEDED])
+    store = FakeStore(workers)
+    assert agent(job, workers, store=store).run() == 0
+    assert store.hosted == [(29501, 0)]
+
+
+def test_new_workers_import_torch_while_the_store_helper_still_does() -> None:
+    job = FakeJob([round_of(1, "a", "b")])
+    workers = FakeWorkers([SUCCEEDED])
+    store = FakeStore(workers, ready=False)
+    assert agent(job, workers, store=store).run() == 0
+    assert store.hosted == [(29501, 1)]
+
+
+def test_a_store_that_cannot_be_hosted_leaves_the_round(caplog: pytest.LogCaptureFixture) -> None:
+    job = FakeJob([round_of(1, "a", "b"), RendezvousTimeoutError("too few nodes")])
+    workers = FakeWorkers([])
+    store = FakeStore(workers, ready=False, fails=True)
+    assert agent(job, workers, store=store).run() == 1
+    assert store.hosted == [(29501, 1)] and workers.actions == ["stop 0"]  # started, stopped
+    assert job.calls.count("finish_round") == 1 and "port 29501: taken" in caplog.text
+
+
+def test_a_store_is_hosted_only_by_group_rank_0() -> None:
+    job = FakeJob([round_of(1, "b", "a")])
+    workers = FakeWorkers([SUCCEEDED])
+    store = FakeStore(workers)
+    assert agent(job, workers, store=store).run() == 0
+    assert store.hosted == []
+
+
+def test_workers_that_finish_while_drained_for_a_newcomer_end_the_job() -> None:
+    """They had left their training loop when the newcomer came: a new round would only
+    train again from their last snapshot, so the job closes as succeeded instead."""
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting])
+    workers = FakeWorkers([RUNNING])
+    workers.drained = Drained.FINISHED
+    a = agent(job, workers)
+    assert a.run() == 0
+    assert job.closed_as == [JobOutcome.SUCCEEDED] and len(workers.started) == 1
+    assert a.state is AgentState.SUCCEEDED
 
 
 def test_a_signal_announces_leaving_drains_with_that_signal_and_exits_128_plus_it() -> None:

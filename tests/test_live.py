@@ -84,8 +84,8 @@ def pids_at(out: Path, world: int) -> set[int]:
     return {r["pid"] for r in rows(out) if r["world"] == world}
 
 
-def three(procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path) -> list[Proc]:
-    agents = [start(procs, etcd, run_id, out, n) for n in "abc"]
+def three(procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, *args: str) -> list[Proc]:
+    agents = [start(procs, etcd, run_id, out, n, *args) for n in "abc"]
     wait_world(out, 3, timeout=90)
     return agents
 
@@ -138,14 +138,15 @@ def test_sigterm_leave_then_a_join(
 ) -> None:
     """c leaves (its workers save and exit 75), then d joins while a and b train: a and b
     re-form live both times; d's fresh worker gets the state from them."""
-    agents = three(procs, etcd, run_id, tmp_path)
+    slow = ("--slow-below-world", "3")  # training outlasts d's start, however slow
+    agents = three(procs, etcd, run_id, tmp_path, *slow)
     before = pids_at(tmp_path, 3)
     leaving = set(worker_pids(agents[2]))
     agents[2].signal(signal.SIGTERM)
     assert agents[2].wait(60) == 143, agents[2].transcript()
     wait_world(tmp_path, 2, after=time.time() - 1, timeout=60)
     survivors_kept(tmp_path, before - leaving)
-    agents.append(start(procs, etcd, run_id, tmp_path, "d"))
+    agents.append(start(procs, etcd, run_id, tmp_path, "d", *slow))
     wait_world(tmp_path, 3, after=time.time(), timeout=90)
     for a in (agents[0], agents[1], agents[3]):
         assert a.wait(120) == 0, a.transcript()
@@ -160,10 +161,11 @@ def test_a_loss_then_a_join_in_quick_succession(
 ) -> None:
     """c is SIGKILLed and d starts at once: the survivors re-form for each change (or
     once, if both land in one round) and end with d, in their own processes."""
-    agents = three(procs, etcd, run_id, tmp_path)
+    slow = ("--slow-below-world", "3")  # training outlasts d's start, however slow
+    agents = three(procs, etcd, run_id, tmp_path, *slow)
     kept = [worker_pids(a) for a in agents[:2]]
     agents[2].kill_tree()
-    agents.append(start(procs, etcd, run_id, tmp_path, "d"))
+    agents.append(start(procs, etcd, run_id, tmp_path, "d", *slow))
     wait_world(tmp_path, 3, after=time.time(), timeout=90)
     assert [worker_pids(a) for a in agents[:2]] == kept
     for a in (agents[0], agents[1], agents[3]):
@@ -185,6 +187,35 @@ def test_a_worker_crash_on_one_node(
         assert a.wait(120) == 0, a.transcript()
     assert "workers re-form live" in agents[0].transcript()
     check_run(tmp_path, changes=1)
+
+
+def test_a_join_after_training_ended_closes_the_job(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """b comes while a's worker has left its training loop but not yet exited: asked to
+    save for the resize, the worker exits 0, so a closes the job instead of forming a
+    round that would train again from the last snapshot."""
+    tmp_path.mkdir(exist_ok=True)
+    a = start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        "a",
+        SCRIPT,
+        "--linger",
+        nnodes="1:2",
+        env={"RESULT_DIR": str(tmp_path)},
+    )
+    wait_until(lambda: (tmp_path / "trained").exists(), 90, "a trained", interval=0.1)
+    b = start_agent(procs, etcd.endpoint, run_id, "b", SCRIPT, nnodes="1:2")
+    wait_until(lambda: "b waiting to join" in a.transcript(), 60, "a saw b", interval=0.1)
+    (tmp_path / "release").touch()
+    assert a.wait(60) == 0, a.transcript()
+    assert b.wait(60) == 0, b.transcript()
+    assert "had finished training before the resize" in a.transcript()
+    assert "job closed" in a.transcript() and "round 2" not in a.transcript()
+    assert len(pids_at(tmp_path, 1)) == 1 and not pids_at(tmp_path, 2), "one worker ever"
+    check_run(tmp_path, changes=0)
 
 
 class Node:

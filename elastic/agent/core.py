@@ -27,9 +27,13 @@ nowhere else: ``loop.Agent`` only gathers events and carries out reactions. The 
 | RUNNING | LEAVING                | drain        | RESIZING   | member_left   |              |
 | RUNNING | STOPPING               | drain        | RESIZING   | resize        |              |
 | RUNNING | WAITING                | drain        | RESIZING   | resize        |              |
+| RESIZING| WORKERS_SUCCEEDED      | -            | SUCCEEDED  |               | close, exit 0|
 
 RESIZING and RESTARTING last while the workers stop; then the agent joins the next
-round (JOINING). SUCCEEDED, FAILED and LEFT are ends: the agent exits.
+round (JOINING). SUCCEEDED, FAILED and LEFT are ends: the agent exits. A drain can
+end in WORKERS_SUCCEEDED: ``elastic.State`` users asked to save that exit 0 instead
+had already left their training loop, so the job is done; a new round would only
+train again from their last snapshot.
 
 Live workers (all alive, all in ``State.run``, ``--restart-mode live``) keep their
 processes through the changes of other nodes, SUPERSEDED to WAITING: *urgent* becomes
@@ -178,13 +182,20 @@ _LIVE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
 
 def decide(state: AgentState, event: Event, live: bool = False) -> Reaction:
     """The reaction to ``event`` in ``state``; ``live``: the workers can re-form in place.
-    Raises ValueError for an event that cannot happen in that state (only JOINING and
-    RUNNING observe anything)."""
+    Raises ValueError for an event that cannot happen in that state (JOINING and
+    RUNNING observe events; RESIZING only how the drain ended)."""
     if state is AgentState.JOINING:
         return _joining(event)
     if state is AgentState.RUNNING:
         return _running(event, live)
-    raise ValueError(f"an agent in state {state.name} observes nothing (got {event})")
+    if state is AgentState.RESIZING and event is LocalEvent.WORKERS_SUCCEEDED:
+        return Reaction(
+            "the workers finished training before they could stop for the resize",
+            AgentState.SUCCEEDED,
+            close_job=True,
+            exit=Exit.SUCCEEDED,
+        )
+    raise ValueError(f"an agent in state {state.name} does not observe {event}")
 
 
 def _joining(event: Event) -> Reaction:

@@ -20,7 +20,7 @@ from elastic.agent.core import AgentState, Event, Exit, LocalEvent, Reaction, St
 from elastic.agent.failures import WorkerFailure, format_report, summarize
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement
-from elastic.agent.workers import GroupState
+from elastic.agent.workers import Drained, GroupState
 from elastic.contract import RestartMode
 from rendezvous.errors import (
     RendezvousCancelled,
@@ -71,7 +71,9 @@ class Workers(Protocol):
     def start(self, placements: list[Placement]) -> None: ...
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]: ...
     def hung(self, timeout: float) -> list[WorkerFailure]: ...
-    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> bool: ...
+    def drain(
+        self, sig: int, timeout: float, let_go: Callable[[], None] | None = None
+    ) -> Drained: ...
     def finish(self, timeout: float, grace: float) -> bool: ...
     def stop(self, grace: float) -> None: ...
     def release_held(self, show: bool) -> dict[int, Path]: ...
@@ -81,6 +83,15 @@ class Workers(Protocol):
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(self, urgent: bool, timeout: float) -> str | None: ...
     def reform(self, placements: list[Placement]) -> None: ...
+
+
+class Store(Protocol):
+    """The round's TCPStore, hosted by the rank-0 agent (``storehost.StoreHost``)."""
+
+    @property
+    def ready(self) -> bool: ...  # hosting takes milliseconds (else: a helper's import)
+    def host_round(self, addr: str, port: int) -> None: ...  # raises storehost.StoreError
+    def drop_round(self) -> None: ...
 
 
 class Agent:
@@ -95,7 +106,7 @@ class Agent:
         host: str,
         hang_timeout: float = 0.0,
         metrics: AgentMetrics | None = None,
-        store: storehost.StoreHost | None = None,
+        store: Store | None = None,
         checkpoint_dir: str | None = None,
         restart_mode: RestartMode = RestartMode.LIVE,
     ) -> None:
@@ -295,7 +306,10 @@ class Agent:
                 self.rdzv.announce_leaving()
             except RendezvousError as e:
                 log.warning("could not announce leaving: %s", e)
-        self._stop(r.stop, leaving=r.announce_leaving)
+        ended = self._stop(r.stop, leaving=r.announce_leaving)
+        if ended is not None and r.exit is None:  # the workers ended on their own meanwhile
+            self.state = r.next
+            return self._carry_out(decide(self.state, ended), ended)
         if not self._held:
             self._tell_consequences()
         if r.report_failure:
@@ -337,15 +351,14 @@ class Agent:
             )
             for lr in range(nproc)
         ]
-        try:
-            if group_rank == 0 and self.store is not None:
-                self.store.host_round(r.master_addr, r.master_port)
-        except storehost.StoreError as e:
-            log.error("%s; leaving this round", e)
-            self._change_why = str(e)
-            self.rdzv.finish_round()
-            return None
         live = self._held and self.workers.live
+        store = self.store if group_rank == 0 else None
+        # The store is up before workers look for it (a refused connect costs torch's
+        # 1 s backoff), unless its helper still imports torch: new workers import theirs
+        # meanwhile, and find the store when they are ready.
+        late = store is not None and not live and not store.ready
+        if store is not None and not late and not self._host(store, r):
+            return None
         if live:
             self.workers.reform(placements)
         else:
@@ -354,6 +367,9 @@ class Agent:
                 self.workers.stop(0)
             self.workers.start(placements)
         self._held = False
+        if store is not None and late and not self._host(store, r):
+            self.workers.stop(0)
+            return None
         took = time.monotonic() - self._change_at
         if self._previous is not None:
             self._lost_total += took
@@ -384,10 +400,23 @@ class Agent:
         self._previous = r
         return None
 
+    def _host(self, store: Store, r: RoundRecord) -> bool:
+        """Host the round's store (this node has group rank 0); False: leave the round."""
+        try:
+            store.host_round(r.master_addr, r.master_port)
+        except storehost.StoreError as e:
+            log.error("%s; leaving this round", e)
+            self._change_why = str(e)
+            self.rdzv.finish_round()
+            return False
+        return True
+
     def _explain(self, r: Reaction, event: Event) -> None:
         """The log line that says what happened and what the agent does about it."""
         change = self._change
         match event:
+            case LocalEvent.WORKERS_SUCCEEDED if self.state is AgentState.RESIZING:
+                log.info("the workers had finished training before the resize: no new round")
             case LocalEvent.WORKERS_SAVED:
                 log.info("workers saved their state and stopped for a resize")
                 self._change_why = "workers stopped for a resize"
@@ -411,7 +440,9 @@ class Agent:
                 log.info("%s: workers re-form live", change.detail)
                 self._change_why = change.detail
 
-    def _stop(self, how: Stop, leaving: bool = False) -> None:
+    def _stop(self, how: Stop, leaving: bool = False) -> Event | None:
+        """Stop the workers as ``how`` says; the event, if they ended otherwise (they
+        finished the job while asked to save for a resize)."""
         if how.keeps_workers:
             why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
             self._held = why is None
@@ -426,11 +457,14 @@ class Agent:
             sig = self.signal or signal.SIGTERM
             # leaving: the next round need not wait for the workers' interpreters to end
             let_go = self.rdzv.finish_round if leaving else None
-            if not self.workers.drain(sig, self.shutdown_timeout, let_go):
+            drained = self.workers.drain(sig, self.shutdown_timeout, let_go)
+            if drained is Drained.KILLED:
                 log.warning(
                     "workers still running %gs after being asked to stop; killing them",
                     self.shutdown_timeout,
                 )
+            if drained is Drained.FINISHED:
+                return LocalEvent.WORKERS_SUCCEEDED
         elif how is Stop.FINISH and not self.workers.finish(
             self.close_timeout, self.shutdown_timeout
         ):
@@ -439,6 +473,7 @@ class Agent:
                 "close_timeout=%gs; stopped them",
                 self.close_timeout,
             )
+        return None
 
     def _tell_consequences(self) -> None:
         """One line per worker that failed only because a peer vanished; its traceback

@@ -1,9 +1,10 @@
 """The store helper's own process (see ``storehost``): ``python -m
 elastic.agent.store_server FD``, FD a Unix SOCK_SEQPACKET socket to the agent.
 
-Requests are JSON messages: ``{"host": ADDR, "port": P}`` (replied to with ``{"ok":
-true}`` or ``{"error": "..."}``) replaces the hosted store with a fresh one on P;
-``{"drop": true}`` drops it. The process ends when the agent closes the socket.
+Once torch is imported it sends ``{"ready": true}``. Requests are JSON messages:
+``{"host": ADDR, "port": P}`` (replied to with ``{"ok": true}`` or ``{"error": "..."}``)
+replaces the hosted store with a fresh one on P; ``{"drop": true}`` drops it. The
+process ends when the agent closes the socket.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ STORE_TIMEOUT = datetime.timedelta(seconds=900)
 def serve(sock: socket.socket) -> None:
     from torch.distributed import TCPStore  # the point of this process: torch, off the agent
 
+    sock.send(json.dumps({"ready": True}).encode())
     store = None  # kept referenced: the store lives as long as this variable holds it
     while True:
         data = sock.recv(1 << 16)

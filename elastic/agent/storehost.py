@@ -9,12 +9,15 @@ start does not compete with its workers' ``import torch`` for the cores). So the
 lives in a helper process (``store_server``), started with the agent: it imports torch
 while the job forms, and hosting a round's store is then one message away. The helper
 has its own session (a terminal's Ctrl-C reaches only the agent) and dies with the agent.
+It says when its import is done (``ready``): until then, the rank-0 agent starts its new
+workers first, so that their ``import torch`` and the helper's overlap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -43,11 +46,22 @@ class StoreHost:
         self._timeout = start_timeout
         self._lock = threading.Lock()
         self._hosting = False
+        self._ready = False
+
+    @property
+    def ready(self) -> bool:
+        """The helper has imported torch: hosting a store takes milliseconds."""
+        with self._lock:
+            if not self._ready and select.select([self._sock], [], [], 0)[0]:
+                self._await_ready()
+            return self._ready
 
     def host_round(self, addr: str, port: int) -> None:
         """Host a fresh store on ``port`` (the previous one goes). Waits for the helper's
         ``import torch`` if it is still under way."""
         with self._lock:
+            if not self._ready:
+                self._await_ready()
             reply = self._ask({"host": addr, "port": port})
         if "error" in reply:
             raise StoreError(f"cannot host the round's store on port {port}: {reply['error']}")
@@ -61,9 +75,20 @@ class StoreHost:
         with self._lock, contextlib.suppress(OSError):
             self._sock.send(json.dumps({"drop": True}).encode())
 
+    def _await_ready(self) -> None:
+        if "ready" not in self._receive():
+            raise StoreError("the store helper did not say it was ready")
+        self._ready = True
+
     def _ask(self, msg: dict[str, object]) -> dict[str, object]:
         try:
             self._sock.send(json.dumps(msg).encode())
+        except OSError as e:
+            raise StoreError(f"the store helper is gone ({e})") from None
+        return self._receive()
+
+    def _receive(self) -> dict[str, object]:
+        try:
             self._sock.settimeout(self._timeout)
             data = self._sock.recv(1 << 16)
         except OSError as e:

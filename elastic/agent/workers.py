@@ -44,6 +44,14 @@ class GroupState(enum.Enum):
     FAILED = "failed"
 
 
+class Drained(enum.Enum):
+    """How a drain ended."""
+
+    STOPPED = "stopped"  # all exited by themselves (saved for the resize, or on the signal)
+    FINISHED = "finished"  # State users that all exited 0: training was over, not paused
+    KILLED = "killed"  # some still ran after the timeout
+
+
 @dataclass(frozen=True)
 class ForkTarget:
     """What the fork server runs in each forked worker (``--start-method forkserver``)."""
@@ -291,12 +299,15 @@ class WorkerGroup:
         """Every worker runs elastic.State: they can save and stop when asked."""
         return bool(self.workers) and all(w.control.uses_state for w in self.workers)
 
-    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> bool:
+    def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> Drained:
         """Stop without losing a step: State users save at their next step and exit
-        EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. True if they
-        all exited by themselves. ``let_go`` runs as soon as every one has exited or
-        saved and is exiting (the job need not wait for their interpreters to end)."""
-        if self.use_state:
+        EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. ``let_go``
+        runs as soon as every one has exited or saved and is exiting (the job need not
+        wait for their interpreters to end). A State user that exits 0 instead had
+        left its training loop before the ask: it finished (only for State users: a
+        script may well exit 0 on a SIGTERM)."""
+        use_state = self.use_state
+        if use_state:
             for w in self.workers:
                 w.control.request_stop()
         else:
@@ -311,7 +322,10 @@ class WorkerGroup:
             time.sleep(0.005)
         done = self.wait(max(deadline - time.monotonic(), 0.0))
         self.stop(0)
-        return done
+        if not done:
+            return Drained.KILLED
+        finished = all(w.proc.poll() == 0 for w in self.workers)
+        return Drained.FINISHED if use_state and finished else Drained.STOPPED
 
     def finish(self, timeout: float, grace: float) -> bool:
         """Let the workers end on their own for ``timeout``, then stop them (SIGTERM,

@@ -16,6 +16,7 @@ import json
 import os
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import IO
 
 import torch
@@ -63,7 +64,8 @@ def train(
             opt.step()
             opt.zero_grad()
             state.commit()
-            time.sleep(a.step_time)
+            slow = world < a.slow_below_world  # a join in the test lands while this trains
+            time.sleep(max(a.step_time, 0.4) if slow else a.step_time)
 
 
 @record
@@ -74,6 +76,12 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--step-time", type=float, default=0.1)
+    ap.add_argument("--slow-below-world", type=int, default=0, help="0.4 s steps below it")
+    ap.add_argument(
+        "--linger",
+        action="store_true",
+        help="after training, write $RESULT_DIR/trained and exit once $RESULT_DIR/release is",
+    )
     a = ap.parse_args()
     dist.init_process_group("gloo")
     model = net()
@@ -86,6 +94,12 @@ def main() -> None:
     with open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a") as out:
         state.run(train, a, state, model, opt, loader, out)
     state.close()
+    if a.linger:
+        results = Path(os.environ["RESULT_DIR"])
+        (results / "trained").touch()
+        deadline = time.monotonic() + 60
+        while not (results / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if dist.get_rank() == 0:
         final = {"model": model.state_dict(), "step": state.step}
         torch.save(final, os.path.join(os.environ["RESULT_DIR"], "final.pt"))
