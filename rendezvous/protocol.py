@@ -109,6 +109,11 @@ class Rendezvous:
     def lease_ttl(self) -> int:
         return self.options.lease_ttl
 
+    @property
+    def leads(self) -> bool:
+        """This node holds the lead now: it writes the rounds (and has rank 0 in the first)."""
+        return self._is_leader(self.mirror.view())
+
     def poke(self) -> None:
         """Wake whoever waits on the job (a signal arrived, a deadline moved)."""
         self.mirror.poke()

@@ -51,6 +51,7 @@ class FakeJob:
     version = 0
     lease_ttl = 1
     alive_at = 0.0
+    leads = False
 
     def start(self) -> None:
         self.calls.append("start")
@@ -166,6 +167,10 @@ class FakeStore:
     def __init__(self, workers: FakeWorkers, ready: bool = True, fails: bool = False) -> None:
         self.workers, self.ready, self.fails = workers, ready, fails
         self.hosted: list[tuple[int, int]] = []  # (port, worker groups started by then)
+        self.warmed = 0  # warm() calls
+
+    def warm(self) -> None:
+        self.warmed += 1
 
     def host_round(self, addr: str, port: int) -> None:
         self.hosted.append((port, len(self.workers.started)))
@@ -294,12 +299,22 @@ def test_a_store_that_cannot_be_hosted_leaves_the_round(caplog: pytest.LogCaptur
     assert job.calls.count("finish_round") == 1 and "port 29501: taken" in caplog.text
 
 
-def test_a_store_is_hosted_only_by_group_rank_0() -> None:
-    job = FakeJob([round_of(1, "b", "a")])
-    workers = FakeWorkers([SUCCEEDED])
+def test_a_store_is_hosted_only_by_group_rank_0_and_readied_by_rank_1() -> None:
+    for members, warmed in ((("b", "a"), 1), (("b", "c", "a"), 0)):
+        job = FakeJob([round_of(1, *members)])
+        workers = FakeWorkers([SUCCEEDED])
+        store = FakeStore(workers)
+        assert agent(job, workers, store=store).run() == 0
+        assert store.hosted == [] and store.warmed == warmed, members
+
+
+def test_the_leader_readies_its_store_before_the_first_round() -> None:
+    job = FakeJob([RendezvousTimeoutError("too few nodes")])
+    job.leads = True
+    workers = FakeWorkers([])
     store = FakeStore(workers)
-    assert agent(job, workers, store=store).run() == 0
-    assert store.hosted == []
+    assert agent(job, workers, store=store).run() == 1
+    assert store.warmed == 1
 
 
 def test_workers_that_finish_while_drained_for_a_newcomer_end_the_job() -> None:

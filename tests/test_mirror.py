@@ -128,6 +128,7 @@ def test_the_first_node_claims_the_lead_as_it_registers(
         held = client.get(opts.job_prefix + records.LEADER)
         assert held is not None and held.create_revision == a.rev
         assert LeaderRecord.decode(held.key, held.value).rev == 0
+        assert a.leads and not b.leads  # a's agent readies the round's store at once
     finally:
         for node in nodes:
             node.shutdown()

@@ -29,8 +29,9 @@ def reach(port: int) -> TCPStore:
 
 
 def test_hosting_before_ready_waits_for_the_helper(host: StoreHost) -> None:
+    assert not host.ready  # no helper until one is needed
     port = free_port()
-    host.host_round("127.0.0.1", port)  # at once: the helper may still import torch
+    host.host_round("127.0.0.1", port)  # starts the helper and waits for its import
     assert host.ready
     store = reach(port)
     store.set("k", "v")
@@ -38,6 +39,7 @@ def test_hosting_before_ready_waits_for_the_helper(host: StoreHost) -> None:
 
 
 def test_each_round_gets_a_fresh_store_and_a_taken_port_is_an_error(host: StoreHost) -> None:
+    host.warm()
     wait_until(lambda: host.ready, 60, "the helper imported torch", interval=0.05)
     first, second = free_port(), free_port()
     host.host_round("127.0.0.1", first)

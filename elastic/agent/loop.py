@@ -49,6 +49,8 @@ class Membership(Protocol):
     def lease_ttl(self) -> int: ...
     @property
     def alive_at(self) -> float: ...  # monotonic time next_round last turned
+    @property
+    def leads(self) -> bool: ...  # this node writes the rounds (and holds the first's rank 0)
     def start(self) -> None: ...
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def check(self) -> Change | None: ...
@@ -90,6 +92,7 @@ class Store(Protocol):
 
     @property
     def ready(self) -> bool: ...  # hosting takes milliseconds (else: a helper's import)
+    def warm(self) -> None: ...  # get ready: this node may host soon
     def host_round(self, addr: str, port: int) -> None: ...  # raises storehost.StoreError
     def drop_round(self) -> None: ...
 
@@ -190,6 +193,8 @@ class Agent:
             self.rdzv.start()
         except RendezvousClosedError as e:
             return self._closed_on_arrival(e)
+        if self.store is not None and self.rdzv.leads:
+            self.store.warm()  # the first round's rank 0, most likely
         while True:
             self._change = self._closed = None
             self._failures = self._consequences = ()
@@ -352,6 +357,8 @@ class Agent:
             for lr in range(nproc)
         ]
         live = self._held and self.workers.live
+        if self.store is not None and group_rank <= 1:
+            self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None
         # The store is up before workers look for it (a refused connect costs torch's
         # 1 s backoff), unless its helper still imports torch: new workers import theirs

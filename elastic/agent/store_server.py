@@ -47,5 +47,6 @@ def serve(sock: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
+    # OSError: the agent went (a close with the "ready" unread resets the socket)
+    with contextlib.suppress(KeyboardInterrupt, OSError):
         serve(socket.socket(fileno=int(sys.argv[1])))

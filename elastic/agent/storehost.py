@@ -6,11 +6,14 @@ when the round ends, so a stale worker of an older round has nothing to connect 
 
 A TCPStore needs torch, and the agent never imports torch (it stays small, and its own
 start does not compete with its workers' ``import torch`` for the cores). So the store
-lives in a helper process (``store_server``), started with the agent: it imports torch
-while the job forms, and hosting a round's store is then one message away. The helper
-has its own session (a terminal's Ctrl-C reaches only the agent) and dies with the agent.
-It says when its import is done (``ready``): until then, the rank-0 agent starts its new
-workers first, so that their ``import torch`` and the helper's overlap.
+lives in a helper process (``store_server``); hosting a round's store is then one message
+away. The helper costs an ``import torch`` (about 2 s of CPU, a few hundred MB), so only
+an agent that may host starts it (``warm``): the leader, which writes the first round and
+holds its rank 0, and the nodes of group rank 0 and 1 of each round (rank 1 becomes rank
+0 when rank 0 goes). It says when its import is done (``ready``): until then, the rank-0
+agent starts its new workers first, so that their ``import torch`` and the helper's
+overlap. The helper has its own session (a terminal's Ctrl-C reaches only the agent) and
+dies with the agent.
 """
 
 from __future__ import annotations
@@ -34,25 +37,37 @@ class StoreHost:
     """The helper process and the one store it hosts at a time."""
 
     def __init__(self, start_timeout: float = 120.0) -> None:
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic.agent.store_server", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent(),
-        )
-        theirs.close()
         self._timeout = start_timeout
         self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._hosting = False
         self._ready = False
 
+    def warm(self) -> None:
+        """Start the helper, if it is not running: its ``import torch`` begins now."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> socket.socket:
+        if self._sock is None:
+            self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic.agent.store_server", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+            theirs.close()
+        return self._sock
+
     @property
     def ready(self) -> bool:
-        """The helper has imported torch: hosting a store takes milliseconds."""
+        """The helper runs and has imported torch: hosting a store takes milliseconds."""
         with self._lock:
-            if not self._ready and select.select([self._sock], [], [], 0)[0]:
+            sock = self._sock
+            if sock is not None and not self._ready and select.select([sock], [], [], 0)[0]:
                 self._await_ready()
             return self._ready
 
@@ -60,6 +75,7 @@ class StoreHost:
         """Host a fresh store on ``port`` (the previous one goes). Waits for the helper's
         ``import torch`` if it is still under way."""
         with self._lock:
+            self._start()
             if not self._ready:
                 self._await_ready()
             reply = self._ask({"host": addr, "port": port})
@@ -73,7 +89,7 @@ class StoreHost:
             return
         self._hosting = False
         with self._lock, contextlib.suppress(OSError):
-            self._sock.send(json.dumps({"drop": True}).encode())
+            self._start().send(json.dumps({"drop": True}).encode())
 
     def _await_ready(self) -> None:
         if "ready" not in self._receive():
@@ -82,25 +98,29 @@ class StoreHost:
 
     def _ask(self, msg: dict[str, object]) -> dict[str, object]:
         try:
-            self._sock.send(json.dumps(msg).encode())
+            self._start().send(json.dumps(msg).encode())
         except OSError as e:
             raise StoreError(f"the store helper is gone ({e})") from None
         return self._receive()
 
     def _receive(self) -> dict[str, object]:
+        sock = self._start()
         try:
-            self._sock.settimeout(self._timeout)
-            data = self._sock.recv(1 << 16)
+            sock.settimeout(self._timeout)
+            data = sock.recv(1 << 16)
         except OSError as e:
             raise StoreError(f"the store helper is gone ({e})") from None
         finally:
-            self._sock.settimeout(None)
+            sock.settimeout(None)
         if not data:
-            raise StoreError(f"the store helper exited with {self._proc.poll()}")
+            code = self._proc.poll() if self._proc is not None else None
+            raise StoreError(f"the store helper exited with {code}")
         reply: dict[str, object] = json.loads(data)
         return reply
 
     def close(self) -> None:
+        if self._sock is None or self._proc is None:
+            return
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
