@@ -68,43 +68,43 @@ class StoreHost:
         with self._lock:
             sock = self._sock
             if sock is not None and not self._ready and select.select([sock], [], [], 0)[0]:
-                self._await_ready()
+                self._await_ready(sock)
             return self._ready
 
     def host_round(self, addr: str, port: int) -> None:
         """Host a fresh store on ``port`` (the previous one goes). Waits for the helper's
         ``import torch`` if it is still under way."""
         with self._lock:
-            self._start()
+            sock = self._start()
             if not self._ready:
-                self._await_ready()
-            reply = self._ask({"host": addr, "port": port})
+                self._await_ready(sock)
+            reply = self._ask(sock, {"host": addr, "port": port})
         if "error" in reply:
             raise StoreError(f"cannot host the round's store on port {port}: {reply['error']}")
         self._hosting = True
 
     def drop_round(self) -> None:
         """The round is over: its store goes (stale workers have nothing to reach)."""
-        if not self._hosting:
+        sock = self._sock
+        if not self._hosting or sock is None:
             return
         self._hosting = False
         with self._lock, contextlib.suppress(OSError):
-            self._start().send(json.dumps({"drop": True}).encode())
+            sock.send(json.dumps({"drop": True}).encode())
 
-    def _await_ready(self) -> None:
-        if "ready" not in self._receive():
+    def _await_ready(self, sock: socket.socket) -> None:
+        if "ready" not in self._receive(sock):
             raise StoreError("the store helper did not say it was ready")
         self._ready = True
 
-    def _ask(self, msg: dict[str, object]) -> dict[str, object]:
+    def _ask(self, sock: socket.socket, msg: dict[str, object]) -> dict[str, object]:
         try:
-            self._start().send(json.dumps(msg).encode())
+            sock.send(json.dumps(msg).encode())
         except OSError as e:
             raise StoreError(f"the store helper is gone ({e})") from None
-        return self._receive()
+        return self._receive(sock)
 
-    def _receive(self) -> dict[str, object]:
-        sock = self._start()
+    def _receive(self, sock: socket.socket) -> dict[str, object]:
         try:
             sock.settimeout(self._timeout)
             data = sock.recv(1 << 16)
