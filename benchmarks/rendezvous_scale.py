@@ -84,7 +84,10 @@ def _participants(
                 r = rdzv.next_round()
                 report(i, r.number)
                 version = rdzv.version
-                while rdzv.check() is None:
+                while True:
+                    rdzv.upkeep()
+                    if rdzv.check() is not None:
+                        break
                     version = rdzv.wait(version, 1.0)
         except RendezvousCancelled:
             return  # it left the job

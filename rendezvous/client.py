@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import etcd3
@@ -27,6 +26,7 @@ from etcd3.utils import prefix_range_end
 from rendezvous.config import EtcdOptions
 from rendezvous.errors import EtcdUnavailableError, RendezvousError
 from rendezvous.net import answers
+from rendezvous.view import KV
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,15 +55,6 @@ _RETRYABLE_CODES = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
-
-
-@dataclass(frozen=True)
-class KV:
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    lease: int
 
 
 def _kv(kv: Any) -> KV:
@@ -327,9 +318,6 @@ class EtcdClient:
     def ops(self) -> etcd3.Transactions:
         """Builders for ``txn``: ``ops.mod(key) == rev``, ``ops.put(key, value)``..."""
         return etcd3.Transactions()
-
-    def delete_prefix(self, prefix: str, timeout: float | None = None) -> None:
-        self.call(f"delete {prefix}", lambda c: c.delete_prefix(prefix), timeout)
 
     # -- leases ---------------------------------------------------------------------------
     def grant(self, ttl: int, timeout: float | None = None) -> int:

@@ -111,6 +111,7 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Non-zero whenever the round should end: torch's agent then re-rendezvouses
         without charging a restart, which is what a lost or departed node deserves."""
+        self._rdzv.upkeep()
         change = self._rdzv.check()
         if change is None or change.end in (RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED):
             return 0

@@ -19,198 +19,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from rendezvous import records
-from rendezvous.client import KV, EtcdClient
+from rendezvous.client import EtcdClient
 from rendezvous.errors import EtcdUnavailableError, MalformedRecordError, RendezvousError
-from rendezvous.records import (
-    ClosedRecord,
-    FailureRecord,
-    GoneRecord,
-    LeaderRecord,
-    Member,
-    NodeRecord,
-    NoticeRecord,
-    RoundRecord,
-    bucket_of,
-    buckets_for,
-    decode_bucket,
-)
+from rendezvous.records import RoundRecord, bucket_of, buckets_for
+from rendezvous.view import KV, Decoded, JobView
 from rendezvous.watches import Compacted, Event, Subscription, WatchSpec, watch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LiveNode:
-    record: NodeRecord
-    rev: int  # create revision: join order, and the incarnation
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class JobView:
-    """The job as of one etcd revision. Malformed round/closed values raise on access."""
-
-    revision: int = 0
-    nodes: dict[str, LiveNode] = field(default_factory=dict)
-    gone: dict[str, GoneRecord] = field(default_factory=dict)
-    round_record: RoundRecord | None = None
-    round_mod_revision: int = 0
-    round_error: str | None = None
-    closed_record: ClosedRecord | None = None
-    closed_error: str | None = None
-    failures: dict[int, dict[str, FailureRecord]] = field(default_factory=dict)
-    problems: tuple[str, ...] = ()
-    last_join: float = 0.0  # monotonic time this process saw the newest node register
-    leader: LeaderRecord | None = None
-    leader_kv: KV | None = None  # its key's revisions and lease, for guarded writes
-    notice: NoticeRecord | None = None
-
-    @property
-    def round(self) -> RoundRecord | None:
-        if self.round_error:
-            raise MalformedRecordError(self.round_error)
-        return self.round_record
-
-    @property
-    def closed(self) -> ClosedRecord | None:
-        if self.closed_error:
-            raise MalformedRecordError(self.closed_error)
-        return self.closed_record
-
-    def is_live(self, m: Member) -> bool:
-        node = self.nodes.get(m.id)
-        return node is not None and node.rev == m.rev
-
-    def was_leaving(self, m: Member) -> bool:
-        """``m`` left on purpose (its tombstone names this incarnation)."""
-        gone = self.gone.get(m.id)
-        return gone is not None and gone.rev == m.rev
-
-
-class _Decoded:
-    """The job's records, decoded once per change and updated event by event."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, LiveNode] = {}
-        self.gone: dict[str, GoneRecord] = {}
-        self.round: RoundRecord | None = None  # the header
-        self.round_rev = 0
-        self.round_err: str | None = None
-        self.buckets: dict[int, tuple[int, list[Member]]] = {}
-        self.shown: RoundRecord | None = None  # the newest round whose members are here
-        self.shown_rev = 0
-        self.leader: KV | None = None
-        self.notice: NoticeRecord | None = None
-        self.closed: ClosedRecord | None = None
-        self.closed_err: str | None = None
-        self.failures: dict[int, dict[str, FailureRecord]] = {}
-        self.problems: dict[str, str] = {}  # rel key -> why it was ignored
-
-    def put(self, rel: str, kv: KV) -> None:
-        self.delete(rel)
-        try:
-            if rel.startswith(records.NODES):
-                rec = NodeRecord.decode(kv.key, kv.value)
-                self.nodes[rec.id] = LiveNode(rec, kv.create_revision, kv.lease)
-            elif rel.startswith(records.GONE):
-                self.gone[rel[len(records.GONE) :]] = GoneRecord.decode(kv.key, kv.value)
-            elif rel == records.ROUND:
-                self.round_rev = kv.mod_revision
-                self.round = RoundRecord.decode(kv.key, kv.value)
-            elif rel.startswith(records.MEMBERS):
-                bucket = rel[len(records.MEMBERS) :]
-                if not bucket.isdigit():
-                    raise MalformedRecordError(f"malformed etcd key {kv.key}: not a bucket")
-                self.buckets[int(bucket)] = decode_bucket(kv.key, kv.value)
-            elif rel == records.LEADER:
-                LeaderRecord.decode(kv.key, kv.value)
-                self.leader = kv
-            elif rel == records.NOTICE:
-                self.notice = NoticeRecord.decode(kv.key, kv.value)
-            elif rel == records.CLOSED:
-                self.closed = ClosedRecord.decode(kv.key, kv.value)
-            elif rel.startswith(records.FAILURES):
-                f = FailureRecord.decode(kv.key, kv.value)
-                if rel != f"{records.FAILURES}{f.round}/{f.node}":
-                    raise MalformedRecordError(
-                        f"malformed value at etcd key {kv.key}: "
-                        "round or node does not match the key"
-                    )
-                self.failures.setdefault(f.round, {})[f.node] = f
-        except MalformedRecordError as e:
-            if rel == records.ROUND:
-                self.round_err = str(e)
-            elif rel == records.CLOSED:
-                self.closed_err = str(e)
-            else:
-                self.problems[rel] = str(e)
-
-    def delete(self, rel: str) -> None:
-        """Forget what ``rel`` held (the key layout says what it was)."""
-        self.problems.pop(rel, None)
-        if rel.startswith(records.NODES):
-            self.nodes.pop(rel[len(records.NODES) :], None)
-        elif rel.startswith(records.GONE):
-            self.gone.pop(rel[len(records.GONE) :], None)
-        elif rel.startswith(records.FAILURES):
-            number, _, node = rel[len(records.FAILURES) :].partition("/")
-            if number.isdigit():
-                self.failures.get(int(number), {}).pop(node, None)
-        elif rel == records.ROUND:
-            self.round, self.round_rev, self.round_err = None, 0, None
-        elif rel.startswith(records.MEMBERS):
-            bucket = rel[len(records.MEMBERS) :]
-            if bucket.isdigit():
-                self.buckets.pop(int(bucket), None)
-        elif rel == records.LEADER:
-            self.leader = None
-        elif rel == records.NOTICE:
-            self.notice = None
-        elif rel == records.CLOSED:
-            self.closed, self.closed_err = None, None
-
-    def assembled(self) -> tuple[RoundRecord | None, int]:
-        """The round with the members its buckets here hold, or, while this node's bucket
-        of a newer round is still on its way, the newest round it has whole."""
-        header = self.round
-        if header is None:
-            return None, 0
-        members = [
-            m
-            for b, (number, ms) in self.buckets.items()
-            if number == header.number and b < header.buckets
-            for m in ms
-        ]
-        fetched = {b for b, (number, _) in self.buckets.items() if number == header.number}
-        if fetched:
-            self.shown, self.shown_rev = header.with_members(members), self.round_rev
-        return self.shown, self.shown_rev
-
-    def leader_record(self) -> LeaderRecord | None:
-        kv = self.leader
-        return None if kv is None else LeaderRecord.decode(kv.key, kv.value, kv.create_revision)
-
-    def view(self, revision: int, last_join: float) -> JobView:
-        shown, shown_rev = self.assembled()
-        return JobView(
-            revision,
-            dict(self.nodes),
-            dict(self.gone),
-            shown,
-            shown_rev,
-            self.round_err,
-            self.closed,
-            self.closed_err,
-            {n: dict(f) for n, f in self.failures.items() if f},
-            tuple(self.problems.values()),
-            last_join,
-            self.leader_record(),
-            self.leader,
-            self.notice,
-        )
 
 
 class JobMirror:
@@ -227,7 +44,7 @@ class JobMirror:
         self._kvs: dict[str, KV] = {}
         self._key_rev: dict[str, int] = {}  # newest revision applied per key (tombstones too)
         self._floor = 0  # the newest read's revision: older events hold nothing new
-        self._decoded = _Decoded()
+        self._decoded = Decoded()
         self._view = JobView()
         self._dirty = False
         self._version = 0
@@ -520,7 +337,7 @@ class JobMirror:
 
 def read_view(client: EtcdClient, prefix: str) -> JobView:
     """The job as it is now, read once (no watch): for ``elastic-run status``."""
-    decoded = _Decoded()
+    decoded = Decoded()
     revision, kvs = client.get_prefix(prefix)
     for kv in kvs:
         decoded.put(kv.key[len(prefix) :], kv)

@@ -3,7 +3,9 @@
 ``member_state`` says what each node is doing as far as the job can tell; ``plan`` says
 when to form the next round, with whom, and who writes it; ``round_end`` says what, if
 anything, ends a node's current round. Everything else (``Rendezvous``, the agent,
-``elastic-run status``) reads the job through these three.
+``elastic-run status``) reads the job through these three. The leadership rules (who
+leads, who claims a vacant lead and when, which notice the leader gives, whom a node
+probes) and fencing are here too; ``session.py`` and ``lead.py`` carry them out.
 
 Forming rounds (every agent computes the same plan from the same view; only the writer
 acts):
@@ -32,18 +34,34 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from rendezvous.mirror import JobView, LiveNode
 from rendezvous.records import (
     FailureRecord,
     JobOutcome,
     Member,
     NodeState,
+    NoticeRecord,
     RoundCause,
     RoundEnd,
     RoundRecord,
 )
+from rendezvous.view import JobView, PresentNode
 
-__all__ = ["Change", "MemberState", "Plan", "RoundEnd", "lean_round_end", "plan", "round_end"]
+__all__ = [
+    "Change",
+    "LeadChoice",
+    "LeadStep",
+    "MemberState",
+    "Plan",
+    "RoundEnd",
+    "fenced",
+    "lead_step",
+    "leads",
+    "lean_round_end",
+    "notice_to_give",
+    "plan",
+    "round_end",
+    "successor",
+]
 
 
 class MemberState(enum.Enum):
@@ -86,7 +104,7 @@ def _members(view: JobView, max_nodes: int) -> dict[str, MemberState]:
     return {m.id: member_state(view, m.id, m.rev, max_nodes) for m in r.members} if r else {}
 
 
-def _newcomers(view: JobView, max_nodes: int) -> list[LiveNode]:
+def _newcomers(view: JobView, max_nodes: int) -> list[PresentNode]:
     """Live incarnations outside the round that may join it: those that ask for a rank
     (torchrun's static form) in that order, then the others in join order."""
     return sorted(
@@ -120,7 +138,7 @@ class Plan:
     busy: tuple[str, ...] = ()  # live members the round waits on
 
 
-def _member(node: LiveNode) -> Member:
+def _member(node: PresentNode) -> Member:
     return Member(node.record.id, node.rev, node.record.addr, node.record.nproc)
 
 
@@ -327,3 +345,99 @@ def lean_round_end(
     if notice.nodes and not nodes:
         return None
     return Change(notice.end, notice.detail, nodes)
+
+
+# -- fencing --------------------------------------------------------------------------------
+def fenced(
+    view: JobView, me: str, rev: int, registered_at: int, lease_lost: bool, connected: bool
+) -> bool:
+    """etcd has dropped incarnation ``rev`` of ``me`` (its lease expired while the node
+    was frozen or cut off): its record is gone or is another incarnation's. Only a view
+    as new as the registration (``registered_at``), read while connected, can say so;
+    the lease keeper's word (``lease_lost``) is enough on its own."""
+    if lease_lost:
+        return True
+    if not connected or view.revision < registered_at:
+        return False
+    node = view.nodes.get(me)
+    return node is None or node.rev != rev
+
+
+# -- leading ----------------------------------------------------------------------------------
+SUCCESSORS = 3  # ranks (0 aside) that probe the leader and claim its post at once
+CLAIM_AFTER = 0.5  # seconds the lead stays vacant before any other node claims it
+# what the leader gives notice of: the rest each member sees for itself
+NOTICED = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.LEAVING, RoundEnd.STOPPING, RoundEnd.WAITING)
+
+
+def leads(view: JobView, me: str, rev: int) -> bool:
+    """Incarnation ``rev`` of ``me`` holds the lead in ``view``."""
+    ld = view.leader
+    return ld is not None and ld.id == me and ld.rev == rev
+
+
+def successor(mine: RoundRecord | None, me: str, rev: int) -> bool:
+    """``me`` is one of the first ranks of its round, which step in for a dead leader at
+    once: a thousand nodes probing the leader and claiming its post when it dies would
+    cost etcd a thousand requests each time, for one that matters."""
+    m = mine.member(me, rev) if mine is not None else None
+    return m is not None and m.rank <= SUCCESSORS
+
+
+class LeadStep(enum.Enum):
+    """What a node does about the lead."""
+
+    LEAD = "lead"  # it holds the lead: read the whole job, write rounds, give notice
+    FOLLOW = "follow"  # another node leads
+    CLAIM = "claim"  # the post is vacant: claim it now
+    WAIT = "wait"  # the post is vacant, but others claim first (or this node is fenced)
+
+
+@dataclass(frozen=True)
+class LeadChoice:
+    step: LeadStep
+    reason: str
+
+
+def lead_step(
+    view: JobView, me: str, rev: int, mine: RoundRecord | None, vacant_for: float, fenced: bool
+) -> LeadChoice:
+    """What incarnation ``rev`` of ``me`` (in round ``mine``) does about the lead, the post
+    having been seen vacant for ``vacant_for`` seconds."""
+    ld = view.leader
+    if ld is not None:
+        if leads(view, me, rev):
+            return LeadChoice(LeadStep.LEAD, "this node holds the lead")
+        return LeadChoice(LeadStep.FOLLOW, f"{ld.id} leads")
+    if fenced:
+        return LeadChoice(LeadStep.WAIT, "the lead is vacant, but this node's lease is gone")
+    if successor(mine, me, rev):
+        return LeadChoice(LeadStep.CLAIM, "the lead is vacant and this node is a successor")
+    if vacant_for >= CLAIM_AFTER:
+        return LeadChoice(
+            LeadStep.CLAIM,
+            f"the lead has been vacant for {vacant_for:.1f}s: the successors are gone too",
+        )
+    return LeadChoice(LeadStep.WAIT, "the lead is vacant; its successors claim it first")
+
+
+def notice_to_give(
+    view: JobView, max_nodes: int, given: tuple[int, RoundEnd] | None
+) -> NoticeRecord | None:
+    """The notice the leader writes now, if any: what ends the running round for all its
+    members, once per round, and once more only to make it urgent (``given``: the last
+    notice this node wrote, which its view may not show yet)."""
+    r = view.round
+    c = round_end(view, "", 0, r, max_nodes, False) if r is not None else None
+    if r is None or c is None or c.end not in NOTICED:
+        return None
+
+    def answered(number: int, end: RoundEnd) -> bool:
+        return number == r.number and (end.urgent or not c.end.urgent)
+
+    old = view.notice
+    if old is not None and answered(old.round, old.end):
+        return None
+    if given is not None and answered(*given):
+        return None
+    return NoticeRecord(r.number, c.end, c.detail, c.nodes)

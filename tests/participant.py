@@ -77,6 +77,7 @@ def main() -> None:
         last = None
         version = rdzv.version
         while True:
+            rdzv.upkeep()
             change = rdzv.check()
             key = (change.end, change.detail) if change else None
             if change is not None and key != last:

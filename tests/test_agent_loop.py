@@ -65,6 +65,9 @@ class FakeJob:
             raise step
         return step  # type: ignore[no-any-return]
 
+    def upkeep(self) -> None:
+        pass
+
     def check(self) -> Change | None:
         return self.changes.popleft() if self.changes else None
 

@@ -48,7 +48,7 @@ def test_going_full_again_sees_keys_dropped_while_lean(client: EtcdClient, run_i
         assert set(mirror.view().nodes) == {"a", "b", "x"}
         client.put(prefix + records.NODES + "c", NodeRecord("c", "127.0.0.1", 1).encode())
         until(lambda: "c" in mirror.view().nodes)  # and the full watch goes on from there
-        client.delete_prefix(prefix + records.NODES + "a")
+        client.raw().delete(prefix + records.NODES + "a")
         until(lambda: "a" not in mirror.view().nodes)
     finally:
         mirror.stop()

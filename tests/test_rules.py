@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from rendezvous.mirror import JobView, LiveNode
 from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
     GoneRecord,
     JobOutcome,
+    LeaderRecord,
     Member,
     NodeRecord,
     NodeState,
@@ -21,33 +21,42 @@ from rendezvous.records import (
     RoundRecord,
 )
 from rendezvous.rules import (
+    CLAIM_AFTER,
+    SUCCESSORS,
+    LeadStep,
     MemberState,
     RoundEnd,
     earliest_failure,
+    fenced,
+    lead_step,
+    leads,
     lean_round_end,
     member_state,
+    notice_to_give,
     plan,
     round_end,
+    successor,
 )
+from rendezvous.view import JobView, PresentNode
 
 LEAVING = NodeState.LEAVING
 
 
-def node(i: str, rev: int, done: int = 0, state: NodeState = NodeState.WAITING) -> LiveNode:
-    return LiveNode(NodeRecord(id=i, addr="h", nproc=2, done=done, state=state), rev)
+def node(i: str, rev: int, done: int = 0, state: NodeState = NodeState.WAITING) -> PresentNode:
+    return PresentNode(NodeRecord(id=i, addr="h", nproc=2, done=done, state=state), rev)
 
 
-def rnd(number: int, *members: LiveNode, restarts: int = 0) -> RoundRecord:
+def rnd(number: int, *members: PresentNode, restarts: int = 0) -> RoundRecord:
     return RoundRecord(
         number, tuple(Member(n.record.id, n.rev, "h", 2) for n in members), "h", 1, 2, restarts
     )
 
 
 def view(
-    *nodes: LiveNode,
+    *nodes: PresentNode,
     r: RoundRecord | None = None,
     last_join: float = 0.0,
-    gone: tuple[LiveNode, ...] = (),
+    gone: tuple[PresentNode, ...] = (),
     failures: dict[int, dict[str, FailureRecord]] | None = None,
     closed: ClosedRecord | None = None,
 ) -> JobView:
@@ -284,3 +293,78 @@ def test_lean_round_end_reads_the_notice_failures_and_the_round() -> None:
     assert lean_end(view(b, r=lean(rnd(2, a, c), "b"))) == (RoundEnd.FENCED, ())
     closed = ClosedRecord(JobOutcome.SUCCEEDED)
     assert lean_end(view(b, r=mine, closed=closed)) == (RoundEnd.JOB_SUCCEEDED, ())
+
+
+# -- leading, notice and fencing --------------------------------------------------------------
+def led_by(v: JobView, node_id: str, rev: int) -> JobView:
+    return replace(v, leader=LeaderRecord(node_id, rev, "h"))
+
+
+def test_who_leads_is_the_incarnation_the_leader_key_names() -> None:
+    a, b = node("a", 1), node("b", 2)
+    v = led_by(view(a, b, r=rnd(1, a, b)), "a", 1)
+    assert leads(v, "a", 1) and not leads(v, "a", 7) and not leads(v, "b", 2)
+    assert not leads(view(a, b), "a", 1)  # vacant
+
+
+def test_successors_are_the_first_ranks_of_the_round() -> None:
+    ns = [node(str(i), i + 1) for i in range(6)]
+    r = rnd(1, *ns)
+    assert [successor(r, n.record.id, n.rev) for n in ns] == [True] * (SUCCESSORS + 1) + [False] * (
+        5 - SUCCESSORS
+    )
+    assert not successor(r, "0", 99)  # another incarnation
+    assert not successor(None, "0", 1)  # no round yet
+
+
+def test_a_vacant_lead_is_claimed_by_successors_at_once_and_by_others_later() -> None:
+    ns = [node(str(i), i + 1) for i in range(6)]
+    r = rnd(1, *ns)
+    v = view(*ns, r=r)
+    step = lambda i, vacant_for, fenced=False: (
+        lead_step(  # noqa: E731
+            v, str(i), i + 1, r, vacant_for, fenced
+        ).step
+    )
+    assert step(1, 0.0) is LeadStep.CLAIM  # a successor
+    assert step(5, 0.0) is LeadStep.WAIT  # the successors first
+    assert step(5, CLAIM_AFTER) is LeadStep.CLAIM  # they are gone too
+    assert step(1, 10.0, fenced=True) is LeadStep.WAIT  # never on a lost lease
+    held = led_by(v, "2", 3)
+    assert lead_step(held, "2", 3, r, 0.0, False).step is LeadStep.LEAD
+    follow = lead_step(held, "1", 2, r, 0.0, False)
+    assert follow.step is LeadStep.FOLLOW and "2 leads" in follow.reason
+    assert all(lead_step(v, "5", 6, r, t, False).reason for t in (0.0, 1.0))
+
+
+def test_the_leader_gives_notice_once_per_round_and_again_only_to_make_it_urgent() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3, state=LEAVING)
+    r = rnd(1, a, b, c)
+    v = view(a, b, c, r=r)
+    first = notice_to_give(v, 5, None)
+    assert first is not None and (first.round, first.end, first.nodes) == (
+        1,
+        RoundEnd.LEAVING,
+        ("c",),
+    )
+    assert notice_to_give(v, 5, (1, RoundEnd.LEAVING)) is None  # given, not yet seen
+    seen = replace(v, notice=first)
+    assert notice_to_give(seen, 5, None) is None  # in the view already
+    lost = view(a, b, r=r)  # c vanished without a word: more urgent than leaving
+    urgent = notice_to_give(replace(lost, notice=first), 5, (1, RoundEnd.LEAVING))
+    assert urgent is not None and urgent.end is RoundEnd.LOST
+    assert notice_to_give(replace(lost, notice=urgent), 5, None) is None
+    assert notice_to_give(view(a, b, r=rnd(1, a, b)), 5, None) is None  # nothing ends it
+    assert notice_to_give(view(a, b), 5, None) is None  # no round
+
+
+def test_fenced_only_on_a_lost_lease_or_a_connected_view_without_this_incarnation() -> None:
+    a = node("a", 5)
+    v = replace(view(a), revision=10)
+    assert not fenced(v, "a", 5, registered_at=5, lease_lost=False, connected=True)
+    assert fenced(v, "a", 5, registered_at=5, lease_lost=True, connected=True)
+    assert fenced(v, "a", 4, registered_at=4, lease_lost=False, connected=True)  # old one
+    gone = replace(view(), revision=10)
+    assert fenced(gone, "a", 5, registered_at=5, lease_lost=False, connected=True)
+    assert not fenced(gone, "a", 5, registered_at=5, lease_lost=False, connected=False)
+    assert not fenced(gone, "a", 5, registered_at=11, lease_lost=False, connected=True)

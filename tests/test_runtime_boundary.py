@@ -47,6 +47,17 @@ def test_agent_side_imports_no_torch() -> None:
     assert "elastic.worker" not in loaded
 
 
+PURE = ["elastic.agent.core", "rendezvous.rules", "rendezvous.view", "rendezvous.records"]
+
+
+def test_the_rules_are_pure_by_import() -> None:
+    """The decision table and the membership rules load neither gRPC nor the etcd client
+    (nor torch): they are functions of values, testable and readable on their own."""
+    loaded = imported_by(PURE)
+    heavy = ("grpc", "etcd3", "torch", "rendezvous.client", "rendezvous.mirror")
+    assert not {m for m in loaded if m.split(".")[0] in heavy or m in heavy}
+
+
 def test_rendezvous_imports_nothing_of_elastic() -> None:
     for path in (ROOT / "rendezvous").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -53,7 +53,8 @@ class Membership(Protocol):
     def leads(self) -> bool: ...  # this node writes the rounds (and holds the first's rank 0)
     def start(self) -> None: ...
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
-    def check(self) -> Change | None: ...
+    def upkeep(self) -> None: ...  # the lead's writes: claim, notice
+    def check(self) -> Change | None: ...  # read-only
     def probe_members(self) -> None: ...
     def closed(self) -> ClosedRecord | None: ...
     def wait(self, version: int, timeout: float | None) -> int: ...
@@ -247,6 +248,7 @@ class Agent:
                 if hung:
                     self._failures = tuple(hung)
                     return LocalEvent.WORKERS_HUNG
+            self.rdzv.upkeep()
             change = self.rdzv.check()
             if change is not None:
                 self._change = change
@@ -287,6 +289,7 @@ class Agent:
         while time.monotonic() < deadline and self.signal is None:
             version = self.rdzv.version
             self.rdzv.probe_members()
+            self.rdzv.upkeep()
             change = self.rdzv.check()
             if change is not None and (change.end.urgent or not urgent_only):
                 self._change = change

@@ -1,0 +1,152 @@
+"""The lead: the one node that reads the whole job, writes its rounds and gives notice.
+
+Held on the leading node's session lease (``job/leader``), as etcd's ``Election`` holds a
+key on a ``Session`` it never owns: the post goes with the lease. The rules (who leads,
+who claims a vacant post and when, which notice is due, whom to probe) are pure
+functions in ``rules``; this module carries them out in etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rendezvous import records, rules
+from rendezvous.client import EtcdClient
+from rendezvous.errors import RendezvousError
+from rendezvous.mirror import JobMirror
+from rendezvous.probe import gone_among
+from rendezvous.records import LeaderRecord, RoundEnd, RoundRecord
+from rendezvous.rules import LeadStep
+from rendezvous.session import Session
+from rendezvous.view import KV, JobView
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY = 0.5  # seconds between probes of one node
+
+
+class Lead:
+    """Claims, holds, hands over and resigns the lead for ``session``'s node; gives the
+    leader's notice; probes the nodes whose agents may be gone."""
+
+    def __init__(self, session: Session, client: EtcdClient, mirror: JobMirror) -> None:
+        self.session = session
+        self.client = client
+        self.mirror = mirror
+        self._vacant_since: float | None = None  # monotonic time the post was seen vacant
+        self._noticed: tuple[int, RoundEnd] | None = None  # the last notice this node gave
+        self._probed: dict[str, float] = {}  # node id -> monotonic time last probed
+
+    @property
+    def _key(self) -> str:
+        return self.session.key(records.LEADER)
+
+    def _record(self, rev: int) -> bytes:
+        s = self.session
+        return LeaderRecord(s.me.id, rev, s.me.addr, s.probe_port).encode()
+
+    def registration_claim(self) -> tuple[str, bytes]:
+        """The claim a registering node makes in its registering transaction (rev 0: see
+        ``LeaderRecord``), so that a thousand nodes starting at once do not each try."""
+        return self._key, self._record(0)
+
+    def holds(self, view: JobView) -> bool:
+        return rules.leads(view, self.session.me.id, self.session.rev)
+
+    def upkeep(self, view: JobView, mine: RoundRecord | None) -> bool:
+        """Claim the post if the rules say so, and keep the mirror's mode to match (whole
+        job when leading); whether this node leads."""
+        vacant_for = 0.0
+        if view.leader is not None:
+            self._vacant_since = None
+        else:
+            now = time.monotonic()
+            self._vacant_since = self._vacant_since or now
+            vacant_for = now - self._vacant_since
+        s = self.session
+        fenced = s.fenced(view, self.mirror.connected)
+        choice = rules.lead_step(view, s.me.id, s.rev, mine, vacant_for, fenced)
+        if choice.step is LeadStep.CLAIM:
+            self._claim()
+            view = self.mirror.view()
+        mine_now = self.holds(view)
+        if mine_now != self.mirror.full:
+            self.mirror.set_full(mine_now)
+        return mine_now
+
+    def _claim(self) -> None:
+        s = self.session
+        value = self._record(s.rev)
+        revision, held = self.client.create(self._key, value, lease=s.lease_id)
+        if revision:
+            log.debug("leading job %s", s.options.run_id)
+            held = KV(self._key, value, revision, revision, s.lease_id)
+        if held is not None:
+            self.mirror.record_own(held)
+
+    def hand_over(self, view: JobView, writer: str) -> None:
+        """Make ``writer`` the leader (on its own lease), unless the post changed since."""
+        node, lead_kv = view.nodes.get(writer), view.leader_kv
+        if node is None or lead_kv is None:
+            return
+        value = LeaderRecord(writer, node.rev, node.record.addr, node.record.probe).encode()
+        try:
+            revision = self.client.put_if(self._key, value, lead_kv.mod_revision, lease=node.lease)
+        except RendezvousError as e:  # its lease just expired: the view will say so
+            log.debug("could not hand the lead to %s: %s", writer, e)
+            return
+        if revision:
+            log.debug("handed the lead to %s, the next round's rank 0", writer)
+            self.mirror.record_own(
+                KV(self._key, value, lead_kv.create_revision, revision, node.lease)
+            )
+            self.mirror.set_full(False)
+
+    def resignation(self, view: JobView) -> tuple[Any, Any] | None:
+        """(compare, operation) that give up the post in a leaving transaction, if held."""
+        if not self.holds(view) or view.leader_kv is None:
+            return None
+        ops = self.client.ops
+        return ops.mod(self._key) == view.leader_kv.mod_revision, ops.delete(self._key)
+
+    def give_notice(self, view: JobView) -> None:
+        """Tell the members what ends their round (see ``rules.notice_to_give``): what the
+        leader sees in everyone's records, the others cannot."""
+        rec = rules.notice_to_give(view, self.session.options.max_nodes, self._noticed)
+        if rec is None:
+            return
+        ops = self.client.ops
+        if self.client.txn(
+            [ops.mod(self.session.key(records.ROUND)) == view.round_mod_revision],
+            [ops.put(self.session.key(records.NOTICE), rec.encode())],
+        ):
+            self._noticed = (rec.round, rec.end)
+
+    # -- probes ----------------------------------------------------------------------------------
+    def probe_leader(self, view: JobView, every: float = PROBE_EVERY) -> None:
+        lead_kv, ld = view.leader_kv, view.leader
+        if lead_kv is not None and ld is not None and ld.id != self.session.me.id:
+            self._check_gone({ld.id: (ld.addr, ld.probe, lead_kv.lease)}, every)
+
+    def probe_nodes(self, view: JobView, nodes: tuple[str, ...]) -> None:
+        """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py)."""
+        me = self.session.me.id
+        present = {n: view.nodes[n] for n in nodes if n in view.nodes and n != me}
+        self._check_gone({n: (x.record.addr, x.record.probe, x.lease) for n, x in present.items()})
+
+    def _check_gone(
+        self, targets: dict[str, tuple[str, int, int]], every: float = PROBE_EVERY
+    ) -> None:
+        """Probe ``targets`` (node id: address, probe port, lease) not probed in the last
+        ``every`` seconds, all at once; revoke the leases of those that refuse."""
+        now = time.monotonic()
+        due = {n: t for n, t in targets.items() if now - self._probed.get(n, 0.0) >= every}
+        self._probed.update(dict.fromkeys(due, now))
+        for node_id in gone_among({n: (addr, port) for n, (addr, port, _) in due.items()}):
+            log.warning("%s refuses its probe port: its agent is gone; revoking its lease", node_id)
+            try:
+                self.client.revoke(due[node_id][2], timeout=2.0)
+            except RendezvousError as e:
+                log.warning("could not revoke %s's lease: %s", node_id, e)

@@ -1,0 +1,242 @@
+"""This node's presence in a job: one lease, kept alive, and the record attached to it.
+
+As etcd's ``concurrency.Session``: the session owns the lease (granted when the node
+registers, kept alive in the background, revoked when it leaves); whatever else this
+node keeps on that lease (the lead, see ``lead.py``) takes the session and never owns
+the lease. A node whose lease expired (frozen, cut off) is *fenced*: it registers again
+as a new incarnation (``rev``, its record's create revision), never as the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rendezvous import records, rules
+from rendezvous.client import EtcdClient
+from rendezvous.config import RendezvousOptions
+from rendezvous.errors import LeaseLostError, RendezvousClosedError, RendezvousError
+from rendezvous.lease import LeaseKeeper
+from rendezvous.probe import ProbeListener
+from rendezvous.records import ClosedRecord, GoneRecord, JobOutcome, NodeRecord, NodeState
+from rendezvous.view import KV, JobView
+
+log = logging.getLogger(__name__)
+
+GONE_TTL = 60  # seconds a departed node's tombstone stays
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What this node tells the others about itself."""
+
+    id: str
+    addr: str
+    nproc: int
+    host: str = socket.gethostname()
+    pid: int = 0
+    version: str = ""
+    metrics_port: int = 0
+    rank: int = -1  # the group rank this node asks for (torchrun's --node-rank); -1: none
+
+
+def closed_error(run_id: str, closed: ClosedRecord) -> RendezvousClosedError:
+    verb = "finished" if closed.state is JobOutcome.SUCCEEDED else "failed"
+    why = f": {closed.reason}" if closed.reason else ""
+    return RendezvousClosedError(f"job {run_id!r} has {verb}{why}", closed)
+
+
+class Session:
+    """One node's lease and record (see the module doc). ``on_record`` sees every write
+    of the record (the mirror applies it at once: a lean watch never shows it one)."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        options: RendezvousOptions,
+        me: NodeSpec,
+        on_change: Callable[[], None] = lambda: None,
+        on_record: Callable[[KV], None] = lambda kv: None,
+    ) -> None:
+        self.client = client
+        self.options = options
+        self.me = me
+        self.lease = LeaseKeeper(
+            client, options.lease_ttl, options.keep_alive_interval, on_change=on_change
+        )
+        self._on_record = on_record
+        self.rev = 0  # create revision of this node's record: its incarnation
+        self.registered_at = 0  # etcd revision of the registration
+        self.record: NodeRecord | None = None
+        self._probe: ProbeListener | None = None
+        self.closed = False
+
+    def key(self, rel: str) -> str:
+        return self.options.job_prefix + rel
+
+    @property
+    def node_key(self) -> str:
+        return self.key(records.NODES + self.me.id)
+
+    @property
+    def probe_port(self) -> int:
+        return self._probe.port if self._probe else 0
+
+    @property
+    def lease_id(self) -> int:
+        return self.lease.lease_id
+
+    # -- registering ---------------------------------------------------------------------------
+    def register(
+        self, reads: tuple[list[str], list[str]], claim: Callable[[], tuple[str, bytes]]
+    ) -> tuple[int, list[KV]]:
+        """Register and read ``reads`` (keys, prefixes) in one transaction, claiming the
+        key and value ``claim()`` gives if absent (on this lease). Raises for a closed job
+        or a node id already taken, with the lease revoked."""
+        if self._probe is None:
+            self._probe = ProbeListener()
+        lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
+        rec = self._new_record()
+        revision, kvs, _ = self.client.create_and_read(
+            self.node_key,
+            rec.encode(),
+            lease_id,
+            reads,
+            self.key(records.CLOSED),
+            claim=claim(),
+        )
+        if not revision:
+            self.lease.revoke()
+            self._refused(kvs)
+        self._registered(rec, revision, lease_id)
+        return revision, kvs
+
+    def register_again(self) -> None:
+        """Join again as a new incarnation (the old lease is gone): new lease, new record."""
+        self.lease.revoke()
+        lease_id = self.lease.grant()
+        rec = self._new_record()
+        revision, existing = self.client.create(self.node_key, rec.encode(), lease=lease_id)
+        if not revision:
+            self.lease.revoke()
+            self._refused([existing] if existing is not None else [])
+        self._registered(rec, revision, lease_id)
+
+    def _new_record(self) -> NodeRecord:
+        return NodeRecord(
+            id=self.me.id,
+            addr=self.me.addr,
+            nproc=self.me.nproc,
+            host=self.me.host,
+            pid=self.me.pid,
+            version=self.me.version,
+            done=0,
+            state=NodeState.WAITING,
+            probe=self.probe_port,
+            metrics=self.me.metrics_port,
+            min_nodes=self.options.min_nodes,
+            max_nodes=self.options.max_nodes,
+            rank=self.me.rank,
+        )
+
+    def _refused(self, kvs: list[KV]) -> None:
+        """Explain why registration found the job closed or this node's id taken."""
+        found = {kv.key: kv for kv in kvs}
+        closed = found.get(self.key(records.CLOSED))
+        if closed is not None:
+            raise closed_error(self.options.run_id, ClosedRecord.decode(closed.key, closed.value))
+        other = ""
+        holder_kv = found.get(self.node_key)
+        if holder_kv is not None:
+            with contextlib.suppress(RendezvousError):
+                holder = NodeRecord.decode(holder_kv.key, holder_kv.value)
+                other = f" (pid {holder.pid} on {holder.host})"
+        raise RendezvousError(
+            f"node id {self.me.id!r} is already taken in job "
+            f"{self.options.run_id!r}{other}; every agent needs its own id"
+        )
+
+    def _registered(self, rec: NodeRecord, revision: int, lease_id: int) -> None:
+        self.rev = revision
+        self.registered_at = revision
+        self.record = rec
+        self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
+        log.info(
+            "registered as %s in job %s (lease %x, ttl %ss)",
+            self.me.id,
+            self.options.run_id,
+            lease_id,
+            self.options.lease_ttl,
+        )
+
+    def fenced(self, view: JobView, connected: bool) -> bool:
+        """etcd has dropped this incarnation (see ``rules.fenced``)."""
+        return rules.fenced(
+            view, self.me.id, self.rev, self.registered_at, self.lease.lost, connected
+        )
+
+    # -- the record -------------------------------------------------------------------------------
+    def mark_done(self, number: int) -> None:
+        """Say this node stopped the workers of round ``number``."""
+        if self.record is not None and self.record.done < number:
+            self._put(replace(self.record, done=number))
+
+    def mark_leaving(self) -> bool:
+        """Say this node is about to leave; False if it said so already."""
+        if self.record is None or self.record.state is NodeState.LEAVING:
+            return False
+        self._put(replace(self.record, state=NodeState.LEAVING))
+        return True
+
+    def _put(self, rec: NodeRecord) -> None:
+        value = rec.encode()
+        try:
+            revision = self.client.put(self.node_key, value, lease=self.lease.lease_id)
+        except RendezvousError as e:
+            if "lease not found" in str(e):
+                self.lease.lost = True
+                raise LeaseLostError("etcd dropped this node's lease") from None
+            raise
+        self.record = rec
+        self._on_record(KV(self.node_key, value, self.rev, revision, self.lease.lease_id))
+
+    # -- leaving -----------------------------------------------------------------------------------
+    def close(self, leave: bool = True, resign: tuple[Any, Any] | None = None) -> None:
+        """End the session. With ``leave`` the others see this node go at once, as a
+        departure (its tombstone, and ``resign``: a compare and an operation that give
+        up the lead in the same transaction), not a loss; the lease is revoked."""
+        if self.closed:
+            return
+        self.closed = True
+        if leave:
+            if self.record is not None and self.lease.lease_id and not self.lease.lost:
+                try:
+                    self._leave(resign)
+                except RendezvousError as e:
+                    log.warning("could not tell etcd this node leaves: %s", e)
+            self.lease.revoke()
+        self.lease.stop()
+        if self._probe is not None:
+            self._probe.close()
+
+    def _leave(self, resign: tuple[Any, Any] | None) -> None:
+        """In one transaction: this node's tombstone (on a short lease of its own, so it
+        goes away by itself) and the removal of its record."""
+        ttl = max(GONE_TTL, 2 * self.options.lease_ttl)
+        gone_lease = self.client.grant(ttl, timeout=2.0)
+        rec = GoneRecord(rev=self.rev, host=self.me.host, at=time.time())
+        ops = self.client.ops
+        leave = [
+            ops.put(self.key(records.GONE + self.me.id), rec.encode(), lease=gone_lease),
+            ops.delete(self.node_key),
+        ]
+        if resign is not None:
+            held, drop = resign
+            self.client.txn([held], [*leave, drop], leave, 2.0)
+        else:
+            self.client.txn([], leave, timeout=2.0)

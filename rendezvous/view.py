@@ -1,0 +1,198 @@
+"""The job as one etcd revision shows it: its records decoded into an immutable view.
+
+Pure: no gRPC, no etcd client. The mirror (``mirror.py``) feeds ``Decoded`` from its watch
+and takes views of it; the rules (``rules.py``) and ``elastic-run status`` read views.
+A node whose lease is alive is *present* (its record exists); a member of the round that
+is no longer present is gone (left, or lost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rendezvous import records
+from rendezvous.errors import MalformedRecordError
+from rendezvous.records import (
+    ClosedRecord,
+    FailureRecord,
+    GoneRecord,
+    LeaderRecord,
+    Member,
+    NodeRecord,
+    NoticeRecord,
+    RoundRecord,
+    decode_bucket,
+)
+
+
+@dataclass(frozen=True)
+class KV:
+    """One etcd key as read or watched: its value, revisions and lease."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class PresentNode:
+    record: NodeRecord
+    rev: int  # create revision: join order, and the incarnation
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The job as of one etcd revision. Malformed round/closed values raise on access."""
+
+    revision: int = 0
+    nodes: dict[str, PresentNode] = field(default_factory=dict)
+    gone: dict[str, GoneRecord] = field(default_factory=dict)
+    round_record: RoundRecord | None = None
+    round_mod_revision: int = 0
+    round_error: str | None = None
+    closed_record: ClosedRecord | None = None
+    closed_error: str | None = None
+    failures: dict[int, dict[str, FailureRecord]] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+    last_join: float = 0.0  # monotonic time this process saw the newest node register
+    leader: LeaderRecord | None = None
+    leader_kv: KV | None = None  # its key's revisions and lease, for guarded writes
+    notice: NoticeRecord | None = None
+
+    @property
+    def round(self) -> RoundRecord | None:
+        if self.round_error:
+            raise MalformedRecordError(self.round_error)
+        return self.round_record
+
+    @property
+    def closed(self) -> ClosedRecord | None:
+        if self.closed_error:
+            raise MalformedRecordError(self.closed_error)
+        return self.closed_record
+
+
+class Decoded:
+    """The job's records, decoded once per change and updated event by event."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, PresentNode] = {}
+        self.gone: dict[str, GoneRecord] = {}
+        self.round: RoundRecord | None = None  # the header
+        self.round_rev = 0
+        self.round_err: str | None = None
+        self.buckets: dict[int, tuple[int, list[Member]]] = {}
+        self.shown: RoundRecord | None = None  # the newest round whose members are here
+        self.shown_rev = 0
+        self.leader: KV | None = None
+        self.notice: NoticeRecord | None = None
+        self.closed: ClosedRecord | None = None
+        self.closed_err: str | None = None
+        self.failures: dict[int, dict[str, FailureRecord]] = {}
+        self.problems: dict[str, str] = {}  # rel key -> why it was ignored
+
+    def put(self, rel: str, kv: KV) -> None:
+        self.delete(rel)
+        try:
+            if rel.startswith(records.NODES):
+                rec = NodeRecord.decode(kv.key, kv.value)
+                self.nodes[rec.id] = PresentNode(rec, kv.create_revision, kv.lease)
+            elif rel.startswith(records.GONE):
+                self.gone[rel[len(records.GONE) :]] = GoneRecord.decode(kv.key, kv.value)
+            elif rel == records.ROUND:
+                self.round_rev = kv.mod_revision
+                self.round = RoundRecord.decode(kv.key, kv.value)
+            elif rel.startswith(records.MEMBERS):
+                bucket = rel[len(records.MEMBERS) :]
+                if not bucket.isdigit():
+                    raise MalformedRecordError(f"malformed etcd key {kv.key}: not a bucket")
+                self.buckets[int(bucket)] = decode_bucket(kv.key, kv.value)
+            elif rel == records.LEADER:
+                LeaderRecord.decode(kv.key, kv.value)
+                self.leader = kv
+            elif rel == records.NOTICE:
+                self.notice = NoticeRecord.decode(kv.key, kv.value)
+            elif rel == records.CLOSED:
+                self.closed = ClosedRecord.decode(kv.key, kv.value)
+            elif rel.startswith(records.FAILURES):
+                f = FailureRecord.decode(kv.key, kv.value)
+                if rel != f"{records.FAILURES}{f.round}/{f.node}":
+                    raise MalformedRecordError(
+                        f"malformed value at etcd key {kv.key}: "
+                        "round or node does not match the key"
+                    )
+                self.failures.setdefault(f.round, {})[f.node] = f
+        except MalformedRecordError as e:
+            if rel == records.ROUND:
+                self.round_err = str(e)
+            elif rel == records.CLOSED:
+                self.closed_err = str(e)
+            else:
+                self.problems[rel] = str(e)
+
+    def delete(self, rel: str) -> None:
+        """Forget what ``rel`` held (the key layout says what it was)."""
+        self.problems.pop(rel, None)
+        if rel.startswith(records.NODES):
+            self.nodes.pop(rel[len(records.NODES) :], None)
+        elif rel.startswith(records.GONE):
+            self.gone.pop(rel[len(records.GONE) :], None)
+        elif rel.startswith(records.FAILURES):
+            number, _, node = rel[len(records.FAILURES) :].partition("/")
+            if number.isdigit():
+                self.failures.get(int(number), {}).pop(node, None)
+        elif rel == records.ROUND:
+            self.round, self.round_rev, self.round_err = None, 0, None
+        elif rel.startswith(records.MEMBERS):
+            bucket = rel[len(records.MEMBERS) :]
+            if bucket.isdigit():
+                self.buckets.pop(int(bucket), None)
+        elif rel == records.LEADER:
+            self.leader = None
+        elif rel == records.NOTICE:
+            self.notice = None
+        elif rel == records.CLOSED:
+            self.closed, self.closed_err = None, None
+
+    def assembled(self) -> tuple[RoundRecord | None, int]:
+        """The round with the members its buckets here hold, or, while this node's bucket
+        of a newer round is still on its way, the newest round it has whole."""
+        header = self.round
+        if header is None:
+            return None, 0
+        members = [
+            m
+            for b, (number, ms) in self.buckets.items()
+            if number == header.number and b < header.buckets
+            for m in ms
+        ]
+        fetched = {b for b, (number, _) in self.buckets.items() if number == header.number}
+        if fetched:
+            self.shown, self.shown_rev = header.with_members(members), self.round_rev
+        return self.shown, self.shown_rev
+
+    def leader_record(self) -> LeaderRecord | None:
+        kv = self.leader
+        return None if kv is None else LeaderRecord.decode(kv.key, kv.value, kv.create_revision)
+
+    def view(self, revision: int, last_join: float) -> JobView:
+        shown, shown_rev = self.assembled()
+        return JobView(
+            revision,
+            dict(self.nodes),
+            dict(self.gone),
+            shown,
+            shown_rev,
+            self.round_err,
+            self.closed,
+            self.closed_err,
+            {n: dict(f) for n, f in self.failures.items() if f},
+            tuple(self.problems.values()),
+            last_join,
+            self.leader_record(),
+            self.leader,
+            self.notice,
+        )
