@@ -1,4 +1,5 @@
-"""The agent's decision table, row by row, against the pure ``decide``."""
+"""The agent's decision table, row by row, against the pure ``decide``; and the table in
+``core``'s docstring, read as data, against the same function."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import signal
 
 import pytest
 
+from elastic.agent import core
 from elastic.agent.core import (
     AgentState,
     Exit,
@@ -13,111 +15,183 @@ from elastic.agent.core import (
     LostCause,
     Reaction,
     RestartCause,
+    Start,
     Stop,
     decide,
 )
 from rendezvous.rules import RoundEnd
 
-J, R = AgentState.JOINING, AgentState.RUNNING
+J, H, R = AgentState.JOINING, AgentState.HOLDING, AgentState.RUNNING
+RZ, RS = AgentState.RESIZING, AgentState.RESTARTING
+L = LocalEvent
+C = RestartCause
+Row = tuple[Stop, AgentState, RestartCause | None, Exit | None, Start]
+N = Start.NONE
 
-# (state, event) -> (stop, next state, restart cause, exit)
-TABLE = {
-    (J, LocalEvent.ROUND_FORMED): (Stop.NONE, R, None, None),
-    (J, LocalEvent.SIGNALLED): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED),
-    (J, LocalEvent.JOIN_TIMED_OUT): (Stop.NONE, AgentState.FAILED, None, Exit.FAILED),
-    (J, RoundEnd.JOB_SUCCEEDED): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED),
-    (J, RoundEnd.JOB_FAILED): (Stop.NONE, AgentState.FAILED, None, Exit.FAILED),
-    (R, LocalEvent.WORKERS_SUCCEEDED): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED),
-    (R, LocalEvent.WORKERS_SAVED): (Stop.NONE, AgentState.RESIZING, RestartCause.RESIZE, None),
-    (R, LocalEvent.WORKERS_FAILED): (
-        Stop.URGENT,
-        AgentState.RESTARTING,
-        RestartCause.FAILURE,
-        None,
-    ),
-    (R, LocalEvent.WORKERS_HUNG): (Stop.URGENT, AgentState.RESTARTING, RestartCause.HANG, None),
-    (R, LocalEvent.SIGNALLED): (Stop.DRAIN, AgentState.LEFT, None, Exit.SIGNALLED),
-    (R, RoundEnd.JOB_SUCCEEDED): (Stop.FINISH, AgentState.SUCCEEDED, None, Exit.SUCCEEDED),
-    (R, RoundEnd.JOB_FAILED): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED),
-    (R, RoundEnd.FENCED): (Stop.KILL, AgentState.RESTARTING, RestartCause.FENCED, None),
-    (R, RoundEnd.SUPERSEDED): (Stop.URGENT, AgentState.RESTARTING, RestartCause.RESIZE, None),
-    (R, RoundEnd.LOST): (Stop.URGENT, AgentState.RESTARTING, RestartCause.MEMBER_LOST, None),
-    (R, RoundEnd.PEER_FAILED): (Stop.URGENT, AgentState.RESTARTING, RestartCause.FAILURE, None),
-    (R, RoundEnd.LEFT): (Stop.URGENT, AgentState.RESTARTING, RestartCause.MEMBER_LEFT, None),
-    (R, RoundEnd.LEAVING): (Stop.DRAIN, AgentState.RESIZING, RestartCause.MEMBER_LEFT, None),
-    (R, RoundEnd.STOPPING): (Stop.DRAIN, AgentState.RESIZING, RestartCause.RESIZE, None),
-    (R, RoundEnd.WAITING): (Stop.DRAIN, AgentState.RESIZING, RestartCause.RESIZE, None),
-    # a drain for a resize that the workers answered by finishing
-    (AgentState.RESIZING, LocalEvent.WORKERS_SUCCEEDED): (
+# (state, event, in place) -> (stop, next state, restart cause, exit, start)
+TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
+    (J, L.ROUND_FORMED, False): (Stop.NONE, R, None, None, Start.NEW),
+    (J, L.SIGNALLED, False): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED, N),
+    (J, L.JOIN_TIMED_OUT, False): (Stop.NONE, AgentState.FAILED, None, Exit.FAILED, N),
+    (J, RoundEnd.JOB_SUCCEEDED, False): (
         Stop.NONE,
         AgentState.SUCCEEDED,
         None,
         Exit.SUCCEEDED,
+        N,
     ),
+    (J, RoundEnd.JOB_FAILED, False): (Stop.NONE, AgentState.FAILED, None, Exit.FAILED, N),
+    # holding: the workers let go of their group and wait for the next round
+    (H, L.ROUND_FORMED, True): (Stop.NONE, R, None, None, Start.REFORM),
+    (H, L.ROUND_FORMED, False): (Stop.KILL, R, None, None, Start.NEW),  # one of them died
+    (H, L.SIGNALLED, True): (Stop.DRAIN, AgentState.LEFT, None, Exit.SIGNALLED, N),
+    (H, L.JOIN_TIMED_OUT, True): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED, N),
+    (H, RoundEnd.JOB_SUCCEEDED, True): (
+        Stop.URGENT,
+        AgentState.SUCCEEDED,
+        None,
+        Exit.SUCCEEDED,
+        N,
+    ),
+    (H, RoundEnd.JOB_FAILED, True): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED, N),
+    # running
+    (R, L.WORKERS_SUCCEEDED, False): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED, N),
+    (R, L.WORKERS_SAVED, False): (Stop.NONE, RZ, C.RESIZE, None, N),
+    (R, L.WORKERS_FAILED, False): (Stop.URGENT, RS, C.FAILURE, None, N),
+    (R, L.WORKERS_HUNG, False): (Stop.URGENT, RS, C.HANG, None, N),
+    (R, L.SIGNALLED, False): (Stop.DRAIN, AgentState.LEFT, None, Exit.SIGNALLED, N),
+    (R, RoundEnd.JOB_SUCCEEDED, False): (
+        Stop.FINISH,
+        AgentState.SUCCEEDED,
+        None,
+        Exit.SUCCEEDED,
+        N,
+    ),
+    (R, RoundEnd.JOB_FAILED, False): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED, N),
+    (R, RoundEnd.FENCED, False): (Stop.KILL, RS, C.FENCED, None, N),
+    (R, RoundEnd.SUPERSEDED, False): (Stop.URGENT, RS, C.RESIZE, None, N),
+    (R, RoundEnd.LOST, False): (Stop.URGENT, RS, C.MEMBER_LOST, None, N),
+    (R, RoundEnd.PEER_FAILED, False): (Stop.URGENT, RS, C.FAILURE, None, N),
+    (R, RoundEnd.LEFT, False): (Stop.URGENT, RS, C.MEMBER_LEFT, None, N),
+    (R, RoundEnd.LEAVING, False): (Stop.DRAIN, RZ, C.MEMBER_LEFT, None, N),
+    (R, RoundEnd.STOPPING, False): (Stop.DRAIN, RZ, C.RESIZE, None, N),
+    (R, RoundEnd.WAITING, False): (Stop.DRAIN, RZ, C.RESIZE, None, N),
+    # running, in place: the changes of other nodes keep the processes
+    (R, RoundEnd.SUPERSEDED, True): (Stop.ABANDON, RS, C.RESIZE, None, N),
+    (R, RoundEnd.LOST, True): (Stop.ABANDON, RS, C.MEMBER_LOST, None, N),
+    (R, RoundEnd.PEER_FAILED, True): (Stop.ABANDON, RS, C.FAILURE, None, N),
+    (R, RoundEnd.LEFT, True): (Stop.ABANDON, RS, C.MEMBER_LEFT, None, N),
+    (R, RoundEnd.LEAVING, True): (Stop.PAUSE, RZ, C.MEMBER_LEFT, None, N),
+    (R, RoundEnd.STOPPING, True): (Stop.PAUSE, RZ, C.RESIZE, None, N),
+    (R, RoundEnd.WAITING, True): (Stop.PAUSE, RZ, C.RESIZE, None, N),
+    # what a stop came to
+    (RZ, L.WORKERS_STOPPED, False): (Stop.NONE, J, None, None, N),
+    (RZ, L.WORKERS_SUCCEEDED, False): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED, N),
+    (RZ, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
+    (RZ, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
+    (RS, L.WORKERS_STOPPED, False): (Stop.NONE, J, None, None, N),
+    (RS, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
+    (RS, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
 }
 
 
-@pytest.mark.parametrize(("state", "event"), list(TABLE), ids=lambda x: getattr(x, "name", x))
-def test_every_row(state: AgentState, event: LocalEvent | RoundEnd) -> None:
-    r = decide(state, event)
-    assert (r.stop, r.next, r.cause, r.exit) == TABLE[state, event]
+def _id(x: object) -> str:
+    return str(getattr(x, "name", x))
+
+
+@pytest.mark.parametrize(("state", "event", "in_place"), list(TABLE), ids=_id)
+def test_every_row(state: AgentState, event: L | RoundEnd, in_place: bool) -> None:
+    r = decide(state, event, in_place)
+    assert (r.stop, r.next, r.cause, r.exit, r.start) == TABLE[state, event, in_place]
     assert r.why  # every reaction says why, for the log
 
 
-def test_the_table_covers_every_event_a_running_agent_can_see() -> None:
-    seen = {e for (s, e) in TABLE if s is R}
-    assert seen == {*LocalEvent, *RoundEnd} - {LocalEvent.ROUND_FORMED, LocalEvent.JOIN_TIMED_OUT}
+def test_in_place_changes_only_the_changes_of_other_nodes_and_the_formed_round() -> None:
+    """Where ``in place`` is not part of a row, it changes nothing."""
+    for (state, event, in_place), row in TABLE.items():
+        if (state, event, not in_place) not in TABLE:
+            r = decide(state, event, not in_place)
+            assert (r.stop, r.next, r.cause, r.exit, r.start) == row, (state, event)
+
+
+def test_the_table_covers_every_event_each_state_can_see() -> None:
+    seen: dict[AgentState, set[object]] = {}
+    for s, e, _ in TABLE:
+        seen.setdefault(s, set()).add(e)
+    outcomes = {L.WORKERS_STOPPED, L.WORKERS_HELD, L.HOLD_FAILED}
+    local = set(L) - outcomes
+    assert seen[R] == {*local, *RoundEnd} - {L.ROUND_FORMED, L.JOIN_TIMED_OUT}
+    waiting_events = {L.ROUND_FORMED, L.SIGNALLED, L.JOIN_TIMED_OUT}
+    assert seen[J] == seen[H] == waiting_events | {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
+    assert seen[RZ] == outcomes | {L.WORKERS_SUCCEEDED} and seen[RS] == outcomes
 
 
 def test_impossible_combinations_are_refused() -> None:
     with pytest.raises(ValueError, match="joining agent"):
-        decide(J, LocalEvent.WORKERS_FAILED)
+        decide(J, L.WORKERS_FAILED)
+    with pytest.raises(ValueError, match="holding agent"):
+        decide(H, RoundEnd.LOST)
     with pytest.raises(ValueError, match="running agent"):
-        decide(R, LocalEvent.ROUND_FORMED)
-    for state in set(AgentState) - {J, R}:
+        decide(R, L.ROUND_FORMED)
+    with pytest.raises(ValueError, match="running agent"):
+        decide(R, L.WORKERS_HELD)
+    for state in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.LEFT):
         with pytest.raises(ValueError, match="does not observe"):
-            decide(state, LocalEvent.SIGNALLED)
+            decide(state, L.SIGNALLED)
     with pytest.raises(ValueError, match="does not observe"):
-        decide(AgentState.RESIZING, LocalEvent.WORKERS_SAVED)
+        decide(RS, L.WORKERS_SUCCEEDED)  # an urgent stop never finishes the job
+    with pytest.raises(ValueError, match="does not observe"):
+        decide(RZ, RoundEnd.LOST)
 
 
 def test_side_effects_of_the_rows() -> None:
-    assert decide(J, LocalEvent.ROUND_FORMED).start
-    failed = decide(R, LocalEvent.WORKERS_FAILED)
-    assert failed.report_failure and decide(R, LocalEvent.WORKERS_HUNG).report_failure
+    failed = decide(R, L.WORKERS_FAILED)
+    assert failed.report_failure and decide(R, L.WORKERS_HUNG).report_failure
     assert not decide(R, RoundEnd.PEER_FAILED).report_failure  # the peer reports its own
-    assert decide(R, LocalEvent.SIGNALLED).announce_leaving
-    assert decide(R, LocalEvent.WORKERS_SUCCEEDED).close_job
-    assert decide(AgentState.RESIZING, LocalEvent.WORKERS_SUCCEEDED).close_job
+    assert decide(R, L.SIGNALLED).announce_leaving
+    assert not decide(H, L.SIGNALLED).announce_leaving  # not a member of any round
+    assert decide(R, L.WORKERS_SUCCEEDED).close_job
+    assert decide(RZ, L.WORKERS_SUCCEEDED).close_job
     plain = Reaction("x", R)
-    assert not (plain.start or plain.report_failure or plain.announce_leaving or plain.close_job)
+    assert not (plain.report_failure or plain.announce_leaving or plain.close_job)
+    assert plain.start is Start.NONE
 
 
 def test_exit_codes_and_lost_time() -> None:
     assert Exit.SUCCEEDED.code() == 0 and Exit.FAILED.code() == 1
     assert Exit.SIGNALLED.code(int(signal.SIGTERM)) == 143
-    planned = {RestartCause.RESIZE, RestartCause.MEMBER_LEFT}
+    planned = {C.RESIZE, C.MEMBER_LEFT}
     for cause in RestartCause:
         assert cause.lost_as is (LostCause.RESIZE if cause in planned else LostCause.FAILURE)
 
 
-# with live workers, the changes of other nodes keep them: (stop) instead of TABLE's
-LIVE = {
-    RoundEnd.SUPERSEDED: Stop.ABANDON,
-    RoundEnd.LOST: Stop.ABANDON,
-    RoundEnd.PEER_FAILED: Stop.ABANDON,
-    RoundEnd.LEFT: Stop.ABANDON,
-    RoundEnd.LEAVING: Stop.PAUSE,
-    RoundEnd.STOPPING: Stop.PAUSE,
-    RoundEnd.WAITING: Stop.PAUSE,
-}
+# -- the docstring's table is the same table --------------------------------------------------
+_STOPS = {"-": Stop.NONE, "- (gone)": Stop.NONE, **{s.value: s for s in Stop}}
 
 
-@pytest.mark.parametrize(("state", "event"), list(TABLE), ids=lambda x: getattr(x, "name", x))
-def test_every_row_with_live_workers(state: AgentState, event: LocalEvent | RoundEnd) -> None:
-    """Only the changes of other nodes differ; this node's own events stop its workers."""
-    r = decide(state, event, live=True)
-    stop, next_state, cause, end = TABLE[state, event]
-    expected = LIVE.get(event, stop) if state is R else stop
-    assert (r.stop, r.next, r.cause, r.exit) == (expected, next_state, cause, end)
-    assert r.stop.keeps_workers == (state is R and event in LIVE)
+def _doc_rows() -> list[tuple[AgentState, str, str, str, str, str]]:
+    rows = []
+    assert core.__doc__ is not None
+    for line in core.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 7 or not cells[0] or cells[0] == "state" or cells[0].startswith("-"):
+            continue
+        state, event, in_place, stop, nxt, cause, _ = cells
+        rows.append((AgentState[state], event, in_place, stop, nxt, cause))
+    return rows
+
+
+def test_the_docstring_table_is_what_decide_does() -> None:
+    rows = _doc_rows()
+    checked = 0
+    for state, event_name, in_place, stop, nxt, cause in rows:
+        event = L[event_name] if event_name in L.__members__ else RoundEnd[event_name]
+        places = in_place.split(" / ") if in_place else ["no"]
+        stops = stop.split(" / ")
+        for i, place in enumerate(places):
+            r = decide(state, event, place == "yes")
+            assert r.stop is _STOPS[stops[min(i, len(stops) - 1)]], (state, event, place)
+            assert r.next is AgentState[nxt], (state, event, place)
+            assert (r.cause.value if r.cause else "") == cause, (state, event, place)
+            checked += 1
+    assert checked == len(TABLE)  # every row of the test's table is in the docstring

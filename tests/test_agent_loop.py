@@ -108,7 +108,7 @@ class FakeWorkers:
         self.started: list[list[Placement]] = []
         self.actions: list[str] = []
         self.hangs: list[WorkerFailure] = []
-        self.released: list[bool] = []  # release_held(show) calls
+        self.released: list[bool] = []  # release_withheld(show) calls
         self._running = False
         self.live = False  # the workers run State.run (they can re-form in place)
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
@@ -145,7 +145,7 @@ class FakeWorkers:
     def stop(self, grace: float) -> None:
         self.actions.append(f"stop {grace:g}")
 
-    def release_held(self, show: bool) -> dict[int, Path]:
+    def release_withheld(self, show: bool) -> dict[int, Path]:
         self.released.append(show)
         return {} if show else {1: Path("/logs/1/stderr.log")}
 
@@ -496,3 +496,52 @@ def test_respawn_mode_never_holds_workers() -> None:
     workers.live = True
     assert agent(job, workers, restart_mode=RestartMode.RESPAWN).run() == 0
     assert workers.actions == ["stop 1"] and len(workers.started) == 2
+
+
+# -- held workers (the HOLDING rows) ---------------------------------------------------------
+def _held_after_a_loss(rounds: list[Any]) -> tuple[FakeJob, FakeWorkers]:
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), *rounds], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    return job, workers
+
+
+def test_a_signal_while_the_workers_are_held_has_them_save_and_exit() -> None:
+    job, workers = _held_after_a_loss([])
+    a = agent(job, workers)
+    hold = workers.hold
+
+    def hold_then_signal(urgent: bool, timeout: float) -> str | None:
+        a.on_signal(signal.SIGTERM)  # arrives while the workers wait for their placement
+        return hold(urgent, timeout)
+
+    workers.hold = hold_then_signal  # type: ignore[method-assign]
+    assert a.run() == 143
+    assert workers.actions == ["abandon", "drain SIGTERM"] and a.state is AgentState.LEFT
+
+
+def test_a_held_worker_that_exited_before_the_round_gives_new_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    job, workers = _held_after_a_loss([round_of(2, "a")])
+    hold = workers.hold
+
+    def hold_then_die(urgent: bool, timeout: float) -> str | None:
+        held = hold(urgent, timeout)
+        workers.live = False  # one of them exits while the round forms
+        return held
+
+    workers.hold = hold_then_die  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers).run() == 0
+    assert workers.actions == ["abandon", "stop 0"] and len(workers.started) == 2
+    assert workers.reformed == [] and "a held worker exited" in caplog.text
+
+
+def test_the_job_failing_while_the_workers_are_held_stops_them() -> None:
+    failed = ClosedRecord(JobOutcome.FAILED, "budget spent")
+    job, workers = _held_after_a_loss([RendezvousClosedError("job 'job' has failed", failed)])
+    a = agent(job, workers)
+    assert a.run() == 1
+    assert workers.actions == ["abandon", "stop 1"] and a.state is AgentState.FAILED

@@ -2,52 +2,68 @@
 
 Every rule about what an agent does when something happens lives here, as data, and
 nowhere else: ``loop.Agent`` only gathers events and carries out reactions. The table
-(``decide`` implements it; ``tests/test_agent_core.py`` checks every row):
+(``decide`` implements it; ``tests/test_agent_core.py`` checks every row). *in place*:
+the workers can re-form in place (all alive, all in ``State.run``, ``--restart-mode
+live``), the input ``decide`` takes besides the state and the event.
 
-| state   | event                  | stop workers | next       | restart cause | also         |
-|---------|------------------------|--------------|------------|---------------|--------------|
-| JOINING | ROUND_FORMED           | -            | RUNNING    |               | start them   |
-| JOINING | SIGNALLED              | -            | LEFT       |               | exit 128+sig |
-| JOINING | JOB_SUCCEEDED          | -            | SUCCEEDED  |               | exit 0       |
-| JOINING | JOB_FAILED             | -            | FAILED     |               | exit 1       |
-| JOINING | JOIN_TIMED_OUT         | -            | FAILED     |               | exit 1       |
-| RUNNING | WORKERS_SUCCEEDED      | -            | SUCCEEDED  |               | close, exit 0|
-| RUNNING | WORKERS_SAVED          | - (gone)     | RESIZING   | resize        |              |
-| RUNNING | WORKERS_FAILED         | urgent       | RESTARTING | failure       | report       |
-| RUNNING | WORKERS_HUNG           | urgent       | RESTARTING | hang          | report       |
-| RUNNING | SIGNALLED              | drain        | LEFT       |               | announce,    |
-|         |                        |              |            |               | exit 128+sig |
-| RUNNING | JOB_SUCCEEDED          | finish       | SUCCEEDED  |               | exit 0       |
-| RUNNING | JOB_FAILED             | urgent       | FAILED     |               | exit 1       |
-| RUNNING | FENCED                 | kill         | RESTARTING | fenced        |              |
-| RUNNING | SUPERSEDED             | urgent       | RESTARTING | resize        |              |
-| RUNNING | LOST                   | urgent       | RESTARTING | member_lost   |              |
-| RUNNING | PEER_FAILED            | urgent       | RESTARTING | failure       |              |
-| RUNNING | LEFT                   | urgent       | RESTARTING | member_left   |              |
-| RUNNING | LEAVING                | drain        | RESIZING   | member_left   |              |
-| RUNNING | STOPPING               | drain        | RESIZING   | resize        |              |
-| RUNNING | WAITING                | drain        | RESIZING   | resize        |              |
-| RESIZING| WORKERS_SUCCEEDED      | -            | SUCCEEDED  |               | close, exit 0|
+| state     | event                  | in place | stop    | next       | cause       | also          |
+|-----------|------------------------|----------|---------|------------|-------------|---------------|
+| JOINING   | ROUND_FORMED           |          | -       | RUNNING    |             | start new     |
+| JOINING   | SIGNALLED              |          | -       | LEFT       |             | exit 128+sig  |
+| JOINING   | JOB_SUCCEEDED          |          | -       | SUCCEEDED  |             | exit 0        |
+| JOINING   | JOB_FAILED             |          | -       | FAILED     |             | exit 1        |
+| JOINING   | JOIN_TIMED_OUT         |          | -       | FAILED     |             | exit 1        |
+| HOLDING   | ROUND_FORMED           | yes      | -       | RUNNING    |             | re-form them  |
+| HOLDING   | ROUND_FORMED           | no       | kill    | RUNNING    |             | start new     |
+| HOLDING   | SIGNALLED              |          | drain   | LEFT       |             | exit 128+sig  |
+| HOLDING   | JOB_SUCCEEDED          |          | urgent  | SUCCEEDED  |             | exit 0        |
+| HOLDING   | JOB_FAILED             |          | urgent  | FAILED     |             | exit 1        |
+| HOLDING   | JOIN_TIMED_OUT         |          | urgent  | FAILED     |             | exit 1        |
+| RUNNING   | WORKERS_SUCCEEDED      |          | -       | SUCCEEDED  |             | close, exit 0 |
+| RUNNING   | WORKERS_SAVED          |          | - (gone)| RESIZING   | resize      |               |
+| RUNNING   | WORKERS_FAILED         |          | urgent  | RESTARTING | failure     | report        |
+| RUNNING   | WORKERS_HUNG           |          | urgent  | RESTARTING | hang        | report        |
+| RUNNING   | SIGNALLED              |          | drain   | LEFT       |             | announce,     |
+|           |                        |          |         |            |             | exit 128+sig  |
+| RUNNING   | JOB_SUCCEEDED          |          | finish  | SUCCEEDED  |             | exit 0        |
+| RUNNING   | JOB_FAILED             |          | urgent  | FAILED     |             | exit 1        |
+| RUNNING   | FENCED                 |          | kill    | RESTARTING | fenced      |               |
+| RUNNING   | SUPERSEDED             | no / yes | urgent / abandon | RESTARTING | resize |      |
+| RUNNING   | LOST                   | no / yes | urgent / abandon | RESTARTING | member_lost | |
+| RUNNING   | PEER_FAILED            | no / yes | urgent / abandon | RESTARTING | failure |     |
+| RUNNING   | LEFT                   | no / yes | urgent / abandon | RESTARTING | member_left | |
+| RUNNING   | LEAVING                | no / yes | drain / pause | RESIZING | member_left |     |
+| RUNNING   | STOPPING               | no / yes | drain / pause | RESIZING | resize |          |
+| RUNNING   | WAITING                | no / yes | drain / pause | RESIZING | resize |          |
+| RESIZING  | WORKERS_STOPPED        |          | -       | JOINING    |             |               |
+| RESIZING  | WORKERS_SUCCEEDED      |          | -       | SUCCEEDED  |             | close, exit 0 |
+| RESIZING  | WORKERS_HELD           |          | -       | HOLDING    |             |               |
+| RESIZING  | HOLD_FAILED            |          | urgent  | JOINING    |             |               |
+| RESTARTING| WORKERS_STOPPED        |          | -       | JOINING    |             |               |
+| RESTARTING| WORKERS_HELD           |          | -       | HOLDING    |             |               |
+| RESTARTING| HOLD_FAILED            |          | urgent  | JOINING    |             |               |
 
-RESIZING and RESTARTING last while the workers stop; then the agent joins the next
-round (JOINING). SUCCEEDED, FAILED and LEFT are ends: the agent exits. A drain can
-end in WORKERS_SUCCEEDED: ``elastic.State`` users asked to save that exit 0 instead
-had already left their training loop, so the job is done; a new round would only
-train again from their last snapshot.
+JOINING, HOLDING and RUNNING observe the job, the workers and signals. RESIZING and
+RESTARTING last while the workers stop (or, in place, let go of their process group);
+what the stop came to is their event. SUCCEEDED, FAILED and LEFT are ends: the agent
+exits. HOLDING is JOINING with the workers held: they left their process group and wait
+for their placement in the next round, which re-forms them in place, unless one of them
+died meanwhile (then new workers follow).
 
-Live workers (all alive, all in ``State.run``, ``--restart-mode live``) keep their
-processes through the changes of other nodes, SUPERSEDED to WAITING: *urgent* becomes
-*abandon* and *drain* becomes *pause*, and the next round re-forms them in place instead
-of starting new ones. This node's own failures, signals and fencing stop them as above.
+A drain can end in WORKERS_SUCCEEDED: ``elastic.State`` users asked to save that exit 0
+instead had already left their training loop, so the job is done; a new round would
+only train again from their last snapshot. HOLD_FAILED: a worker did not let go within
+``--shutdown-timeout``, or exited; new workers follow.
 
 Stops: *drain* asks ``elastic.State`` users to save at their next step and exit
 ``EXIT_RESIZE`` (other scripts get SIGTERM, or the signal the agent got), SIGKILL after
-``--shutdown-timeout``; *urgent* is SIGTERM and SIGKILL a second later (the round is
-broken, there is nothing to save); *kill* is SIGKILL now (the workers are stale: the job
-moved on without them); *finish* lets them end on their own (``close_timeout``). Live:
-*pause* asks them to stop at their next step and wait, *abandon* to leave their process
-group at once (out of a blocked collective too) and wait; either falls back to *urgent*
-(and new workers) when a worker does not get there within ``--shutdown-timeout``.
+``--shutdown-timeout``; held workers save and exit at once. *urgent* is SIGTERM and
+SIGKILL a second later (the round is broken, there is nothing to save); *kill* is
+SIGKILL now (the workers are stale: the job moved on without them); *finish* lets them
+end on their own (``close_timeout``). In place: *pause* asks them to stop at their next
+step and wait, *abandon* to leave their process group at once (out of a blocked
+collective too) and wait. This node's own failures, signals and fencing always stop
+them.
 """
 
 from __future__ import annotations
@@ -64,12 +80,15 @@ class AgentState(enum.Enum):
     JOINING -> RUNNING                    a round formed with this node in it
     RUNNING -> RESIZING -> JOINING        a graceful change: workers save and stop
     RUNNING -> RESTARTING -> JOINING      the round broke: workers stop at once
-    JOINING | RUNNING -> SUCCEEDED        the job finished
-    JOINING | RUNNING -> FAILED           the job failed
-    JOINING | RUNNING -> LEFT             a signal: this node left the job
+    RUNNING -> RESIZING | RESTARTING -> HOLDING -> RUNNING
+                                          in place: the workers let go of their group,
+                                          wait, and form the next round's
+    JOINING | HOLDING | RUNNING -> SUCCEEDED | FAILED | LEFT
+                                          the job finished or failed; a signal
     """
 
     JOINING = "joining"
+    HOLDING = "holding"  # joining, with the workers held for the next round
     RUNNING = "running"
     RESIZING = "resizing"
     RESTARTING = "restarting"
@@ -88,6 +107,10 @@ class LocalEvent(enum.Enum):
     WORKERS_FAILED = "workers failed"
     WORKERS_HUNG = "workers hung"
     SIGNALLED = "signalled"
+    # what a stop came to (RESIZING, RESTARTING)
+    WORKERS_STOPPED = "workers stopped"  # they are gone
+    WORKERS_HELD = "workers held"  # they let go of their group and wait for a placement
+    HOLD_FAILED = "hold failed"  # one did not let go in time, or exited
 
 
 Event = LocalEvent | RoundEnd  # RoundEnd: what the job did (rendezvous.rules.round_end)
@@ -101,12 +124,20 @@ class Stop(enum.Enum):
     DRAIN = "drain"
     URGENT = "urgent"
     KILL = "kill"
-    PAUSE = "pause"  # live: stop at the next step, keep the process
-    ABANDON = "abandon"  # live: leave the process group now, keep the process
+    PAUSE = "pause"  # in place: stop at the next step, keep the process
+    ABANDON = "abandon"  # in place: leave the process group now, keep the process
 
     @property
     def keeps_workers(self) -> bool:
         return self in (Stop.PAUSE, Stop.ABANDON)
+
+
+class Start(enum.Enum):
+    """What a round that formed does with the workers."""
+
+    NONE = "none"
+    NEW = "new"  # start new worker processes
+    REFORM = "reform"  # publish the placements: the held workers re-form in place
 
 
 class RestartCause(enum.Enum):
@@ -152,7 +183,7 @@ class Reaction:
     next: AgentState
     stop: Stop = Stop.NONE
     cause: RestartCause | None = None  # charged when new workers follow
-    start: bool = False  # start workers for the new round
+    start: Start = Start.NONE
     report_failure: bool = False  # tell the job: it charges one restart, job-wide
     announce_leaving: bool = False  # before stopping: the others drain now
     close_job: bool = False  # mark the job finished for everyone
@@ -177,31 +208,30 @@ _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
 }
 
 
-_LIVE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
+_IN_PLACE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
 
 
-def decide(state: AgentState, event: Event, live: bool = False) -> Reaction:
-    """The reaction to ``event`` in ``state``; ``live``: the workers can re-form in place.
-    Raises ValueError for an event that cannot happen in that state (JOINING and
-    RUNNING observe events; RESIZING only how the drain ended)."""
-    if state is AgentState.JOINING:
-        return _joining(event)
-    if state is AgentState.RUNNING:
-        return _running(event, live)
-    if state is AgentState.RESIZING and event is LocalEvent.WORKERS_SUCCEEDED:
-        return Reaction(
-            "the workers finished training before they could stop for the resize",
-            AgentState.SUCCEEDED,
-            close_job=True,
-            exit=Exit.SUCCEEDED,
-        )
+def decide(state: AgentState, event: Event, in_place: bool = False) -> Reaction:
+    """The reaction to ``event`` in ``state``; ``in_place``: the workers can re-form in
+    place. Raises ValueError for an event that cannot happen in that state."""
+    match state:
+        case AgentState.JOINING:
+            return _joining(event)
+        case AgentState.HOLDING:
+            return _holding(event, in_place)
+        case AgentState.RUNNING:
+            return _running(event, in_place)
+        case AgentState.RESIZING | AgentState.RESTARTING:
+            return _stopping(state, event)
     raise ValueError(f"an agent in state {state.name} does not observe {event}")
 
 
 def _joining(event: Event) -> Reaction:
     match event:
         case LocalEvent.ROUND_FORMED:
-            return Reaction("a round formed with this node in it", AgentState.RUNNING, start=True)
+            return Reaction(
+                "a round formed with this node in it", AgentState.RUNNING, start=Start.NEW
+            )
         case LocalEvent.SIGNALLED:
             return Reaction("signalled while joining: leave", AgentState.LEFT, exit=Exit.SIGNALLED)
         case LocalEvent.JOIN_TIMED_OUT:
@@ -214,7 +244,72 @@ def _joining(event: Event) -> Reaction:
     raise ValueError(f"a joining agent cannot see {event}")
 
 
-def _running(event: Event, live: bool) -> Reaction:
+def _holding(event: Event, in_place: bool) -> Reaction:
+    match event:
+        case LocalEvent.ROUND_FORMED if in_place:
+            return Reaction(
+                "a round formed: the held workers re-form in place",
+                AgentState.RUNNING,
+                start=Start.REFORM,
+            )
+        case LocalEvent.ROUND_FORMED:
+            return Reaction(
+                "a round formed, but a held worker exited meanwhile: new workers follow",
+                AgentState.RUNNING,
+                stop=Stop.KILL,
+                start=Start.NEW,
+            )
+        case LocalEvent.SIGNALLED:
+            return Reaction(
+                "signalled while holding the workers: they save and exit, this node leaves",
+                AgentState.LEFT,
+                stop=Stop.DRAIN,
+                exit=Exit.SIGNALLED,
+            )
+        case LocalEvent.JOIN_TIMED_OUT:
+            return Reaction(
+                "too few nodes within join_timeout: the held workers stop",
+                AgentState.FAILED,
+                stop=Stop.URGENT,
+                exit=Exit.FAILED,
+            )
+        case RoundEnd.JOB_SUCCEEDED | RoundEnd.JOB_FAILED:
+            next_state, end = _END[event]
+            return Reaction(
+                f"the {event.value} while the workers were held: they stop",
+                next_state,
+                stop=Stop.URGENT,
+                exit=end,
+            )
+    raise ValueError(f"a holding agent cannot see {event}")
+
+
+def _stopping(state: AgentState, event: Event) -> Reaction:
+    match event:
+        case LocalEvent.WORKERS_STOPPED:
+            return Reaction("the workers stopped: join the next round", AgentState.JOINING)
+        case LocalEvent.WORKERS_HELD:
+            return Reaction(
+                "the workers let go of their group: join the next round with them",
+                AgentState.HOLDING,
+            )
+        case LocalEvent.HOLD_FAILED:
+            return Reaction(
+                "the workers could not be held: stop them, new workers follow",
+                AgentState.JOINING,
+                stop=Stop.URGENT,
+            )
+        case LocalEvent.WORKERS_SUCCEEDED if state is AgentState.RESIZING:
+            return Reaction(
+                "the workers finished training before they could stop for the resize",
+                AgentState.SUCCEEDED,
+                close_job=True,
+                exit=Exit.SUCCEEDED,
+            )
+    raise ValueError(f"an agent in state {state.name} does not observe {event}")
+
+
+def _running(event: Event, in_place: bool) -> Reaction:
     match event:
         case LocalEvent.WORKERS_SUCCEEDED:
             return Reaction(
@@ -259,12 +354,12 @@ def _running(event: Event, live: bool) -> Reaction:
             )
         case RoundEnd():
             stop, next_state, cause = _CHANGES[event]
-            if live and stop in _LIVE:
+            if in_place and stop in _IN_PLACE:
                 how = "workers leave the group now" if event.urgent else "workers pause"
                 return Reaction(
-                    f"{event.value}: {how}, to re-form live",
+                    f"{event.value}: {how}, to re-form in place",
                     next_state,
-                    stop=_LIVE[stop],
+                    stop=_IN_PLACE[stop],
                     cause=cause,
                 )
             how = "stop workers now" if event.urgent else "workers save and stop"

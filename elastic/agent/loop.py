@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from elastic.agent import storehost
-from elastic.agent.core import AgentState, Event, Exit, LocalEvent, Reaction, Stop, decide
+from elastic.agent.core import (
+    AgentState,
+    Event,
+    Exit,
+    LocalEvent,
+    Reaction,
+    RestartCause,
+    Start,
+    Stop,
+    decide,
+)
 from elastic.agent.failures import WorkerFailure, format_report, summarize
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement
@@ -79,7 +89,7 @@ class Workers(Protocol):
     ) -> Drained: ...
     def finish(self, timeout: float, grace: float) -> bool: ...
     def stop(self, grace: float) -> None: ...
-    def release_held(self, show: bool) -> dict[int, Path]: ...
+    def release_withheld(self, show: bool) -> dict[int, Path]: ...
     def last_step(self) -> int: ...  # the newest step the workers reported, -1 for none
     @property
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
@@ -116,8 +126,6 @@ class Agent:
     ) -> None:
         self.rdzv = rdzv
         self.restart_mode = restart_mode
-        self._held = False  # the workers wait to re-form in place when the round forms
-        self._released = False  # held workers were stopped: the job ended while joining
         self.workers = workers
         self.monitor_interval = monitor_interval
         self.shutdown_timeout = shutdown_timeout
@@ -134,6 +142,9 @@ class Agent:
         self._change_at = time.monotonic()
         self._change_why = "start"
         self._lost_cause: Any = None  # LostCause of the pause in progress, if any
+        self._cause: RestartCause | None = None  # charged once the workers stop or are held
+        self._accounted: set[int] = set()  # pids whose end the metrics have seen
+        self._hold_failed = ""  # why the workers could not be held
         self._asked = time.monotonic()  # when this node asked for the round it joins
         self._failures: tuple[WorkerFailure, ...] = ()
         self._consequences: tuple[WorkerFailure, ...] = ()
@@ -189,26 +200,44 @@ class Agent:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
-        """Run until the job ends for this node; returns the process exit code."""
+        """Run until the job ends for this node; returns the process exit code. Each turn
+        gathers one event (or takes what the last stop came to), asks ``decide``, and
+        carries the reaction out."""
         try:
             self.rdzv.start()
         except RendezvousClosedError as e:
             return self._closed_on_arrival(e)
         if self.store is not None and self.rdzv.leads:
             self.store.warm()  # the first round's rank 0, most likely
+        pending: Event | None = None
         while True:
-            self._change = self._closed = None
-            self._failures = self._consequences = ()
-            if self.state is AgentState.JOINING:
-                event = self._join()
-            elif self.state is AgentState.RUNNING:
-                event = self._watch()
+            if pending is None:
+                self._change = self._closed = None
+                self._failures = self._consequences = ()
+                event = self._gather()
             else:
-                raise AssertionError(f"the loop never rests in {self.state}")
-            live = self.restart_mode is RestartMode.LIVE and self.workers.live
-            code = self._carry_out(decide(self.state, event, live), event)
-            if code is not None:
-                return code
+                event, pending = pending, None
+            reaction = decide(self.state, event, self._in_place())
+            result = self._carry_out(reaction, event)
+            if isinstance(result, int):
+                return result
+            pending = result
+
+    def _gather(self) -> Event:
+        """The next event of the state the agent rests in."""
+        match self.state:
+            case AgentState.JOINING | AgentState.HOLDING:
+                return self._join()
+            case AgentState.RUNNING:
+                return self._watch()
+        raise AssertionError(f"the loop never rests in {self.state}")
+
+    def _in_place(self) -> bool:
+        """The workers can re-form in place: all alive and in ``State.run`` (and, while
+        running, ``--restart-mode live``)."""
+        if self.state is AgentState.HOLDING:
+            return self.workers.live
+        return self.restart_mode is RestartMode.LIVE and self.workers.live
 
     # -- gathering events ---------------------------------------------------------------------
     def _join(self) -> Event:
@@ -298,15 +327,14 @@ class Agent:
         return None
 
     # -- carrying out reactions ------------------------------------------------------------------
-    def _carry_out(self, r: Reaction, event: Event) -> int | None:
-        """Do what ``r`` says; an int is the exit code, None means carry on."""
-        if r.start:
-            return self._start()
-        if self._held and r.exit is not None:  # no round for the held workers to join
-            self.workers.stop(URGENT_GRACE)
-            self._held = False
-            self._released = True
-        self._change_at = time.monotonic()
+    def _carry_out(self, r: Reaction, event: Event) -> int | Event | None:
+        """Do what ``r`` says: an int is the exit code; an event is what the stop came to
+        (the next turn's event, in RESIZING or RESTARTING); None: gather the next one."""
+        running = self.state is AgentState.RUNNING
+        if running:  # a change begins: the workers stop or let go
+            self._change_at = time.monotonic()
+            if r.cause is not None:
+                self._cause, self._lost_cause = r.cause, r.cause.lost_as
         self._explain(r, event)
         pids = self.workers.pids
         if r.announce_leaving:
@@ -314,32 +342,51 @@ class Agent:
                 self.rdzv.announce_leaving()
             except RendezvousError as e:
                 log.warning("could not announce leaving: %s", e)
-        ended = self._stop(r.stop, leaving=r.announce_leaving)
-        if ended is not None and r.exit is None:  # the workers ended on their own meanwhile
-            self.state = r.next
-            return self._carry_out(decide(self.state, ended), ended)
-        if not self._held:
+        outcome = self._stop(r.stop, leaving=r.announce_leaving)
+        ended = outcome not in (LocalEvent.WORKERS_HELD, LocalEvent.HOLD_FAILED) and (
+            r.stop is not Stop.NONE or running  # stopped now, or ended by themselves
+        )
+        if ended:
             self._tell_consequences()
         if r.report_failure:
             self._report(event)
-        self._lost_cause = r.cause.lost_as if r.cause is not None else None
-        if self.metrics is not None and self._held:
-            self.metrics.workers_held(r.cause)
-        elif self.metrics is not None and pids:
-            self.metrics.workers_stopped(r.cause)
-            for pid in pids:
-                self.metrics.worker_exited(pid)
         if r.close_job:
             self._close_succeeded()
         self.state = r.next
+        if outcome is LocalEvent.WORKERS_HELD:
+            self._held(pids)
+        elif ended:
+            self._stopped(pids)
+        if r.start is not Start.NONE:
+            self._start(r.start)
+            return None
         if self.store is not None:
             self.store.drop_round()
         if r.exit is not None:
-            return self._end(event, r.exit)
-        self.state = AgentState.JOINING
+            return self._end(event, r.exit, r.stop)
+        if r.next in (AgentState.RESIZING, AgentState.RESTARTING):
+            return outcome
         return None
 
-    def _start(self) -> int | None:
+    def _held(self, pids: list[int]) -> None:
+        """The metrics' side of workers held for a re-formation in place."""
+        if self.metrics is not None and pids:
+            self.metrics.workers_held(self._cause)
+        self._cause = None  # the re-formation is what was charged
+
+    def _stopped(self, pids: list[int]) -> None:
+        """The metrics' side of workers that ended (once per worker)."""
+        ended = [p for p in pids if p not in self._accounted]
+        if not ended:
+            return
+        self._accounted.update(ended)
+        if self.metrics is not None:
+            self.metrics.workers_stopped(self._cause)
+            for pid in ended:
+                self.metrics.worker_exited(pid)
+        self._cause = None
+
+    def _start(self, how: Start) -> None:
         r = self.round
         assert r is not None
         me = r.member(self.node_id)
@@ -359,27 +406,25 @@ class Agent:
             )
             for lr in range(nproc)
         ]
-        live = self._held and self.workers.live
+        in_place = how is Start.REFORM
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None
         # The store is up before workers look for it (a refused connect costs torch's
         # 1 s backoff), unless its helper still imports torch: new workers import theirs
         # meanwhile, and find the store when they are ready.
-        late = store is not None and not live and not store.ready
+        late = store is not None and not in_place and not store.ready
         if store is not None and not late and not self._host(store, r):
-            return None
-        if live:
+            self.state = AgentState.HOLDING if in_place else AgentState.JOINING
+            return
+        if in_place:
             self.workers.reform(placements)
         else:
-            if self._held:
-                log.warning("a held worker exited before the round formed: new workers follow")
-                self.workers.stop(0)
             self.workers.start(placements)
-        self._held = False
         if store is not None and late and not self._host(store, r):
             self.workers.stop(0)
-            return None
+            self.state = AgentState.JOINING
+            return
         took = time.monotonic() - self._change_at
         if self._previous is not None:
             self._lost_total += took
@@ -393,7 +438,7 @@ class Agent:
                 waited=time.monotonic() - self._asked,
                 workers=nproc,
             )
-        self.state = AgentState.RUNNING
+        self._lost_cause = None
         log.info("%s", membership_line(r, self._previous, took, self._change_why))
         base = me.base
         ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
@@ -405,10 +450,9 @@ class Agent:
             r.master_addr,
             r.master_port,
             r.restarts,
-            f"; workers re-form live (pids {self.workers.pids})" if live else "",
+            f"; workers re-form live (pids {self.workers.pids})" if in_place else "",
         )
         self._previous = r
-        return None
 
     def _host(self, store: Store, r: RoundRecord) -> bool:
         """Host the round's store (this node has group rank 0); False: leave the round."""
@@ -432,6 +476,10 @@ class Agent:
                 self._change_why = "workers stopped for a resize"
             case LocalEvent.WORKERS_FAILED | LocalEvent.WORKERS_HUNG:
                 self._change_why = f"workers failed on {self.node_id}"
+            case LocalEvent.HOLD_FAILED:
+                log.warning("no live re-formation (%s): new workers follow", self._hold_failed)
+            case LocalEvent.ROUND_FORMED if r.stop is Stop.KILL:
+                log.warning("a held worker exited before the round formed: new workers follow")
             case LocalEvent.SIGNALLED:
                 name = signal.Signals(self.signal or signal.SIGTERM).name
                 log.warning("received %s: leaving the job", name)
@@ -450,16 +498,16 @@ class Agent:
                 log.info("%s: workers re-form live", change.detail)
                 self._change_why = change.detail
 
-    def _stop(self, how: Stop, leaving: bool = False) -> Event | None:
-        """Stop the workers as ``how`` says; the event, if they ended otherwise (they
-        finished the job while asked to save for a resize)."""
+    def _stop(self, how: Stop, leaving: bool = False) -> Event:
+        """Stop the workers as ``how`` says (or, in place, have them let go of their
+        process group); what that came to."""
         if how.keeps_workers:
             why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
-            self._held = why is None
-            if why is not None:
-                log.warning("no live re-formation (%s): new workers follow", why)
-                self.workers.stop(URGENT_GRACE)
-        elif how is Stop.URGENT:
+            if why is None:
+                return LocalEvent.WORKERS_HELD
+            self._hold_failed = why
+            return LocalEvent.HOLD_FAILED
+        if how is Stop.URGENT:
             self.workers.stop(URGENT_GRACE)
         elif how is Stop.KILL:
             self.workers.stop(0)
@@ -483,12 +531,12 @@ class Agent:
                 "close_timeout=%gs; stopped them",
                 self.close_timeout,
             )
-        return None
+        return LocalEvent.WORKERS_STOPPED
 
     def _tell_consequences(self) -> None:
         """One line per worker that failed only because a peer vanished; its traceback
         stays in its stderr.log. Tracebacks of real failures are shown in full."""
-        kept = self.workers.release_held(show=not self._consequences)
+        kept = self.workers.release_withheld(show=not self._consequences)
         why = self._change.detail if self._change is not None else "a peer vanished"
         for f in self._consequences:
             where = f"; traceback in {kept[f.local_rank]}" if f.local_rank in kept else ""
@@ -500,6 +548,7 @@ class Agent:
                 f.message or f.how,
                 where,
             )
+        self._consequences = ()  # told once
 
     def _report(self, event: Event) -> None:
         detail = summarize(list(self._failures), self.node_id, self.host)
@@ -534,7 +583,7 @@ class Agent:
             parts.append(f"checkpoints in {self.checkpoint_dir}")
         return "summary: " + ", ".join(parts)
 
-    def _end(self, event: Event, how: Exit) -> int:
+    def _end(self, event: Event, how: Exit, stop: Stop) -> int:
         """Leave the job; the exit code for ``how``."""
         self.rdzv.shutdown(leave=True)
         log.info("%s", self.summary())
@@ -542,7 +591,7 @@ class Agent:
             return self._report_failed()
         if event is RoundEnd.JOB_SUCCEEDED and self._closed is not None:
             log.info("job %s has finished: %s", self.rdzv.run_id, self._closed.reason)
-        elif event is RoundEnd.JOB_SUCCEEDED and not self._released:
+        elif event is RoundEnd.JOB_SUCCEEDED and stop is Stop.FINISH:
             # another node closed the job: our own workers may have failed meanwhile
             state, failures = self.workers.poll()
             if state is GroupState.FAILED:

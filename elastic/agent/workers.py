@@ -373,7 +373,7 @@ class WorkerGroup:
             time.sleep(0.05)
         return not self.running
 
-    def release_held(self, show: bool) -> dict[int, Path]:
+    def release_withheld(self, show: bool) -> dict[int, Path]:
         """Tracebacks held back because they only say a peer vanished (see ``logs``):
         print them (``show``), or keep them in the workers' stderr.log files, returned
         by local rank."""
