@@ -321,11 +321,10 @@ def test_a_vacant_lead_is_claimed_by_successors_at_once_and_by_others_later() ->
     ns = [node(str(i), i + 1) for i in range(6)]
     r = rnd(1, *ns)
     v = view(*ns, r=r)
-    step = lambda i, vacant_for, fenced=False: (
-        lead_step(  # noqa: E731
-            v, str(i), i + 1, r, vacant_for, fenced
-        ).step
-    )
+
+    def step(i: int, vacant_for: float, fenced: bool = False) -> LeadStep:
+        return lead_step(v, str(i), i + 1, r, vacant_for, fenced).step
+
     assert step(1, 0.0) is LeadStep.CLAIM  # a successor
     assert step(5, 0.0) is LeadStep.WAIT  # the successors first
     assert step(5, CLAIM_AFTER) is LeadStep.CLAIM  # they are gone too

@@ -6,42 +6,47 @@ nowhere else: ``loop.Agent`` only gathers events and carries out reactions. The 
 the workers can re-form in place (all alive, all in ``State.run``, ``--restart-mode
 live``), the input ``decide`` takes besides the state and the event.
 
-| state     | event                  | in place | stop    | next       | cause       | also          |
-|-----------|------------------------|----------|---------|------------|-------------|---------------|
-| JOINING   | ROUND_FORMED           |          | -       | RUNNING    |             | start new     |
-| JOINING   | SIGNALLED              |          | -       | LEFT       |             | exit 128+sig  |
-| JOINING   | JOB_SUCCEEDED          |          | -       | SUCCEEDED  |             | exit 0        |
-| JOINING   | JOB_FAILED             |          | -       | FAILED     |             | exit 1        |
-| JOINING   | JOIN_TIMED_OUT         |          | -       | FAILED     |             | exit 1        |
-| HOLDING   | ROUND_FORMED           | yes      | -       | RUNNING    |             | re-form them  |
-| HOLDING   | ROUND_FORMED           | no       | kill    | RUNNING    |             | start new     |
-| HOLDING   | SIGNALLED              |          | drain   | LEFT       |             | exit 128+sig  |
-| HOLDING   | JOB_SUCCEEDED          |          | urgent  | SUCCEEDED  |             | exit 0        |
-| HOLDING   | JOB_FAILED             |          | urgent  | FAILED     |             | exit 1        |
-| HOLDING   | JOIN_TIMED_OUT         |          | urgent  | FAILED     |             | exit 1        |
-| RUNNING   | WORKERS_SUCCEEDED      |          | -       | SUCCEEDED  |             | close, exit 0 |
-| RUNNING   | WORKERS_SAVED          |          | - (gone)| RESIZING   | resize      |               |
-| RUNNING   | WORKERS_FAILED         |          | urgent  | RESTARTING | failure     | report        |
-| RUNNING   | WORKERS_HUNG           |          | urgent  | RESTARTING | hang        | report        |
-| RUNNING   | SIGNALLED              |          | drain   | LEFT       |             | announce,     |
-|           |                        |          |         |            |             | exit 128+sig  |
-| RUNNING   | JOB_SUCCEEDED          |          | finish  | SUCCEEDED  |             | exit 0        |
-| RUNNING   | JOB_FAILED             |          | urgent  | FAILED     |             | exit 1        |
-| RUNNING   | FENCED                 |          | kill    | RESTARTING | fenced      |               |
-| RUNNING   | SUPERSEDED             | no / yes | urgent / abandon | RESTARTING | resize |      |
-| RUNNING   | LOST                   | no / yes | urgent / abandon | RESTARTING | member_lost | |
-| RUNNING   | PEER_FAILED            | no / yes | urgent / abandon | RESTARTING | failure |     |
-| RUNNING   | LEFT                   | no / yes | urgent / abandon | RESTARTING | member_left | |
-| RUNNING   | LEAVING                | no / yes | drain / pause | RESIZING | member_left |     |
-| RUNNING   | STOPPING               | no / yes | drain / pause | RESIZING | resize |          |
-| RUNNING   | WAITING                | no / yes | drain / pause | RESIZING | resize |          |
-| RESIZING  | WORKERS_STOPPED        |          | -       | JOINING    |             |               |
-| RESIZING  | WORKERS_SUCCEEDED      |          | -       | SUCCEEDED  |             | close, exit 0 |
-| RESIZING  | WORKERS_HELD           |          | -       | HOLDING    |             |               |
-| RESIZING  | HOLD_FAILED            |          | urgent  | JOINING    |             |               |
-| RESTARTING| WORKERS_STOPPED        |          | -       | JOINING    |             |               |
-| RESTARTING| WORKERS_HELD           |          | -       | HOLDING    |             |               |
-| RESTARTING| HOLD_FAILED            |          | urgent  | JOINING    |             |               |
+| state      | event             | in place | stop           | next       | cause       |
+|------------|-------------------|----------|----------------|------------|-------------|
+| JOINING    | ROUND_FORMED      |          | -              | RUNNING    |             |
+| JOINING    | SIGNALLED         |          | -              | LEFT       |             |
+| JOINING    | JOB_SUCCEEDED     |          | -              | SUCCEEDED  |             |
+| JOINING    | JOB_FAILED        |          | -              | FAILED     |             |
+| JOINING    | JOIN_TIMED_OUT    |          | -              | FAILED     |             |
+| HOLDING    | ROUND_FORMED      | yes      | -              | RUNNING    |             |
+| HOLDING    | ROUND_FORMED      | no       | kill           | RUNNING    |             |
+| HOLDING    | SIGNALLED         |          | drain          | LEFT       |             |
+| HOLDING    | JOB_SUCCEEDED     |          | urgent         | SUCCEEDED  |             |
+| HOLDING    | JOB_FAILED        |          | urgent         | FAILED     |             |
+| HOLDING    | JOIN_TIMED_OUT    |          | urgent         | FAILED     |             |
+| RUNNING    | WORKERS_SUCCEEDED |          | -              | SUCCEEDED  |             |
+| RUNNING    | WORKERS_SAVED     |          | - (gone)       | RESIZING   | resize      |
+| RUNNING    | WORKERS_FAILED    |          | urgent         | RESTARTING | failure     |
+| RUNNING    | WORKERS_HUNG      |          | urgent         | RESTARTING | hang        |
+| RUNNING    | SIGNALLED         |          | drain          | LEFT       |             |
+| RUNNING    | JOB_SUCCEEDED     |          | finish         | SUCCEEDED  |             |
+| RUNNING    | JOB_FAILED        |          | urgent         | FAILED     |             |
+| RUNNING    | FENCED            |          | kill           | RESTARTING | fenced      |
+| RUNNING    | SUPERSEDED        | no/yes   | urgent/abandon | RESTARTING | resize      |
+| RUNNING    | LOST              | no/yes   | urgent/abandon | RESTARTING | member_lost |
+| RUNNING    | PEER_FAILED       | no/yes   | urgent/abandon | RESTARTING | failure     |
+| RUNNING    | LEFT              | no/yes   | urgent/abandon | RESTARTING | member_left |
+| RUNNING    | LEAVING           | no/yes   | drain/pause    | RESIZING   | member_left |
+| RUNNING    | STOPPING          | no/yes   | drain/pause    | RESIZING   | resize      |
+| RUNNING    | WAITING           | no/yes   | drain/pause    | RESIZING   | resize      |
+| RESIZING   | WORKERS_STOPPED   |          | -              | JOINING    |             |
+| RESIZING   | WORKERS_SUCCEEDED |          | -              | SUCCEEDED  |             |
+| RESIZING   | WORKERS_HELD      |          | -              | HOLDING    |             |
+| RESIZING   | HOLD_FAILED       |          | urgent         | JOINING    |             |
+| RESTARTING | WORKERS_STOPPED   |          | -              | JOINING    |             |
+| RESTARTING | WORKERS_HELD      |          | -              | HOLDING    |             |
+| RESTARTING | HOLD_FAILED       |          | urgent         | JOINING    |             |
+
+Besides: ROUND_FORMED starts new workers (JOINING; HOLDING when a held worker died,
+after killing the rest) or re-forms the held ones in place; WORKERS_FAILED and
+WORKERS_HUNG report the failure to the job (one restart, job-wide); RUNNING | SIGNALLED
+announces that this node leaves; WORKERS_SUCCEEDED closes the job. The ends exit:
+SUCCEEDED 0, FAILED 1, LEFT 128 + the signal.
 
 JOINING, HOLDING and RUNNING observe the job, the workers and signals. RESIZING and
 RESTARTING last while the workers stop (or, in place, let go of their process group);

@@ -14,9 +14,9 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import ConfigError, build_options, parse_conf
 from rendezvous.errors import RendezvousError
 from rendezvous.mirror import read_view
-from rendezvous.view import JobView
 from rendezvous.records import JobOutcome
 from rendezvous.rules import MemberState, member_state
+from rendezvous.view import JobView
 
 
 def parser() -> argparse.ArgumentParser:
