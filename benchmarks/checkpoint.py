@@ -176,14 +176,14 @@ def policies(batch: int, shm: Path, disk: Path, phases: int) -> None:
                 os.environ[NODE_DIR_ENV] = str(shm / f"{batch}-{policy.every}")
                 loop.state = State(model=loop.model, optimizer=loop.opt, snapshot_policy=policy)
             loop.state.commit()
-            return loop.state._cadence.last == step
+            return loop.state._core.cadence.last == step
 
         return commit
 
     auto = Loop("elastic-run default (auto, 2% budget)", batch, with_state(SnapshotPolicy()))
     auto.run(12)  # measures steps, takes one probe snapshot, chooses
     assert auto.state is not None
-    cadence = auto.state._cadence
+    cadence = auto.state._core.cadence
     while cadence.interval == 0 and auto.step < 60:
         auto.run(1)
     first = auto.step + 1

@@ -83,7 +83,7 @@ def main() -> None:
             steps(model, opt, x, a.steps if every == 1 else n, lambda i, s=state: s.commit())
         )
         blocked = state.stats.blocked_seconds / max(state.stats.snapshots, 1)
-        chose = state._cadence
+        chose = state._core.cadence
         state.close()
         if every == "auto":
             every = (

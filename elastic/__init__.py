@@ -18,7 +18,7 @@ _LAZY = {
     "State": "elastic.worker.state",
     "SnapshotPolicy": "elastic.contract",
     "CheckpointMismatchError": "elastic.worker.restore",
-    "Reformation": "elastic.worker.live",
+    "Reformation": "elastic.worker.group",
     "ElasticSampler": "elastic.worker.sampler",
     "BatchPolicy": "elastic.worker.sampler",
     "tune_workers": "elastic.tools.tune_workers",

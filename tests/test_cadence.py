@@ -149,31 +149,31 @@ def test_state_by_default_snapshots_as_often_as_the_budget_allows(
     state = State(model=model, optimizer=opt)
     assert state.policy.every == "auto" and state.policy.budget == 0.02
     now = [0.0]
-    state._cadence.clock = lambda: now[0]
+    state._core.cadence.clock = lambda: now[0]
     x = torch.randn(2, 64)
 
     def train(steps: int, step_s: float, cost_s: float) -> list[int]:
         taken = []
         for _ in range(steps):
-            if state._cadence.last == state.step and taken:
+            if state._core.cadence.last == state.step and taken:
                 now[0] += cost_s  # the snapshot at the last commit slows this step
             now[0] += step_s
             model(x).sum().backward()
             opt.step()
             opt.zero_grad()
             state.commit()
-            if state._cadence.last == state.step:
+            if state._core.cadence.last == state.step:
                 taken.append(state.step)
         state.flush()
         return taken
 
     caplog.set_level(logging.INFO, logger="elastic.state")
     short = train(300, 0.01, 0.08)
-    assert state._cadence.interval == 500  # 80 ms / (500 * 10 ms) = 1.6%
+    assert state._core.cadence.interval == 500  # 80 ms / (500 * 10 ms) = 1.6%
     assert len(short) == 1, short  # the probe; the next is due at step 506
     assert "snapshot every 500 step(s), at most 500 step(s) lost to a crash" in caplog.text
     long = train(30, 1.0, 0.08)
-    assert state._cadence.interval == 5, caplog.text
+    assert state._core.cadence.interval == 5, caplog.text
     assert long and long[0] - short[0] < 500
     assert max(b - a for a, b in itertools.pairwise(long)) == 5
     assert "snapshot every 5 step(s), at most 5 step(s) lost" in caplog.text

@@ -38,7 +38,8 @@ def local_rank() -> int:
 
 class ControlGroup:
     """A gloo group over the default group's ranks, made on first use and remade when the
-    default group changes (a new process group after a re-formation)."""
+    default group changes (a new process group after a re-formation). One per process
+    (``control()``): a re-formation (``group.Group.leave``) makes it forget the old one."""
 
     def __init__(self) -> None:
         self._group: Any = None
@@ -87,3 +88,11 @@ class ControlGroup:
         if out:
             d.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=holder, group=group)
         return memoryview(out)
+
+
+_control = ControlGroup()
+
+
+def control() -> ControlGroup:
+    """This process's control group (every ``State`` agrees through it)."""
+    return _control

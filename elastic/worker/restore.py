@@ -31,11 +31,11 @@ class Candidate:
     slots: SnapshotSlots | None = None  # a shared-memory snapshot in slot ``slot``
     slot: int = 0
     data: bytes | None = None  # a checkpoint file's bytes
-    held: Callable[[], memoryview] | None = None  # the state this process holds, packed
+    in_memory: Callable[[], memoryview] | None = None  # the state this process holds, packed
 
     def read(self) -> memoryview:
-        if self.held is not None:
-            return self.held()
+        if self.in_memory is not None:
+            return self.in_memory()
         if self.slots is not None:
             return self.slots.read(self.slot)
         assert self.data is not None

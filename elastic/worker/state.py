@@ -33,17 +33,18 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from elastic import contract
-from elastic.contract import NODE_DIR_ENV, SnapshotPolicy
+from elastic.contract import NODE_DIR_ENV, ControlBlock, SnapshotPolicy
 from elastic.stored import SnapshotError
-from elastic.worker import comm, live, progress, rng, sharded, snapshot
+from elastic.worker import comm, group, progress, rng, sharded, snapshot
 from elastic.worker.cadence import Cadence
-from elastic.worker.live import Live, Reformation
+from elastic.worker.group import Group, Reformation
 from elastic.worker.restore import (
     NOTHING,
     Candidate,
@@ -56,8 +57,6 @@ from elastic.worker.snapshotter import Snapshotter, Stats, frozen_storage, stabl
 
 log = logging.getLogger("elastic.state")
 
-_RESERVED = {"step", "snapshot_policy"}
-
 __all__ = ["CheckpointMismatchError", "Reformation", "SnapshotPolicy", "State"]
 
 T = TypeVar("T")
@@ -69,127 +68,183 @@ def _has_state(obj: Any) -> bool:
     )
 
 
+@dataclass
+class _Core:
+    """Everything ``State`` keeps besides the script's values, on one object: no name a
+    script gives a value can shadow it, and none of it is saved."""
+
+    objects: dict[str, Any]  # with state_dict/load_state_dict: models, optimizers...
+    values: dict[str, Any]  # plain values, "step" among them
+    policy: SnapshotPolicy
+    stats: Stats
+    cadence: Cadence
+    ctl: ControlBlock | None
+    node_dir: str | None
+    sharded: bool
+    snapshotter: Snapshotter
+    stop_seen: int = 0  # the control block's stop generation already answered
+    hooks: list[Any] = field(default_factory=list)
+    last_commit: float | None = None  # the cadence's clock at the end of commit()
+    disturbed: bool = False  # a snapshot ran into the step now in progress
+    logged_interval: int = 0
+    stepped: bool = False  # an optimizer stepped since the last commit()
+    group: Group | None = None  # while run() keeps this process through changes
+    restored: bool = False
+
+    @property
+    def comm(self) -> comm.ControlGroup:
+        return comm.control()
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+
+    def samplers(self) -> list[ElasticSampler]:
+        return [o for o in self.objects.values() if isinstance(o, ElasticSampler)]
+
+    def stopping(self) -> bool:
+        return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
+
+
 class State:
-    """Model, optimizer, scheduler, sampler and plain values of a run (see module doc)."""
+    """Model, optimizer, scheduler, sampler and plain values of a run (see module doc).
+
+    Values are read and set as attributes (``state.epoch``); a name that ``State`` itself
+    uses (``commit``, ``run``, ``stats``, ``step``...) is refused when the State is made,
+    so a value can never be shadowed by, or shadow, what ``State`` does."""
+
+    _core: _Core
 
     def __init__(self, snapshot_policy: SnapshotPolicy | None = None, **items: Any) -> None:
         objects: dict[str, Any] = {}
         values: dict[str, Any] = {"step": 0}
         for key, value in items.items():
-            if key in _RESERVED:
-                raise ValueError(f"State: {key!r} is reserved")
+            if key in RESERVED:
+                raise ValueError(
+                    f"State: {key!r} is a name State uses itself "
+                    f"({'its step counter' if key == 'step' else 'State.' + key}); "
+                    "give the value another name"
+                )
             (objects if _has_state(value) else values)[key] = value
-        set_ = object.__setattr__
-        set_(self, "_objects", objects)
-        set_(self, "_values", values)
-        set_(self, "policy", snapshot_policy or SnapshotPolicy.from_env())
-        set_(self, "stats", Stats())
-        every = self.policy.every
+        policy = snapshot_policy or SnapshotPolicy.from_env()
+        every = policy.every
         fixed = None if every == "auto" else int(every)
-        set_(self, "_cadence", Cadence(self.policy.budget, fixed))
         if fixed:
             progress.cadence(fixed, 0.0, 0.0, fixed)
-        set_(self, "_last_commit", None)  # the cadence's clock at the end of commit()
-        set_(self, "_disturbed", False)  # a snapshot ran into the step now in progress
-        set_(self, "_logged_interval", 0)
-        set_(self, "_ctl", contract.worker_block())
-        set_(self, "_stop_seen", self._ctl.stop_generation if self._ctl else 0)
-        set_(self, "_comm", comm.ControlGroup())
-        set_(self, "_node_dir", os.environ.get(NODE_DIR_ENV) or None)
-        if self._ctl is not None:
-            self._ctl.mark(contract.USES_STATE)
-        set_(self, "_sharded", sharded.is_sharded(objects))
-        if self._sharded and not self.policy.checkpoint_dir:
+        ctl = contract.worker_block()
+        if ctl is not None:
+            ctl.mark(contract.USES_STATE)
+        is_sharded = sharded.is_sharded(objects)
+        if is_sharded and not policy.checkpoint_dir:
             raise ValueError(
                 "sharded state (FSDP2/DTensor) is saved with torch.distributed.checkpoint: "
                 "give --checkpoint-dir on a filesystem every node can read"
             )
-        set_(
-            self,
-            "_snapshotter",
-            Snapshotter(self.policy, self._node_dir, comm.local_rank(), self._ctl, self.stats),
+        node_dir = os.environ.get(NODE_DIR_ENV) or None
+        stats = Stats()
+        core = _Core(
+            objects=objects,
+            values=values,
+            policy=policy,
+            stats=stats,
+            cadence=Cadence(policy.budget, fixed),
+            ctl=ctl,
+            node_dir=node_dir,
+            sharded=is_sharded,
+            snapshotter=Snapshotter(policy, node_dir, comm.local_rank(), ctl, stats),
+            stop_seen=ctl.stop_generation if ctl else 0,
         )
-        set_(self, "_stepped", False)  # an optimizer stepped since the last commit()
-        set_(self, "_live", None)  # Live, while run() keeps this process through changes
-        set_(self, "_restored", False)
-        hooks = []
-        for opt in self._optimizers():
-            hooks.append(opt.register_step_pre_hook(lambda *_: self._snapshotter.wait_for_step()))
-            hooks.append(opt.register_step_post_hook(lambda *_: self._mark_stepped()))
-        set_(self, "_hooks", hooks)
+        object.__setattr__(self, "_core", core)
 
-    def _mark_stepped(self) -> None:
-        object.__setattr__(self, "_stepped", True)
+        def stepped(*_: Any) -> None:
+            core.stepped = True
 
-    # -- plain values as attributes ---------------------------------------------------
+        for opt in core.optimizers():
+            core.hooks.append(
+                opt.register_step_pre_hook(lambda *_: core.snapshotter.wait_for_step())
+            )
+            core.hooks.append(opt.register_step_post_hook(stepped))
+
+    # -- values as attributes ---------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
-        values = self.__dict__.get("_values", {})
-        if name in values:
-            return values[name]
-        objects = self.__dict__.get("_objects", {})
-        if name in objects:
-            return objects[name]
-        raise AttributeError(name)
+        core: _Core | None = self.__dict__.get("_core")
+        if core is not None:
+            if name in core.values:
+                return core.values[name]
+            if name in core.objects:
+                return core.objects[name]
+        raise AttributeError(f"State has no value or object {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._values:
-            self._values[name] = value
+        core = self._core
+        if name in core.values:
+            core.values[name] = value
+        elif name in core.objects:
+            core.objects[name] = value
+        elif name in RESERVED:
+            raise AttributeError(f"State.{name} cannot be set")
         else:
-            object.__setattr__(self, name, value)
+            raise AttributeError(
+                f"State has no value {name!r}: name it when making the State "
+                f"(State(..., {name}=...)) so that it is saved and restored"
+            )
 
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
+    @property
+    def stats(self) -> Stats:
+        """What this State did so far: snapshots, checkpoints, restores."""
+        return self._core.stats
 
-    def _samplers(self) -> list[ElasticSampler]:
-        return [o for o in self._objects.values() if isinstance(o, ElasticSampler)]
+    @property
+    def policy(self) -> SnapshotPolicy:
+        """When it snapshots and checkpoints (``--snapshot-every`` and the others)."""
+        return self._core.policy
 
     # -- commit ---------------------------------------------------------------------------
     def commit(self, loss: float | None = None) -> None:
         """One optimizer step is done: count it, report it (``loss`` too, if given, for
         the metrics), snapshot or stop as the ranks agree."""
-        object.__setattr__(self, "_stepped", False)
-        self._values["step"] += 1
-        step = self._values["step"]
-        samplers = self._samplers()
+        core = self._core
+        core.stepped = False
+        core.values["step"] += 1
+        step = core.values["step"]
+        samplers = core.samplers()
         before = sum(s.consumed for s in samplers)
         for s in samplers:
             s.advance(1)
         after = sum(s.consumed for s in samplers)
         progress.report(step, loss, (after - before) // max(comm.world(), 1))
-        cadence: Cadence = self._cadence
+        cadence = core.cadence
         now = cadence.clock()
-        if self._last_commit is not None:
-            cadence.observe(now - self._last_commit, self._disturbed)
-        due = cadence.due(step)
-        live_ = self._live
-        pause = live_ is not None and live_.pause_asked
-        stop, due, interval, pause = self._comm.all_reduce(
-            [self._stopping(), due, cadence.proposal, pause], "MAX"
+        if core.last_commit is not None:
+            cadence.observe(now - core.last_commit, core.disturbed)
+        g = core.group
+        asked = g is not None and g.pause_asked
+        stop, due, interval, pause = core.comm.all_reduce(
+            [core.stopping(), cadence.due(step), cadence.proposal, asked], "MAX"
         )
         if cadence.agree(interval):
             self._tell_cadence()
         # the ranks stop together; a live one that was not asked to leave pauses instead
-        leave = bool(stop or pause) if live_ is None else bool(stop) and self._stopping()
+        leave = bool(stop or pause) if g is None else bool(stop) and core.stopping()
         if due or stop or pause:
             self.snapshot(wait=leave)  # pausing: the copy overlaps the re-formation
         if leave:
             self._leave_for_resize()
         if stop or pause:
             raise Reformation(f"the ranks paused at step {step} for a membership change")
-        set_ = object.__setattr__
-        set_(self, "_disturbed", bool(due) or self._snapshotter.copying)
-        set_(self, "_last_commit", cadence.clock())
+        core.disturbed = bool(due) or core.snapshotter.copying
+        core.last_commit = cadence.clock()
 
     def _tell_cadence(self) -> None:
         """The ranks agreed on a new interval: logged (rank 0) and exported, with the
         steps a crash can cost."""
-        cadence: Cadence = self._cadence
+        core = self._core
+        cadence = core.cadence
         risk = cadence.at_risk
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
-        logged = self._logged_interval
+        logged = core.logged_interval
         if comm.rank() != 0 or (logged and logged / 2 < cadence.interval < logged * 2):
             return  # the log shows the first choice and moves of 2x; the metrics all
-        object.__setattr__(self, "_logged_interval", cadence.interval)
+        core.logged_interval = cadence.interval
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
         if cadence.choice and cadence.choice.interval != cadence.interval:
             why += f" here; another rank's figures asked for every {cadence.interval}"
@@ -204,14 +259,12 @@ class State:
         """Progress without a step (a long evaluation): keeps the hang detector quiet."""
         progress.report()
 
-    def _stopping(self) -> bool:
-        return self._ctl is not None and self._ctl.stop_generation != self._stop_seen
-
     def _leave_for_resize(self) -> None:
-        self._snapshotter.flush(timeout=60)
-        log.info("stopping at step %d for a resize", self._values["step"])
-        if self._ctl is not None:  # the others need not wait for this process to end
-            self._ctl.leaving()
+        core = self._core
+        core.snapshotter.flush(timeout=60)
+        log.info("stopping at step %d for a resize", core.values["step"])
+        if core.ctl is not None:  # the others need not wait for this process to end
+            core.ctl.leaving()
         raise SystemExit(contract.EXIT_RESIZE)
 
     # -- live re-formation ----------------------------------------------------------------
@@ -226,43 +279,44 @@ class State:
         python, ``--restart-mode respawn``) it is called once."""
         from torch.nn.parallel import DistributedDataParallel
 
-        for name, obj in self._objects.items():
+        core = self._core
+        for name, obj in core.objects.items():
             if isinstance(obj, DistributedDataParallel):
                 raise ValueError(
                     f"State.run: {name!r} is a DistributedDataParallel. Give State the module "
                     f"inside it and wrap that in DDP inside {getattr(fn, '__name__', 'fn')}(): "
                     "DDP holds the process group, which a re-formation replaces"
                 )
-        link = self._go_live()
+        g = self._go_live()
         try:
-            if not self._restored:
+            if not core.restored:
                 self.restore()
             while True:
                 try:
                     return fn(*args, **kwargs)
                 except BaseException as e:
-                    if link is None or not link.reforms(e):
+                    if g is None or not g.breaks(e):
                         raise
-                    self._reform(link, e)
+                    self._reform(g, e)
         finally:
-            live.detach()
-            object.__setattr__(self, "_live", None)
+            group.detach()
+            core.group = None
 
-    def _go_live(self) -> Live | None:
-        d = comm.dist()
-        if d is None or self._sharded:
+    def _go_live(self) -> Group | None:
+        core = self._core
+        if comm.dist() is None or core.sharded:
             return None  # sharded state: DCP's collectives; the respawn path stays
-        link = live.attach(self._ctl)
-        if link is not None and link.reformations == 0:
-            link.adopt()  # the group the script formed itself
-        object.__setattr__(self, "_live", link)
-        return link
+        g = group.attach(core.ctl)
+        if g is not None and g.reformations == 0:
+            g.adopt()  # the group the script formed itself
+        core.group = g
+        return g
 
-    def _reform(self, link: Live, why: BaseException) -> None:
-        """Leave the broken group, form the next one, agree on the state; retried while
-        the group breaks again under it (a second change during the first)."""
+    def _reform(self, g: Group, why: BaseException) -> None:
+        """Leave the broken group, form the next one, agree on the state (see
+        ``Group.reform``); save and exit instead if this node leaves meanwhile."""
         started = time.perf_counter()
-        if not isinstance(why, Reformation) and not link.abandoned.is_set():
+        if not isinstance(why, Reformation) and not g.abandoned.is_set():
             text = str(why).strip().splitlines()[0][:200] if str(why).strip() else ""
             log.warning(
                 "rank %d: collective failed (%s: %s); waiting for the agent",
@@ -270,94 +324,95 @@ class State:
                 type(why).__name__,
                 text,
             )
-        while True:
-            self._comm.forget()
-            link.let_go()
-            self._snapshotter.wait_copy()  # nothing may read the tensors a load rewrites
-            if self._stepped:  # the step finished but its commit() did not: count it
-                self._count_step()
-            for opt in self._optimizers():  # the step in flight is dropped, and its gradients
-                opt.zero_grad(set_to_none=True)
-            try:
-                if not link.form(self._stopping):  # this node leaves meanwhile
-                    self.snapshot(wait=True)
-                    self._leave_for_resize()
-                progress.relabel()
-                step = self._resync()
-                break
-            except Exception as e:
-                if not link.reforms(e):
-                    raise
+        step = g.reform(self._drop_step_in_flight, self._resync, self._core.stopping)
+        if step is None:  # this node leaves meanwhile
+            self.snapshot(wait=True)
+            self._leave_for_resize()
         log.info(
             "re-formed live: rank %d of %d at step %d in %.2fs (re-formation %d)",
             comm.rank(),
             comm.world(),
             step,
             time.perf_counter() - started,
-            link.reformations,
+            g.reformations,
         )
 
-    def _count_step(self) -> None:
-        object.__setattr__(self, "_stepped", False)
-        self._values["step"] += 1
-        for s in self._samplers():
-            s.advance(1)
+    def _drop_step_in_flight(self) -> None:
+        """Between leaving a group and forming the next: nothing may read the tensors a
+        load rewrites; a step whose optimizer ran but whose commit() did not is counted,
+        not redone; the gradients of the step in flight go."""
+        core = self._core
+        core.snapshotter.wait_copy()
+        if core.stepped:
+            core.stepped = False
+            core.values["step"] += 1
+            for s in core.samplers():
+                s.advance(1)
+        for opt in core.optimizers():
+            opt.zero_grad(set_to_none=True)
 
     def _resync(self) -> int:
         """Every rank offers the state it holds; the newest goes to those behind."""
-        mine = Candidate(step=self._values["step"], held=lambda: snapshot.to_bytes(self._state()))
+        core = self._core
+        mine = Candidate(
+            step=core.values["step"], in_memory=lambda: snapshot.to_bytes(self._state())
+        )
         step, nbytes = self._restore_snapshot(mine)
-        self.stats.restore_bytes = nbytes
+        core.stats.restore_bytes = nbytes
         self._apply_batch_policy()
-        if self._ctl is not None:
-            self._ctl.beat(step)
+        if core.ctl is not None:
+            core.ctl.beat(step)
         return step
 
     # -- snapshots ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {
             "version": 1,
-            "step": self._values["step"],
-            "values": dict(self._values),
-            "objects": {k: o.state_dict() for k, o in self._objects.items()},
+            "step": self._core.values["step"],
+            "values": dict(self._core.values),
+            "objects": {k: o.state_dict() for k, o in self._core.objects.items()},
         }
 
     def snapshot(self, wait: bool = False) -> None:
         """Take a snapshot now (commit() does this by policy). Collective when sharded.
         ``wait``: copy everything before returning (the process is about to stop)."""
-        step = self._values["step"]
-        self._cadence.taken(step)
-        rng.save(self._node_dir, comm.rank(), step)
-        if self._sharded:
+        step = self._core.values["step"]
+        self._core.cadence.taken(step)
+        rng.save(self._core.node_dir, comm.rank(), step)
+        if self._core.sharded:
             self._save_sharded(step)
             return
-        stable = set() if wait else stable_storage(self._optimizers())
-        frozen = frozen_storage(o for o in self._objects.values() if isinstance(o, torch.nn.Module))
+        stable = set() if wait else stable_storage(self._core.optimizers())
+        frozen = frozen_storage(
+            o for o in self._core.objects.values() if isinstance(o, torch.nn.Module)
+        )
         rank0 = comm.rank() == 0
-        self._snapshotter.take(
+        self._core.snapshotter.take(
             self._state(),
             step,
             stable,
             frozen,
-            checkpoint=lambda: rank0 and self._snapshotter.due_checkpoint(wait),
+            checkpoint=lambda: rank0 and self._core.snapshotter.due_checkpoint(wait),
         )
 
     def _save_sharded(self, step: int) -> None:
         started = time.perf_counter()
-        directory = Path(str(self.policy.checkpoint_dir))
+        directory = Path(str(self._core.policy.checkpoint_dir))
         try:
-            sharded.save(directory, step, self._objects, self._values, self.policy.keep)
+            sharded.save(
+                directory, step, self._core.objects, self._core.values, self._core.policy.keep
+            )
         except Exception as e:  # DCP raises its own exception types, on every rank
-            self.stats.checkpoint_failures += 1
+            self._core.stats.checkpoint_failures += 1
             progress.checkpoint(False, 0.0, 0)
             log.error("sharded checkpoint of step %d failed; training goes on: %s", step, e)
             return
-        self.stats.checkpoints += 1
-        self.stats.snapshots += 1
+        self._core.stats.checkpoints += 1
+        self._core.stats.snapshots += 1
         took = time.perf_counter() - started
-        self.stats.snapshot_seconds = self.stats.checkpoint_seconds = took
-        if self._ctl is not None:
-            self._ctl.snapshot_taken(step)
+        self._core.stats.snapshot_seconds = self._core.stats.checkpoint_seconds = took
+        if self._core.ctl is not None:
+            self._core.ctl.snapshot_taken(step)
 
     # -- restore --------------------------------------------------------------------------
     def restore(self) -> bool:
@@ -365,50 +420,50 @@ class State:
         Every rank must call it, at the same point of the script."""
         started = time.perf_counter()
         nbytes = 0
-        if self._sharded:
+        if self._core.sharded:
             step = self._restore_sharded()
         else:
             step, nbytes = self._restore_snapshot()
         took = time.perf_counter() - started
-        object.__setattr__(self, "_restored", True)
-        self.stats.restore_seconds = took
-        self.stats.restore_bytes = nbytes
+        self._core.restored = True
+        self._core.stats.restore_seconds = took
+        self._core.stats.restore_bytes = nbytes
         progress.restored(took, nbytes)
         self._apply_batch_policy()
         if step < 0:
             return False
-        self.stats.restored_step = step
-        if self._ctl is not None:
-            self._ctl.beat(step)
+        self._core.stats.restored_step = step
+        if self._core.ctl is not None:
+            self._core.ctl.beat(step)
         return True
 
     def _restore_snapshot(self, mine: Candidate | None = None) -> tuple[int, int]:
         """(step restored or -1, bytes loaded). ``mine``: what this rank offers (default:
         the newest state it can read); a rank offering what it holds in memory
-        (``held``) and as new as the newest loads nothing."""
+        (``in_memory``) and as new as the newest loads nothing."""
         started = time.perf_counter()
-        policy = self.policy
+        policy = self._core.policy
         if mine is None:
             mine = local_candidate(
-                self._node_dir,
-                self._snapshotter.slots,
+                self._core.node_dir,
+                self._core.snapshotter.slots,
                 policy.checkpoint_dir,
                 policy.keep,
                 comm.local_rank(),
             )
         rank, world = comm.rank(), comm.world()
-        best, lowest = self._comm.all_reduce([mine.step, -mine.step], "MAX")
+        best, lowest = self._core.comm.all_reduce([mine.step, -mine.step], "MAX")
         if best < 0:
             return -1, 0
         everyone = -lowest == best  # the MAX of -step is minus the smallest step
-        holder = self._comm.all_reduce([rank if mine.step == best else world], "MIN")[0]
-        if everyone and mine.held is not None:
+        holder = self._core.comm.all_reduce([rank if mine.step == best else world], "MIN")[0]
+        if everyone and mine.in_memory is not None:
             return best, 0  # every rank holds the newest state already
         if everyone:
             blob = mine.read()
         else:
-            blob = self._comm.broadcast(mine.read() if rank == holder else None, holder)
-            if mine.held is not None and mine.step == best:
+            blob = self._core.comm.broadcast(mine.read() if rank == holder else None, holder)
+            if mine.in_memory is not None and mine.step == best:
                 return best, 0
         try:
             saved = snapshot.parse(blob)
@@ -416,47 +471,55 @@ class State:
             raise CheckpointMismatchError(
                 f"the saved state of step {best} is unreadable: {e}"
             ) from None
-        load_into(self._objects, saved)
-        self._values.update(saved.get("values", {}))
-        self._values["step"] = int(saved["step"])
-        rng.restore(self._node_dir, rank, best)
+        load_into(self._core.objects, saved)
+        self._core.values.update(saved.get("values", {}))
+        self._core.values["step"] = int(saved["step"])
+        rng.restore(self._core.node_dir, rank, best)
         sent = ", sent over the process group" if not everyone else ""
         took = time.perf_counter() - started
         log.info("restored step %d (from rank %d%s) in %.2fs", best, holder, sent, took)
         return best, len(blob)
 
     def _restore_sharded(self) -> int:
-        directory = Path(str(self.policy.checkpoint_dir))
+        directory = Path(str(self._core.policy.checkpoint_dir))
         mine = sharded.complete_steps(directory)[:1] if comm.rank() == 0 else []
-        best = int(self._comm.all_reduce([mine[0] if mine else NOTHING.step], "MAX")[0])
+        best = int(self._core.comm.all_reduce([mine[0] if mine else NOTHING.step], "MAX")[0])
         if best < 0:
             return -1
         try:
-            values = sharded.load(directory, best, self._objects, self._values)
+            values = sharded.load(directory, best, self._core.objects, self._core.values)
         except Exception as e:  # DCP's own errors: missing keys, wrong shapes
             raise CheckpointMismatchError(
                 f"sharded checkpoint of step {best} does not fit: {e}"
             ) from None
-        self._values.update(values)
-        self._values["step"] = best
-        rng.restore(self._node_dir, comm.rank(), best)
+        self._core.values.update(values)
+        self._core.values["step"] = best
+        rng.restore(self._core.node_dir, comm.rank(), best)
         return best
 
     def _apply_batch_policy(self) -> None:
         schedulers = [
-            o for o in self._objects.values() if hasattr(o, "base_lrs") and hasattr(o, "optimizer")
+            o
+            for o in self._core.objects.values()
+            if hasattr(o, "base_lrs") and hasattr(o, "optimizer")
         ]
-        for s in self._samplers():
-            for opt in self._optimizers():
+        for s in self._core.samplers():
+            for opt in self._core.optimizers():
                 sched = next((x for x in schedulers if x.optimizer is opt), None)
                 s.policy.apply(opt, sched, comm.world())
 
     def flush(self) -> None:
         """Wait for the snapshot copy and the checkpoint write in progress, if any."""
-        self._snapshotter.flush()
+        self._core.snapshotter.flush()
 
     def close(self) -> None:
         """Finish background work (the process exiting does the same, less politely)."""
         self.flush()
-        for h in self._hooks:
+        for h in self._core.hooks:
             h.remove()
+
+
+# names a value cannot take: what State itself answers to (its step counter included)
+RESERVED = frozenset(
+    {"step", "snapshot_policy"} | {n for n in vars(State) if not n.startswith("_")}
+)

@@ -1,20 +1,25 @@
-"""Live re-formation, the worker's side: keep the process through a membership change.
+"""The process group of a live worker: one owner that forms it, aborts it, leaves it and
+forms the next one, in the same process, when the job's membership changes.
 
-The agent asks through the control block (``pause``: stop at the next step; ``abandon``:
-the round is broken, leave now) and then publishes the new placement. The worker lets go
-of its process group, waits for the placement, takes its torchrun variables into
-``os.environ`` (so ``dist.init_process_group()`` with no arguments sees the new round)
-and forms the new default group. ``State.run`` drives it; when to re-form is the agent's
-decision, never the worker's.
+As torchft's ``ProcessGroup`` (``configure``/``abort``) is one object its manager
+reconfigures, ``Group`` is the one object that ``State.run`` reconfigures. The agent asks
+through the control block (``pause``: stop at the next step; ``abandon``: the round is
+broken, leave now) and then publishes the next placement; the steps of a re-formation
+are ``leave`` (abort, destroy, forget the control group), ``wait_placement``, ``form``
+(the torchrun variables into ``os.environ``, then ``init_process_group``, so
+``dist.init_process_group()`` with no arguments in a script sees the new round) and the
+caller's resync; ``reform`` runs them, again while the group breaks under it. When to
+re-form is the agent's decision, never the worker's.
 
-A collective blocked on a frozen peer never returns by itself, and gloo's ``abort()``
-does not wake it (torch 2.13, measured). Shutting down the reading side of the group's
-TCP connections does, at once: gloo reads the end of the stream and fails every operation
-pending on the connection. (Not the writing side too: gloo's asynchronous writes ignore
-EPIPE and leave the operation queued, so an operation posted just then would wait for its
-timeout; measured as a hang in about 1 of 10 abandons.) A thread watching the control
-block does that when asked to abandon. NCCL has its own abort (``_abort_process_group``),
-which is what this module calls for it.
+Aborting is a list of policies per backend (as NVIDIA Resiliency Extension composes its
+``Abort`` classes). A collective blocked on a frozen peer never returns by itself, and
+gloo's ``abort()`` does not wake it (torch 2.13, measured). Shutting down the reading
+side of the group's TCP connections does, at once: gloo reads the end of the stream and
+fails every operation pending on the connection (not the writing side too: gloo's
+asynchronous writes ignore EPIPE and leave the operation queued, so an operation posted
+just then would wait for its timeout; measured as a hang in about 1 of 10 abandons).
+NCCL has its own abort (``_abort_process_group``), and its store connection is cut the
+same way.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -39,6 +44,7 @@ from elastic.contract import (
     peer_gone,
     read_placement,
 )
+from elastic.worker import comm, progress
 
 log = logging.getLogger("elastic.live")
 
@@ -52,6 +58,7 @@ class Reformation(BaseException):
 
 
 Conn = tuple[int, Any, Any]  # (fd, local address, remote address)
+Placement = tuple[int, dict[str, str]]  # (its generation, the torchrun variables)
 
 
 def _connections() -> set[Conn]:
@@ -84,6 +91,8 @@ class GroupSockets:
                 self._conns = _connections() - (before or set())
 
     def adopt(self) -> None:
+        """Take every TCP connection of the process as the group's (a group formed before
+        this object watched: the script's own before ``State.run``)."""
         with self._lock:
             self._conns = _connections()
 
@@ -110,8 +119,50 @@ def _dist() -> Any:
     return dist
 
 
-class Live:
-    """One live worker's link to its agent: the watcher thread and the re-formation steps."""
+# -- aborting: policies per backend ------------------------------------------------------------
+class Abort(Protocol):
+    """One way of waking what the main thread has blocked on the group."""
+
+    def __call__(self, group: Group) -> None: ...
+
+
+class CutReads:
+    """Shut the reading side of the group's TCP connections (see the module doc)."""
+
+    def __call__(self, group: Group) -> None:
+        group.sockets.cut()
+
+
+class AbortNccl:
+    """NCCL's communicator abort: its pending collectives return with an error."""
+
+    def __call__(self, group: Group) -> None:
+        with contextlib.suppress(Exception):
+            _dist().distributed_c10d._abort_process_group()
+
+
+ABORTS: dict[str, tuple[Abort, ...]] = {
+    "gloo": (CutReads(),),
+    "nccl": (AbortNccl(), CutReads()),  # the communicator, then the store's connection
+}
+
+
+def aborts_for(backend: str) -> tuple[Abort, ...]:
+    """The policies that abort a group of ``backend`` (``cpu:gloo,cuda:nccl`` takes
+    each one's, in order); an unknown backend gets the socket cut, which any TCP-based
+    one obeys."""
+    policies: list[Abort] = []
+    for part in backend.lower().split(","):
+        name = part.rpartition(":")[2].strip()
+        for policy in ABORTS.get(name, (CutReads(),)):
+            if not any(type(p) is type(policy) for p in policies):
+                policies.append(policy)
+    return tuple(policies) or (CutReads(),)
+
+
+class Group:
+    """One live worker's default process group and its link to the agent: a watcher
+    thread that aborts the group when the agent asks, and the steps of a re-formation."""
 
     def __init__(self, block: ControlBlock) -> None:
         self.block = block
@@ -121,8 +172,8 @@ class Live:
         self._seen_pause = block.pause_generation
         self.generation = block.placement_generation  # the placement it runs
         self.reformations = 0
-        self._backend = ""
-        self._timeout: datetime.timedelta | None = None  # the script's group's, if known
+        self.backend = ""
+        self.timeout: datetime.timedelta | None = None  # the script's group's, if known
         self._lock = threading.Lock()
         self._closed = threading.Event()
         block.running(self.generation)
@@ -141,9 +192,9 @@ class Live:
         and as its connections every TCP connection the process has now (a connection the
         script opened itself before ``State.run`` is cut along with them on an abandon)."""
         dist = _dist()
-        self._backend = str(dist.get_backend())
+        self.backend = str(dist.get_backend())
         with contextlib.suppress(Exception):  # private in torch: without it, the default
-            self._timeout = dist.distributed_c10d._get_default_store().timeout
+            self.timeout = dist.distributed_c10d._get_default_store().timeout
         self.sockets.adopt()
 
     # -- asks from the agent ------------------------------------------------------------------
@@ -159,16 +210,14 @@ class Live:
                     continue
                 self._seen_abandon = generation
                 self.abandoned.set()
-            self._abort()
+            self.abort()
 
-    def _abort(self) -> None:
-        """Wake whatever the main thread has blocked on the group."""
-        if self._backend == "nccl":  # NCCL's own abort: collectives return with an error
-            with contextlib.suppress(Exception):
-                _dist().distributed_c10d._abort_process_group()
-        self.sockets.cut()
+    def abort(self) -> None:
+        """Wake whatever the main thread has blocked on the group (``aborts_for``)."""
+        for policy in aborts_for(self.backend):
+            policy(self)
 
-    def reforms(self, e: BaseException) -> bool:
+    def breaks(self, e: BaseException) -> bool:
         """``e`` ends this round rather than the job: a pause the ranks agreed on, or a
         collective that failed because the group broke (a peer went, or we were asked to
         leave it)."""
@@ -179,38 +228,65 @@ class Live:
         return self.abandoned.is_set() or peer_gone(f"{type(e).__name__}: {e}")
 
     # -- the steps of a re-formation ----------------------------------------------------------
-    def let_go(self) -> None:
+    def leave(self) -> None:
         """Leave the process group and tell the agent this worker waits for a placement."""
         self.block.waiting()
-        self._abort()
+        self.abort()
+        comm.control().forget()  # it holds the old group, its threads and sockets
         dist = _dist()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group may complain; it goes
                 dist.destroy_process_group()
 
-    def form(self, stopping: Callable[[], bool]) -> bool:
-        """Wait for the agent's next placement, take it into ``os.environ`` and form the
-        new default group (a collective that fails here is a re-formation again). False,
-        with no group, if the agent asks this worker to stop instead (``stopping``)."""
+    def wait_placement(self, stopping: Callable[[], bool]) -> Placement | None:
+        """The agent's next placement: its generation and the torchrun variables of the
+        new round; None once ``stopping()`` says this worker is to save and exit instead."""
         while self.block.placement_generation == self.generation:
             if stopping():
-                return False
+                return None
             self.block.beat()  # waiting for the agent is not hanging (--worker-hang-timeout)
             time.sleep(POLL)
-        generation = self.block.placement_generation
-        env = read_placement(self.block.path)
+        generation = self.block.placement_generation  # first: the file is at least as new
+        return generation, read_placement(self.block.path)
+
+    def form(self, placement: Placement) -> None:
+        """Take the placement into ``os.environ`` and form the new default group (a
+        collective that fails here breaks the group again: see ``reform``)."""
+        generation, env = placement
         os.environ.update(env)
         with self._lock:  # asks made before this placement are answered by it
             self._seen_abandon = self.block.abandon_generation
             self._seen_pause = self.block.pause_generation
             self.abandoned.clear()
-        dist = _dist()
         with self.sockets.forming():
-            dist.init_process_group(backend=self._backend or None, timeout=self._timeout)
+            _dist().init_process_group(backend=self.backend or None, timeout=self.timeout)
         self.generation = generation
         self.reformations += 1
         self.block.running(generation)
-        return True
+        progress.relabel()
+
+    def reform(
+        self,
+        prepare: Callable[[], None],
+        resync: Callable[[], int],
+        stopping: Callable[[], bool],
+    ) -> int | None:
+        """Leave the broken group, ``prepare`` (drop the step in flight), wait for the
+        placement, form, ``resync`` (agree on the state: returns the step); again while
+        the group breaks under it (a second change during the first). The step, or None
+        when the agent asks this worker to stop instead (this node leaves)."""
+        while True:
+            self.leave()
+            prepare()
+            placement = self.wait_placement(stopping)
+            if placement is None:
+                return None
+            try:
+                self.form(placement)
+                return resync()
+            except Exception as e:
+                if not self.breaks(e):
+                    raise
 
     def close(self) -> None:
         """The training function returned: stop watching, and tell the agent this worker
@@ -220,21 +296,21 @@ class Live:
         self._thread.join(timeout=1.0)
 
 
-_live: Live | None = None
+_group: Group | None = None
 
 
-def attach(block: ControlBlock | None) -> Live | None:
-    """This process's ``Live`` (one per process, whatever the number of States), or None
+def attach(block: ControlBlock | None) -> Group | None:
+    """This process's ``Group`` (one per process, whatever the number of States), or None
     where the agent will not re-form workers in place."""
-    global _live
-    if _live is None and Live.wanted(block):
+    global _group
+    if _group is None and Group.wanted(block):
         assert block is not None
-        _live = Live(block)
-    return _live
+        _group = Group(block)
+    return _group
 
 
 def detach() -> None:
-    global _live
-    if _live is not None:
-        _live.close()
-        _live = None
+    global _group
+    if _group is not None:
+        _group.close()
+        _group = None

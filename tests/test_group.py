@@ -1,0 +1,227 @@
+"""The process group's one owner, ``elastic.worker.group.Group``, in one process (and one
+pair of processes where a collective must block): abort policies, the group's sockets,
+leaving, waiting for the placement, forming, and re-forming again while it breaks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from harness import ROOT, wait_until
+
+from elastic.contract import ControlBlock, Phase
+from elastic.worker import group as group_module
+from elastic.worker.group import AbortNccl, CutReads, Group, GroupSockets, Reformation, aborts_for
+from rendezvous.net import free_port
+
+
+def test_abort_policies_per_backend() -> None:
+    assert [type(p) for p in aborts_for("gloo")] == [CutReads]
+    assert [type(p) for p in aborts_for("nccl")] == [AbortNccl, CutReads]
+    assert [type(p) for p in aborts_for("cpu:gloo,cuda:nccl")] == [CutReads, AbortNccl]
+    assert [type(p) for p in aborts_for("ucc")] == [CutReads]  # unknown: the socket cut
+    assert [type(p) for p in aborts_for("")] == [CutReads]
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    return listener, client, server
+
+
+def test_a_cut_wakes_readers_of_the_groups_connections_and_spares_the_scripts() -> None:
+    own_listener, own, own_peer = _pair()  # the script's, opened before the group formed
+    sockets = GroupSockets()
+    with sockets.forming():
+        listener, grp, grp_peer = _pair()  # the group's
+    try:
+        assert sockets.cut() >= 1
+        grp.settimeout(2.0)
+        assert grp.recv(1) == b""  # end of stream: a reader blocked here wakes at once
+        own_peer.sendall(b"x")
+        own.settimeout(2.0)
+        assert own.recv(1) == b"x"  # untouched
+        assert sockets.cut() == 0  # nothing left to cut
+    finally:
+        for s in (own_listener, own, own_peer, listener, grp, grp_peer):
+            s.close()
+
+
+@pytest.fixture
+def block(tmp_path: Path) -> Iterator[ControlBlock]:
+    b = ControlBlock(tmp_path / "control-0", create=True)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def agent_side(block: ControlBlock) -> Iterator[ControlBlock]:
+    """The agent's mapping of the same block."""
+    b = ControlBlock(block.path)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def group(block: ControlBlock) -> Iterator[Group]:
+    saved = dict(os.environ)
+    g = Group(block)
+    g.backend = "gloo"
+    yield g
+    g.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def placement(port: int) -> dict[str, str]:
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+
+
+def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) -> None:
+    assert agent_side.live and agent_side.phase is Phase.RUNNING
+    group.leave()  # no group yet: leaving is still safe, and says so to the agent
+    assert agent_side.phase is Phase.WAITING and agent_side.stranded
+    assert group.wait_placement(lambda: True) is None  # asked to stop instead
+    agent_side.publish_placement(placement(free_port()))
+    got = group.wait_placement(lambda: False)
+    assert got is not None and got[0] == agent_side.placement_generation
+    group.form(got)
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and group.reformations == 1
+    assert agent_side.phase is Phase.RUNNING and not agent_side.stranded
+    group.leave()
+    assert not dist.is_initialized() and agent_side.phase is Phase.WAITING
+    agent_side.publish_placement(placement(free_port()))
+    group.form(group.wait_placement(lambda: False) or (0, {}))
+    assert dist.is_initialized() and group.reformations == 2
+
+
+def test_asks_are_seen_until_a_placement_answers_them(
+    group: Group, agent_side: ControlBlock
+) -> None:
+    assert not group.pause_asked
+    agent_side.request_pause()
+    assert group.pause_asked
+    agent_side.request_abandon()
+    wait_until(group.abandoned.is_set, 2.0, "the watcher sees the abandon")
+    assert group.breaks(RuntimeError("anything at all, once abandoned"))
+    agent_side.publish_placement(placement(free_port()))
+    group.form(group.wait_placement(lambda: False) or (0, {}))
+    assert not group.pause_asked and not group.abandoned.is_set()
+
+
+def test_what_breaks_a_round_and_what_ends_the_job(group: Group) -> None:
+    assert group.breaks(Reformation("paused"))
+    assert group.breaks(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
+    assert not group.breaks(ValueError("a bug in the script"))
+    assert not group.breaks(KeyboardInterrupt())
+
+
+def test_reform_forms_again_when_the_group_breaks_while_forming(
+    group: Group, agent_side: ControlBlock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = dist.init_process_group
+    calls: list[str] = []
+
+    def init(*args: object, **kwargs: object) -> None:
+        calls.append(os.environ["MASTER_PORT"])
+        if len(calls) == 1:  # a second change while the first re-formation forms
+            agent_side.publish_placement(placement(free_port()))
+            raise RuntimeError("DistNetworkError: Connection reset by peer")
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    agent_side.publish_placement(placement(free_port()))
+    prepared: list[int] = []
+    step = group.reform(lambda: prepared.append(1), lambda: 42, lambda: False)
+    assert step == 42 and len(calls) == 2 and calls[0] != calls[1] and len(prepared) == 2
+    assert group.reformations == 1 and dist.is_initialized()
+
+
+def test_reform_says_when_the_worker_is_to_stop_instead(group: Group) -> None:
+    assert group.reform(lambda: None, lambda: 1, lambda: True) is None
+
+
+def test_a_bug_while_forming_is_raised_not_retried(
+    group: Group, agent_side: ControlBlock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def init(*args: object, **kwargs: object) -> None:
+        raise ValueError("backend 'nope' is not a backend")
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    agent_side.publish_placement(placement(free_port()))
+    with pytest.raises(ValueError, match="not a backend"):
+        group.reform(lambda: None, lambda: 1, lambda: False)
+
+
+def test_one_group_per_process(block: ControlBlock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELASTIC_RUN_RESTART_MODE", raising=False)
+    try:
+        g = group_module.attach(block)
+        assert g is not None and group_module.attach(block) is g
+    finally:
+        group_module.detach()
+    monkeypatch.setenv("ELASTIC_RUN_RESTART_MODE", "respawn")
+    assert group_module.attach(block) is None and group_module.attach(None) is None
+
+
+def test_an_abandon_wakes_a_collective_blocked_on_a_silent_peer(tmp_path: Path) -> None:
+    """Two ranks (processes): rank 1 blocks in an all-reduce rank 0 never joins; the
+    agent's abandon makes it fail at once, as a break of the round, not a bug."""
+    port = free_port()
+    blocks = [ControlBlock(tmp_path / f"control-{r}", create=True) for r in (0, 1)]
+    procs = []
+    for r in (0, 1):
+        env = {
+            **os.environ,
+            "BLOCK": blocks[r].path,
+            "RANK": str(r),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "scripts" / "group_pair.py")],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "formed"
+        wait_until(lambda: blocks[1].live, 10.0, "rank 1 watches its block")
+        blocks[1].request_abandon()
+        out1 = procs[1].stdout.readline()  # type: ignore[union-attr]
+        assert out1.startswith("broke True after"), out1
+        assert float(out1.split("after ")[1].split("s")[0]) < 5.0
+        procs[0].communicate("go\n", timeout=30)
+        rest, _ = procs[1].communicate(timeout=30)
+        assert "left False WAITING" in rest
+        assert [p.returncode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for b in blocks:
+            b.close()

@@ -1,0 +1,46 @@
+"""``State``'s values as attributes: the script's names never meet State's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic.worker.state import RESERVED, State
+
+
+def test_every_name_state_uses_is_refused_for_a_value_and_said_why() -> None:
+    assert {"commit", "restore", "run", "snapshot", "flush", "close", "heartbeat"} <= RESERVED
+    assert {"stats", "policy", "step", "snapshot_policy"} <= RESERVED
+    for name in sorted(RESERVED - {"snapshot_policy"}):
+        with pytest.raises(ValueError, match=f"'{name}' is a name State uses itself"):
+            State(**{name: 5})
+
+
+def test_names_of_internals_are_plain_values_stored_and_read_back() -> None:
+    """What State keeps for itself lives on one object: a value may have any other name,
+    ``values``, ``cadence`` or ``_comm`` included."""
+    names = ("values", "objects", "cadence", "hooks", "group", "ctl", "comm", "restored")
+    state = State(**dict.fromkeys(names, 7), epoch=0)
+    for name in names:
+        assert getattr(state, name) == 7
+        setattr(state, name, 8)
+        assert getattr(state, name) == 8
+    state.epoch = 3
+    assert state.epoch == 3 and state.step == 0
+    assert state._core.values["epoch"] == 3  # what is saved
+    assert state.stats.snapshots == 0 and state.policy.every == "auto"
+
+
+def test_objects_are_attributes_too_and_an_undeclared_name_is_an_error() -> None:
+    model = torch.nn.Linear(2, 2)
+    state = State(model=model)
+    assert state.model is model
+    other = torch.nn.Linear(2, 2)
+    state.model = other
+    assert state._core.objects["model"] is other
+    with pytest.raises(AttributeError, match=r"State\(\.\.\., best_loss=\.\.\.\)"):
+        state.best_loss = 0.5  # it would not be saved: say how to declare it
+    with pytest.raises(AttributeError, match="cannot be set"):
+        state.stats = 7  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="no value or object 'epoch'"):
+        _ = state.epoch
