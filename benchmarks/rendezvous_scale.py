@@ -53,7 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elastic.agent.etcd_server import EtcdServer
 from rendezvous.client import EtcdClient
-from rendezvous.config import build_options
+from rendezvous.config import RdzvConf, build_options
 from rendezvous.errors import RendezvousCancelled
 from rendezvous.net import free_port
 from rendezvous.protocol import NodeSpec, Rendezvous
@@ -95,7 +95,9 @@ def _participants(
             print(f"participant {i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             report(i, -1)
 
-    etcd, opts = build_options(endpoint, run_id, max(1, n - 1), n, conf)  # N, then N-1
+    etcd, opts = build_options(
+        endpoint, run_id, max(1, n - 1), n, RdzvConf.parse(conf)
+    )  # N, then N-1
     client = EtcdClient(etcd)  # one connection per process, shared as an agent's would be
     client.get_prefix(opts.job_prefix)  # connected before the clock starts
     for i in ids:

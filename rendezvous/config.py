@@ -10,7 +10,8 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 DEFAULT_PORT = 2379
 DEFAULT_PREFIX = "/elastic-run"
@@ -237,12 +238,62 @@ def parse_endpoints(text: str) -> tuple[tuple[str, ...], str | None]:
     return tuple(endpoints), (schemes.pop() if schemes else None)
 
 
+@dataclass(frozen=True)
+class RdzvConf:
+    """``--rdzv-conf``, parsed and checked once (``parse``): each key under its canonical
+    name, None where not given. ``build_options`` turns it into the etcd connection's and
+    the rendezvous's options."""
+
+    join_timeout: float | None = None
+    last_call_timeout: float | None = None
+    lease_ttl: int | None = None
+    keep_alive_interval: float | None = None
+    request_timeout: float | None = None
+    connect_timeout: float | None = None
+    close_timeout: float | None = None
+    prefix: str | None = None
+    protocol: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    is_host: bool | None = None
+    ignored: tuple[str, ...] = ()  # keys of torchrun's backends with no effect here
+
+    @classmethod
+    def parse(cls, conf: str | Mapping[str, object]) -> RdzvConf:
+        """From ``key=value,...`` or a mapping (torch's ``RendezvousParameters.config``);
+        a bad key or value is a ``ConfigError`` naming it."""
+        items = parse_conf(conf) if isinstance(conf, str) else conf
+        values: dict[str, Any] = {}
+        ignored = []
+        for key, raw in items.items():
+            if key not in KEYS:
+                known = ", ".join(sorted(KEYS))
+                raise ConfigError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+            name, parser, _ = KEYS[key]
+            if key in IGNORED:
+                ignored.append(key)
+                continue
+            values[name] = parser(key, str(raw))
+        return replace(cls(ignored=tuple(sorted(ignored))), **values)
+
+
+def _password(conf: RdzvConf) -> str | None:
+    if conf.password_file:
+        with open(conf.password_file) as f:
+            return f.readline().rstrip("\r\n")
+    return conf.password or os.environ.get(PASSWORD_ENV) or None
+
+
 def build_options(
     endpoint: str,
     run_id: str,
     min_nodes: int,
     max_nodes: int,
-    conf: Mapping[str, object],
+    conf: RdzvConf = RdzvConf(),
 ) -> tuple[EtcdOptions, RendezvousOptions]:
     """Check everything a rendezvous needs and say clearly what is wrong if anything is."""
     if not run_id or "/" in run_id:
@@ -251,49 +302,44 @@ def build_options(
         raise ConfigError(f"--nnodes: minimum {min_nodes} must be at least 1")
     if max_nodes < min_nodes:
         raise ConfigError(f"--nnodes {min_nodes}:{max_nodes}: maximum is below minimum")
-    values: dict[str, object] = {}
-    for key, raw in conf.items():
-        if key not in KEYS:
-            known = ", ".join(sorted(KEYS))
-            raise ConfigError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
-        name, parser, _ = KEYS[key]
-        values[name] = parser(key, str(raw))
     endpoints, scheme = parse_endpoints(endpoint)
-    protocol = values.pop("protocol", None)
-    if scheme and protocol and scheme != protocol:
-        raise ConfigError(f"--rdzv-endpoint says {scheme} but --rdzv-conf protocol={protocol}")
-    secure = (scheme or protocol) == "https" or "ca_cert" in values
-    if secure and "ca_cert" not in values:
+    if scheme and conf.protocol and scheme != conf.protocol:
+        raise ConfigError(f"--rdzv-endpoint says {scheme} but --rdzv-conf protocol={conf.protocol}")
+    secure = (scheme or conf.protocol) == "https" or conf.ca_cert is not None
+    if secure and conf.ca_cert is None:
         raise ConfigError("--rdzv-conf: https needs cacert=<CA bundle file>")
-    if ("cert" in values) != ("key" in values):
+    if (conf.cert is None) != (conf.key is None):
         raise ConfigError("--rdzv-conf: cert and key must be given together")
-    password = values.pop("password", None) or os.environ.get(PASSWORD_ENV) or None
-    password_file = values.pop("password_file", None)
-    if password_file:
-        with open(str(password_file)) as f:
-            password = f.readline().rstrip("\r\n")
-    if ("user" in values) != (password is not None):
+    password = _password(conf)
+    if (conf.user is None) != (password is None):
         raise ConfigError("--rdzv-conf: user and password must be given together")
-    values.pop("is_host", None)
-    for key in IGNORED:
-        values.pop(key, None)
     etcd = EtcdOptions(
         endpoints=endpoints,
         secure=secure,
-        ca_cert=values.pop("ca_cert", None),  # type: ignore[arg-type]
-        cert=values.pop("cert", None),  # type: ignore[arg-type]
-        key=values.pop("key", None),  # type: ignore[arg-type]
-        user=values.pop("user", None),  # type: ignore[arg-type]
-        password=password,  # type: ignore[arg-type]
-        request_timeout=values.pop("request_timeout", 5.0),  # type: ignore[arg-type]
-        connect_timeout=values.pop("connect_timeout", 10.0),  # type: ignore[arg-type]
+        ca_cert=conf.ca_cert,
+        cert=conf.cert,
+        key=conf.key,
+        user=conf.user,
+        password=password,
+        request_timeout=conf.request_timeout or EtcdOptions.request_timeout,
+        connect_timeout=conf.connect_timeout or EtcdOptions.connect_timeout,
     )
-    ttl = values.setdefault("lease_ttl", default_lease_ttl(max_nodes))
-    values.setdefault("keep_alive_interval", ttl / 3)  # type: ignore[operator]
-    if values["keep_alive_interval"] >= ttl:  # type: ignore[operator]
+    ttl = conf.lease_ttl or default_lease_ttl(max_nodes)
+    interval = conf.keep_alive_interval or ttl / 3
+    if interval >= ttl:
         raise ConfigError(
-            f"--rdzv-conf keep_alive_interval={values['keep_alive_interval']}: "
-            f"must be shorter than lease_ttl={ttl}"
+            f"--rdzv-conf keep_alive_interval={interval}: must be shorter than lease_ttl={ttl}"
         )
-    rdzv = RendezvousOptions(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **values)  # type: ignore[arg-type]
+    d = RendezvousOptions
+    rdzv = RendezvousOptions(
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        prefix=conf.prefix or d.prefix,
+        lease_ttl=ttl,
+        keep_alive_interval=interval,
+        join_timeout=conf.join_timeout or d.join_timeout,
+        last_call_timeout=conf.last_call_timeout or d.last_call_timeout,
+        close_timeout=conf.close_timeout or d.close_timeout,
+    )
     return etcd, rdzv

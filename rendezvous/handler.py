@@ -17,7 +17,7 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 
 from rendezvous import version
 from rendezvous.client import EtcdClient
-from rendezvous.config import ConfigError, build_options
+from rendezvous.config import ConfigError, RdzvConf, build_options
 from rendezvous.errors import (
     EtcdUnavailableError,
     MalformedRecordError,
@@ -132,8 +132,8 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
 
 
 def create_handler(params: torch_api.RendezvousParameters) -> EtcdV3RendezvousHandler:
-    conf = {k: v for k, v in params.config.items() if v is not None}
     try:
+        conf = RdzvConf.parse({k: v for k, v in params.config.items() if v is not None})
         etcd_opts, rdzv_opts = build_options(
             params.endpoint, params.run_id, params.min_nodes, params.max_nodes, conf
         )

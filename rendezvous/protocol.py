@@ -14,7 +14,6 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
 
 from etcd3.utils import prefix_range_end
 
@@ -33,6 +32,7 @@ from rendezvous.net import free_port
 from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
+    FailureReport,
     JobOutcome,
     RoundRecord,
 )
@@ -266,11 +266,11 @@ class Rendezvous:
 
     def _close_failed(self, view: JobView, p: Plan) -> None:
         root = p.root_cause
-        where = f" on {root.get('node')}" if root.get("node") else ""
+        where = f" on {root.node}" if root is not None and root.node else ""
+        summary = root.summary if root is not None and root.summary else "workers failed"
         reason = (
             f"workers failed with the restart budget spent (--max-restarts "
-            f"{self.max_restarts}, all used); last failure{where}: "
-            f"{root.get('summary', 'workers failed')}"
+            f"{self.max_restarts}, all used); last failure{where}: {summary}"
         )
         number = view.round.number if view.round else 0
         self.close(JobOutcome.FAILED, reason, root_cause=root, round_number=number)
@@ -279,7 +279,7 @@ class Rendezvous:
         self,
         state: JobOutcome,
         reason: str = "",
-        root_cause: dict[str, Any] | None = None,
+        root_cause: FailureReport | None = None,
         round_number: int | None = None,
     ) -> bool:
         """Mark the job over; the first to close wins. Late joiners see it and stop."""
@@ -291,7 +291,7 @@ class Rendezvous:
             by=self.me.id,
             round=round_number,
             at=time.time(),
-            root_cause=root_cause or {},
+            root_cause=root_cause,
         )
         ops = self.client.ops
         key = self.key(records.CLOSED)
@@ -302,12 +302,12 @@ class Rendezvous:
         if self.round is not None:
             self.session.mark_done(self.round.number)
 
-    def report_failure(self, detail: dict[str, Any]) -> None:
+    def report_failure(self, report: FailureReport) -> None:
         """Record this node's worker failure for the current round and leave the round."""
         if self.round is None:
             return
         rec = FailureRecord(
-            node=self.me.id, round=self.round.number, time=time.time(), detail=detail
+            node=self.me.id, round=self.round.number, time=time.time(), report=report
         )
         self.client.put(
             self.key(f"{records.FAILURES}{self.round.number}/{self.me.id}"), rec.encode()

@@ -33,8 +33,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+import signal
 import zlib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any, TypeVar
 
@@ -112,6 +113,14 @@ def _field(key: str, obj: dict[str, Any], name: str, kind: type | tuple[type, ..
     return value
 
 
+def _text(key: str, obj: dict[str, Any], name: str) -> str:
+    """An optional text field: absent is empty, anything but text is malformed."""
+    value = obj.get(name, "")
+    if not isinstance(value, str):
+        raise _bad(key, f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
 def _int(obj: dict[str, Any], name: str, default: int = 0) -> int:
     """An optional whole-number field; anything else counts as absent."""
     value = obj.get(name, default)
@@ -124,6 +133,12 @@ def _enum(key: str, kind: type[E], text: object) -> E:
     except ValueError:
         allowed = ", ".join(repr(e.value) for e in kind)
         raise _bad(key, f"{kind.__name__} {text!r} (expected one of {allowed})") from None
+
+
+def _number(obj: dict[str, Any], name: str) -> float:
+    """An optional number field; anything else counts as absent (0)."""
+    value = obj.get(name)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 def _names(value: object) -> tuple[str, ...]:
@@ -144,6 +159,97 @@ def _plain(value: object) -> object:
     if isinstance(value, enum.Enum):
         return value.value
     raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker that failed, as its agent saw it."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int  # negative: killed by that signal
+    time: float
+    message: str = ""
+    traceback: str = ""
+    error_file: str = ""  # "" when the script has no @record (no file was written)
+    consequence: bool = False  # it failed because a peer vanished (a collective's error)
+
+    @property
+    def how(self) -> str:
+        if self.exitcode < 0:
+            try:
+                return f"signal {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return f"exit code {self.exitcode}"
+
+    def plain(self) -> dict[str, Any]:
+        return _shallow(self)
+
+    @classmethod
+    def from_plain(cls, key: str, obj: object) -> WorkerFailure:
+        if not isinstance(obj, dict):
+            raise _bad(key, "a failure is not a JSON object")
+        return cls(
+            rank=_field(key, obj, "rank", int),
+            local_rank=_field(key, obj, "local_rank", int),
+            pid=_field(key, obj, "pid", int),
+            exitcode=_field(key, obj, "exitcode", int),
+            time=float(_field(key, obj, "time", (int, float))),
+            message=_text(key, obj, "message"),
+            traceback=_text(key, obj, "traceback"),
+            error_file=_text(key, obj, "error_file"),
+            consequence=obj.get("consequence") is True,
+        )
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """What a node reports when its workers fail: one line, its host, and each failed
+    worker (causes before consequences). As a root cause (the round's or the closed
+    job's) it also names the node and when it reported."""
+
+    summary: str
+    host: str = ""
+    failures: tuple[WorkerFailure, ...] = ()
+    node: str = ""
+    time: float = 0.0
+
+    def plain(self) -> dict[str, Any]:
+        obj = _shallow(self)
+        obj["failures"] = [f.plain() for f in self.failures]
+        return obj
+
+    @classmethod
+    def from_plain(cls, key: str, obj: object) -> FailureReport:
+        """Validated: a value of the wrong shape raises, naming the key."""
+        if not isinstance(obj, dict):
+            raise _bad(key, "a failure report is not a JSON object")
+        failures = obj.get("failures", [])
+        if not isinstance(failures, list):
+            raise _bad(key, "field 'failures' is not a list")
+        when = obj.get("time", 0.0)
+        if isinstance(when, bool) or not isinstance(when, int | float):
+            raise _bad(key, "field 'time' is not a number")
+        return cls(
+            summary=_text(key, obj, "summary"),
+            host=_text(key, obj, "host"),
+            failures=tuple(WorkerFailure.from_plain(key, f) for f in failures),
+            node=_text(key, obj, "node"),
+            time=float(when),
+        )
+
+    @classmethod
+    def lenient(cls, key: str, obj: object) -> FailureReport | None:
+        """A root cause carried by another record: absent is None, unreadable is said so
+        (the record around it stays readable)."""
+        if not obj:
+            return None
+        try:
+            return cls.from_plain(key, obj)
+        except MalformedRecordError as e:
+            return cls(summary=f"(the root cause is unreadable: {e})")
 
 
 @dataclass(frozen=True)
@@ -211,7 +317,7 @@ class GoneRecord:
         return cls(
             rev=_field(key, obj, "rev", int),
             host=str(obj.get("host", "")),
-            at=float(obj.get("at") or 0.0),
+            at=_number(obj, "at"),
         )
 
 
@@ -254,7 +360,7 @@ class RoundRecord:
     joined: tuple[str, ...] = ()  # at most NAMES of each; the counts are exact
     left: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
-    root_cause: dict[str, Any] = field(default_factory=dict)
+    root_cause: FailureReport | None = None
     formed_at: float = 0.0
     size: int = -1  # members in the round (-1: all of them are in ``members``)
     world: int = -1  # workers in the round
@@ -306,6 +412,7 @@ class RoundRecord:
         """The header: everything but the members (see ``encode_buckets``)."""
         obj = _shallow(self)
         del obj["members"]
+        obj["root_cause"] = self.root_cause.plain() if self.root_cause else {}
         return dumps(obj)
 
     def encode_buckets(self) -> dict[int, bytes]:
@@ -322,7 +429,6 @@ class RoundRecord:
     def decode(cls, key: str, raw: bytes) -> RoundRecord:
         """The header alone (``members`` empty until ``with_members``)."""
         obj = _load(key, raw)
-        root = obj.get("root_cause") or {}
         size = _field(key, obj, "size", int)
         world = _field(key, obj, "world", int)
         counts = obj.get("counts")
@@ -345,8 +451,8 @@ class RoundRecord:
             joined=_names(obj.get("joined")),
             left=_names(obj.get("left")),
             lost=_names(obj.get("lost")),
-            root_cause=root if isinstance(root, dict) else {},
-            formed_at=float(obj.get("formed_at") or 0.0),
+            root_cause=FailureReport.lenient(key, obj.get("root_cause")),
+            formed_at=_number(obj, "formed_at"),
             size=size,
             world=world,
             counts=(counts[0], counts[1], counts[2]),
@@ -458,44 +564,49 @@ class ClosedRecord:
     by: str = ""
     round: int = 0
     at: float = 0.0
-    root_cause: dict[str, Any] = field(default_factory=dict)
+    root_cause: FailureReport | None = None
 
     def encode(self) -> bytes:
-        return dumps(_shallow(self))
+        obj = _shallow(self)
+        obj["root_cause"] = self.root_cause.plain() if self.root_cause else {}
+        return dumps(obj)
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> ClosedRecord:
         obj = _load(key, raw)
-        root = obj.get("root_cause") or {}
         return cls(
             state=_enum(key, JobOutcome, _field(key, obj, "state", str)),
             reason=str(obj.get("reason", "")),
             by=str(obj.get("by", "")),
             round=_int(obj, "round"),
-            at=float(obj.get("at") or 0.0),
-            root_cause=root if isinstance(root, dict) else {},
+            at=_number(obj, "at"),
+            root_cause=FailureReport.lenient(key, obj.get("root_cause")),
         )
 
 
 @dataclass(frozen=True)
 class FailureRecord:
-    """A node's report that its workers failed in ``round``; ``detail`` is the agent's own."""
+    """A node's report that its workers failed in ``round``."""
 
     node: str
     round: int
     time: float
-    detail: dict[str, Any] = field(default_factory=dict)
+    report: FailureReport
 
     def encode(self) -> bytes:
-        return dumps(_shallow(self))
+        obj = {"node": self.node, "round": self.round, "time": self.time}
+        return dumps({**obj, "detail": self.report.plain()})
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> FailureRecord:
         obj = _load(key, raw)
-        detail = obj.get("detail") or {}
         return cls(
             node=_field(key, obj, "node", str),
             round=_field(key, obj, "round", int),
             time=float(_field(key, obj, "time", (int, float))),
-            detail=detail if isinstance(detail, dict) else {},
+            report=FailureReport.from_plain(key, obj.get("detail") or {"summary": ""}),
         )
+
+    def root_cause(self) -> FailureReport:
+        """This report as a root cause: it names the node and when it reported."""
+        return replace(self.report, node=self.node, time=self.time)

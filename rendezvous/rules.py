@@ -31,11 +31,11 @@ acts):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from rendezvous.records import (
     FailureRecord,
+    FailureReport,
     JobOutcome,
     Member,
     NodeState,
@@ -130,7 +130,7 @@ class Plan:
     joined: tuple[str, ...] = ()
     left: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
-    root_cause: dict[str, Any] = field(default_factory=dict)
+    root_cause: FailureReport | None = None
     budget_spent: bool = False
     wake_at: float | None = None  # monotonic time the plan may change without an event
     enough_nodes: bool = True
@@ -142,24 +142,20 @@ def _member(node: PresentNode) -> Member:
     return Member(node.record.id, node.rev, node.record.addr, node.record.nproc)
 
 
-def earliest_failure(failures: dict[str, FailureRecord]) -> dict[str, Any]:
+def earliest_failure(failures: dict[str, FailureRecord]) -> FailureReport | None:
     """The root cause among the round's failure reports: the earliest failure that is not
     a consequence of another (a worker whose peer vanished under it), by the time the
     failure happened, then by the time it was reported."""
     if not failures:
-        return {}
-
-    def first(f: FailureRecord) -> dict[str, Any]:
-        rows = f.detail.get("failures") or [{}]
-        return rows[0] if isinstance(rows[0], dict) else {}
+        return None
 
     def key(f: FailureRecord) -> tuple[bool, float, float]:
-        row = first(f)
-        when = row.get("time")
-        return (bool(row.get("consequence")), float(when) if when else f.time, f.time)
+        first = f.report.failures[0] if f.report.failures else None
+        if first is None:
+            return (False, f.time, f.time)
+        return (first.consequence, first.time or f.time, f.time)
 
-    root = min(failures.values(), key=key)
-    return {"node": root.node, "time": root.time, **root.detail}
+    return min(failures.values(), key=key).root_cause()
 
 
 def plan(

@@ -56,7 +56,7 @@ def fresh_etcd() -> Iterator[EtcdServer]:
 @pytest.fixture
 def client(etcd: EtcdServer, run_id: str) -> Iterator[EtcdClient]:
     """A connection to the session's etcd."""
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
     c = EtcdClient(e)
     yield c
     c.close()

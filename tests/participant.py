@@ -19,11 +19,11 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rendezvous.client import EtcdClient
-from rendezvous.config import build_options, parse_conf
+from rendezvous.config import RdzvConf, build_options
 from rendezvous.errors import RendezvousError
 from rendezvous.mirror import read_view
 from rendezvous.protocol import NodeSpec, Rendezvous
-from rendezvous.records import JobOutcome, RoundRecord
+from rendezvous.records import FailureReport, JobOutcome, RoundRecord
 
 _out = threading.Lock()
 
@@ -59,7 +59,7 @@ def main() -> None:
     lo, _, hi = a.nnodes.partition(":")
     try:
         etcd_opts, opts = build_options(
-            a.endpoint, a.run_id, int(lo), int(hi or lo), parse_conf(a.conf)
+            a.endpoint, a.run_id, int(lo), int(hi or lo), RdzvConf.parse(a.conf)
         )
         rdzv = Rendezvous(
             EtcdClient(etcd_opts),
@@ -111,7 +111,7 @@ def main() -> None:
                 rdzv.finish_round()
                 emit("finished")
             elif cmd == "fail":
-                rdzv.report_failure({"summary": f"worker failed on {a.id}"})
+                rdzv.report_failure(FailureReport(f"worker failed on {a.id}"))
                 emit("failed")
             elif cmd == "announce":
                 rdzv.announce_leaving()

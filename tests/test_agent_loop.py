@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.agent.core import AgentState
-from elastic.agent.failures import WorkerFailure
+from elastic.agent.failures import FailureReport, WorkerFailure
 from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement
@@ -42,7 +42,7 @@ class FakeJob:
         self.rounds = deque(rounds)
         self.changes = deque(changes or [])
         self.calls: list[str] = []
-        self.reported: list[dict[str, Any]] = []
+        self.reported: list[FailureReport] = []
         self.closed_as: list[JobOutcome] = []
         self.closed_record: ClosedRecord | None = None
 
@@ -83,8 +83,8 @@ class FakeJob:
     def poke(self) -> None:
         self.calls.append("poke")
 
-    def report_failure(self, detail: dict[str, Any]) -> None:
-        self.reported.append(detail)
+    def report_failure(self, report: FailureReport) -> None:
+        self.reported.append(report)
 
     def finish_round(self) -> None:
         self.calls.append("finish_round")
@@ -224,7 +224,7 @@ def test_a_worker_failure_is_reported_and_the_next_round_restarts(
         assert agent(job, workers).run() == 0
     assert workers.actions[0] == "stop 1"  # urgent: SIGTERM, SIGKILL a second later
     [detail] = job.reported
-    assert detail["summary"] == "rank 1 (local_rank 1) on a: exit code 1: boom"
+    assert detail.summary == "rank 1 (local_rank 1) on a: exit code 1: boom"
     assert len(workers.started) == 2
     assert "restarts 1" in caplog.text
 
@@ -362,7 +362,7 @@ def test_a_signal_while_joining_leaves_at_once() -> None:
 def test_a_job_closed_as_failed_elsewhere_ends_with_the_root_cause(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    root = {"node": "b", "summary": "rank 3 on b: exit code 1", "failures": []}
+    root = FailureReport("rank 3 on b: exit code 1", node="b")
     job = FakeJob([round_of(1, "a", "b")], [Change(RoundEnd.JOB_FAILED, "job failed: budget")])
     job.closed_record = ClosedRecord(JobOutcome.FAILED, "budget spent", root_cause=root)
     workers = FakeWorkers([RUNNING])
@@ -401,7 +401,7 @@ def test_a_hung_worker_is_a_failure() -> None:
 
     workers.hung = hung_once  # type: ignore[method-assign]
     assert a.run() == 0
-    assert "hung: no progress" in job.reported[0]["summary"]
+    assert "hung: no progress" in job.reported[0].summary
 
 
 def test_closed_on_arrival_and_join_timeout() -> None:

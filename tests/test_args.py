@@ -91,16 +91,16 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize("conf", ["join_timeout=30,store_type=tcp", "use_libuv=1,rank=0"])
 def test_rdzv_conf_keys_of_torchruns_backends_are_accepted(conf: str) -> None:
-    from rendezvous.config import build_options, parse_conf
+    from rendezvous.config import RdzvConf, build_options
 
-    build_options("127.0.0.1", "j", 1, 1, parse_conf(conf))
+    build_options("127.0.0.1", "j", 1, 1, RdzvConf.parse(conf))
 
 
 def test_a_key_no_backend_knows_is_still_an_error() -> None:
-    from rendezvous.config import ConfigError, build_options, parse_conf
+    from rendezvous.config import ConfigError, RdzvConf, build_options
 
     with pytest.raises(ConfigError, match="unknown key 'join_timout'"):
-        build_options("127.0.0.1", "j", 1, 1, parse_conf("join_timout=30"))
+        build_options("127.0.0.1", "j", 1, 1, RdzvConf.parse("join_timout=30"))
 
 
 def test_the_scripts_arguments_are_never_read_as_ours() -> None:

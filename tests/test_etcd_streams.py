@@ -82,7 +82,7 @@ def test_watches_share_one_stream_and_each_gets_its_own_events(
 
 
 def own_client(etcd: EtcdServer, run_id: str) -> EtcdClient:
-    return EtcdClient(build_options(etcd.endpoint, run_id, 1, 1, {})[0])
+    return EtcdClient(build_options(etcd.endpoint, run_id, 1, 1)[0])
 
 
 def test_a_broken_stream_ends_every_subscription_with_the_error(

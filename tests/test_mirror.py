@@ -115,7 +115,7 @@ def test_the_first_node_claims_the_lead_as_it_registers(
 ) -> None:
     """The lead is claimed in the registering transaction (its record says rev 0: the
     key's create revision, which is the node's own); later nodes find it taken."""
-    _, opts = build_options(etcd.endpoint, run_id, 1, 3, {})
+    _, opts = build_options(etcd.endpoint, run_id, 1, 3)
     nodes = [Rendezvous(client, opts, NodeSpec(id=n, addr="127.0.0.1", nproc=1)) for n in "ab"]
     try:
         for node in nodes:

@@ -10,6 +10,7 @@ from rendezvous.config import (
     PASSWORD_ENV,
     RENEWALS_PER_SECOND,
     ConfigError,
+    RdzvConf,
     build_options,
     parse_conf,
     parse_endpoints,
@@ -44,7 +45,7 @@ def test_conf_syntax() -> None:
 
 
 def test_defaults_and_aliases() -> None:
-    etcd, rdzv = build_options("h", "job", 1, 4, {})
+    etcd, rdzv = build_options("h", "job", 1, 4)
     assert etcd.endpoints == ("h:2379",) and not etcd.secure
     assert (rdzv.lease_ttl, rdzv.last_call_timeout, rdzv.join_timeout) == (5, 2.0, 600.0)
     assert rdzv.keep_alive_interval == pytest.approx(5 / 3)
@@ -54,7 +55,9 @@ def test_defaults_and_aliases() -> None:
         "job",
         1,
         4,
-        {"heartbeat_timeout": "9", "timeout": 900, "etcd_prefix": "/x/", "is_host": "1"},
+        RdzvConf.parse(
+            {"heartbeat_timeout": "9", "timeout": 900, "etcd_prefix": "/x/", "is_host": "1"}
+        ),
     )
     assert (rdzv.lease_ttl, rdzv.join_timeout, rdzv.job_prefix) == (9, 900.0, "/x/job/")
 
@@ -77,34 +80,38 @@ def test_defaults_and_aliases() -> None:
 )
 def test_bad_conf_names_the_key(conf: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle) as e:
-        build_options("h", "job", 1, 4, conf)
+        build_options("h", "job", 1, 4, RdzvConf.parse(conf))
     assert "\n" not in str(e.value)
 
 
 def test_bad_nodes_and_run_id() -> None:
     with pytest.raises(ConfigError, match="maximum is below minimum"):
-        build_options("h", "job", 4, 1, {})
+        build_options("h", "job", 4, 1)
     with pytest.raises(ConfigError, match="at least 1"):
-        build_options("h", "job", 0, 1, {})
+        build_options("h", "job", 0, 1)
     with pytest.raises(ConfigError, match="--rdzv-id"):
-        build_options("h", "a/b", 1, 1, {})
+        build_options("h", "a/b", 1, 1)
 
 
 def test_tls_and_password_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
-    etcd, _ = build_options("h", "job", 1, 1, {"cacert": str(ca)})
+    etcd, _ = build_options("h", "job", 1, 1, RdzvConf.parse({"cacert": str(ca)}))
     assert etcd.secure and etcd.ca_cert == str(ca)
     with pytest.raises(ConfigError, match="cert and key"):
-        build_options("h", "job", 1, 1, {"cacert": str(ca), "cert": str(ca)})
+        build_options("h", "job", 1, 1, RdzvConf.parse({"cacert": str(ca), "cert": str(ca)}))
     with pytest.raises(ConfigError, match="says http but"):
-        build_options("http://h", "job", 1, 1, {"protocol": "https", "cacert": str(ca)})
+        build_options(
+            "http://h", "job", 1, 1, RdzvConf.parse({"protocol": "https", "cacert": str(ca)})
+        )
     secret = tmp_path / "pw"
     secret.write_text("from-file\nignored\n")
-    etcd, _ = build_options("h", "job", 1, 1, {"user": "u", "password_file": str(secret)})
+    etcd, _ = build_options(
+        "h", "job", 1, 1, RdzvConf.parse({"user": "u", "password_file": str(secret)})
+    )
     assert (etcd.user, etcd.password) == ("u", "from-file")
     monkeypatch.setenv(PASSWORD_ENV, "from-env")
-    etcd, _ = build_options("h", "job", 1, 1, {"user": "u"})
+    etcd, _ = build_options("h", "job", 1, 1, RdzvConf.parse({"user": "u"}))
     assert etcd.password == "from-env"
 
 
@@ -112,8 +119,16 @@ def test_the_default_lease_ttl_keeps_keep_alives_under_a_budget() -> None:
     """Three keep-alives per TTL per node: past 3,333 nodes the default TTL grows so that
     a job sends etcd at most RENEWALS_PER_SECOND; a TTL given is kept as given."""
     for max_nodes, ttl in [(4, 5), (3_333, 5), (10_000, 15), (100_000, 150)]:
-        _, rdzv = build_options("127.0.0.1:2379", "job", 1, max_nodes, {})
+        _, rdzv = build_options("127.0.0.1:2379", "job", 1, max_nodes)
         assert rdzv.lease_ttl == ttl and rdzv.keep_alive_interval == ttl / 3
         assert 3 * max_nodes / rdzv.lease_ttl <= max(RENEWALS_PER_SECOND, 3 * max_nodes / 5)
-    _, rdzv = build_options("127.0.0.1:2379", "job", 1, 10_000, {"lease_ttl": "5"})
+    _, rdzv = build_options("127.0.0.1:2379", "job", 1, 10_000, RdzvConf.parse({"lease_ttl": "5"}))
     assert rdzv.lease_ttl == 5
+
+
+def test_rdzv_conf_is_parsed_once_into_typed_values() -> None:
+    conf = RdzvConf.parse("lease_ttl=7,store_type=tcp,is_host=no,read_timeout=2.5")
+    assert (conf.lease_ttl, conf.is_host, conf.request_timeout) == (7, False, 2.5)
+    assert conf.ignored == ("store_type",) and conf.ca_cert is None and conf.prefix is None
+    assert RdzvConf.parse({"timeout": 30}) == RdzvConf(join_timeout=30.0)
+    assert RdzvConf.parse("") == RdzvConf()

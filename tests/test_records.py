@@ -1,16 +1,23 @@
-"""The round's split encoding: a header every node reads and buckets of members, each
-node reading only its own (see records.py); sizes checked against etcd's limits."""
+"""The records in etcd: the round's split encoding (a header every node reads and buckets
+of members, each node reading only its own; sizes checked against etcd's limits) and the
+typed failure reports, validated where they are decoded."""
 
 from __future__ import annotations
 
 import pytest
 
+from elastic.agent.failures import format_report
 from rendezvous.errors import MalformedRecordError
 from rendezvous.records import (
     MAX_BUCKETS,
     NAMES,
+    ClosedRecord,
+    FailureRecord,
+    FailureReport,
+    JobOutcome,
     Member,
     RoundRecord,
+    WorkerFailure,
     bucket_of,
     decode_bucket,
 )
@@ -93,3 +100,48 @@ def test_a_malformed_header_names_its_key() -> None:
         RoundRecord.decode("/j/round", good.replace(b'"size":3', b'"size":0'))
     with pytest.raises(MalformedRecordError, match="/j/round: field 'counts'"):
         RoundRecord.decode("/j/round", good.replace(b'"counts":[3,0,0]', b'"counts":[3]'))
+
+
+# -- failure reports: one typed record, validated where it is decoded ---------------------------
+CRASH = WorkerFailure(3, 1, 77, 1, 1700000000.5, "boom", "Traceback...\nboom", "/e.json")
+REPORT = FailureReport("rank 3 (local_rank 1) on b: exit code 1: boom", "gpu-2", (CRASH,))
+
+
+def test_a_failure_report_goes_through_etcd_unchanged() -> None:
+    rec = FailureRecord("b", 4, 1700000001.0, REPORT)
+    back = FailureRecord.decode("/j/job/failures/4/b", rec.encode())
+    assert back == rec and back.report.failures[0].how == "exit code 1"
+    root = back.root_cause()
+    assert (root.node, root.time, root.summary) == ("b", 1700000001.0, REPORT.summary)
+    closed = ClosedRecord(JobOutcome.FAILED, "budget spent", root_cause=root)
+    assert ClosedRecord.decode("/j/job/closed", closed.encode()) == closed
+    r = RoundRecord(2, (Member("a", 1, "h", 1),), "h", 1, 2, root_cause=root)
+    assert RoundRecord.decode("/j/job/round", r.encode()).root_cause == root
+    assert WorkerFailure(0, 0, 1, -9, 0.0).how == "signal SIGKILL"
+
+
+@pytest.mark.parametrize(
+    ("detail", "why"),
+    [
+        ('{"summary": 5}', "field 'summary' has the wrong type"),
+        ('{"summary": "x", "failures": {}}', "field 'failures' is not a list"),
+        ('{"summary": "x", "failures": [{"rank": "3"}]}', "field 'rank' has the wrong type"),
+        ('{"summary": "x", "failures": [7]}', "a failure is not a JSON object"),
+        ('{"summary": "x", "time": "noon"}', "field 'time' is not a number"),
+    ],
+)
+def test_a_malformed_failure_report_names_its_key(detail: str, why: str) -> None:
+    raw = f'{{"node": "b", "round": 4, "time": 1.0, "detail": {detail}}}'.encode()
+    with pytest.raises(MalformedRecordError, match=f"/j/job/failures/4/b: {why}"):
+        FailureRecord.decode("/j/job/failures/4/b", raw)
+
+
+def test_a_forged_root_cause_leaves_the_closed_job_readable() -> None:
+    """A closed record whose root cause has the wrong types still says the job is over;
+    the report says the root cause is unreadable instead of crashing the agent."""
+    raw = b'{"state": "failed", "reason": "x", "at": "noon", "root_cause": {"failures": [1]}}'
+    closed = ClosedRecord.decode("/j/job/closed", raw)
+    assert closed.state is JobOutcome.FAILED and closed.at == 0.0
+    assert closed.root_cause is not None and "unreadable" in closed.root_cause.summary
+    text = format_report("job j FAILED: x", closed.root_cause)
+    assert "the root cause is unreadable" in text and "node      : ?" in text

@@ -246,7 +246,7 @@ def test_run_ids_are_isolated(etcd: EtcdServer, run_id: str, procs: list[Proc]) 
 def test_custom_prefix(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
     a = join(procs, etcd.endpoint, run_id, "a", nnodes="1", conf="prefix=/teams/ml")
     start_round([a])
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
     client = EtcdClient(e)
     try:
         _, kvs = client.get_prefix(f"/teams/ml/{run_id}/")
@@ -260,7 +260,7 @@ def test_custom_prefix(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None
 def test_malformed_round_is_a_clear_error(
     etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
 ) -> None:
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
     client = EtcdClient(e)
     key = f"/elastic-run/{run_id}/{records.ROUND}"
     try:
@@ -277,7 +277,7 @@ def test_malformed_round_is_a_clear_error(
 def test_malformed_node_record_is_ignored_by_name(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1, {})
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
     client = EtcdClient(e)
     try:
         client.put(f"/elastic-run/{run_id}/nodes/evil", b"cos\nsystem\n(S'touch /tmp/x'\ntR.")

@@ -10,6 +10,7 @@ import pytest
 from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
+    FailureReport,
     GoneRecord,
     JobOutcome,
     LeaderRecord,
@@ -19,6 +20,7 @@ from rendezvous.records import (
     NoticeRecord,
     RoundCause,
     RoundRecord,
+    WorkerFailure,
 )
 from rendezvous.rules import (
     CLAIM_AFTER,
@@ -161,36 +163,37 @@ def test_failure_charges_one_restart_and_past_budget_closes() -> None:
     a, b = node("a", 1, done=1), node("b", 2, done=1)
     fails = {
         1: {
-            "b": FailureRecord("b", 1, 50.0, {"summary": "boom"}),
-            "a": FailureRecord("a", 1, 51.0, {"summary": "cascade"}),
+            "b": FailureRecord("b", 1, 50.0, FailureReport("boom")),
+            "a": FailureRecord("a", 1, 51.0, FailureReport("cascade")),
         }
     }
     p = plan(view(a, b, r=rnd(1, a, b), failures=fails), 2, 2, 0.1, 1, now=100)
     assert p.form and p.cause is RoundCause.FAILURE and p.restarts == 1 and not p.budget_spent
-    assert p.root_cause["node"] == "b" and p.root_cause["summary"] == "boom"
+    assert p.root_cause is not None
+    assert (p.root_cause.node, p.root_cause.summary, p.root_cause.time) == ("b", "boom", 50.0)
     p = plan(view(a, b, r=rnd(1, a, b, restarts=1), failures=fails), 2, 2, 0.1, 1, now=100)
     assert p.budget_spent
 
 
 def test_root_cause_is_the_first_failure_that_is_no_consequence() -> None:
     def rec(node_id: str, reported: float, failed: float, consequence: bool) -> FailureRecord:
-        row = {"time": failed, "consequence": consequence}
-        return FailureRecord(node_id, 1, reported, {"summary": node_id, "failures": [row]})
+        row = WorkerFailure(0, 0, 1, 1, failed, consequence=consequence)
+        return FailureRecord(node_id, 1, reported, FailureReport(node_id, "h", (row,)))
 
     fails = {
         "a": rec("a", reported=10.0, failed=5.0, consequence=True),  # reported first
         "b": rec("b", reported=11.0, failed=5.0, consequence=False),
         "c": rec("c", reported=9.0, failed=6.0, consequence=False),
     }
-    assert earliest_failure(fails)["summary"] == "b"
+    assert getattr(earliest_failure(fails), "summary", None) == "b"
     del fails["b"]
-    assert earliest_failure(fails)["summary"] == "c"
-    assert earliest_failure({}) == {}
+    assert getattr(earliest_failure(fails), "summary", None) == "c"
+    assert earliest_failure({}) is None
 
 
 def test_a_loss_is_never_charged_even_with_cascading_failures() -> None:
     a, b = node("a", 1), node("b", 2, done=1)
-    fails = {1: {"b": FailureRecord("b", 1, 50.0, {})}}
+    fails = {1: {"b": FailureRecord("b", 1, 50.0, FailureReport(""))}}
     p = plan(view(b, r=rnd(1, a, b), failures=fails), 1, 2, 0.1, 0, now=100)
     assert p.form and p.cause is RoundCause.LOST and p.restarts == 0 and not p.budget_spent
 
@@ -222,7 +225,12 @@ def test_round_end_in_order_of_urgency() -> None:
     assert end(view(a, b, c, r=r), r, fenced=True) == (RoundEnd.FENCED, ())
     assert end(view(b, c, r=r), r, me="b") == (RoundEnd.LOST, ("a",))
     assert end(view(a, c, r=r, gone=(b,)), r) == (RoundEnd.LEFT, ("b",))
-    fails = {1: {"c": FailureRecord("c", 1, 1.0), "a": FailureRecord("a", 1, 1.0)}}
+    fails = {
+        1: {
+            "c": FailureRecord("c", 1, 1.0, FailureReport("c")),
+            "a": FailureRecord("a", 1, 1.0, FailureReport("a")),
+        }
+    }
     assert end(view(a, b, c, r=r, failures=fails), r) == (RoundEnd.PEER_FAILED, ("c",))
     leaving = node("b", 2, state=LEAVING)
     assert end(view(a, leaving, c, r=r), r) == (RoundEnd.LEAVING, ("b",))
@@ -285,7 +293,7 @@ def test_lean_round_end_reads_the_notice_failures_and_the_round() -> None:
     assert lean_end(replace(own, notice=stale)) is None  # about an earlier round
     about_me = NoticeRecord(1, RoundEnd.STOPPING, "b stopping", ("b",))
     assert lean_end(replace(own, notice=about_me)) is None
-    fails = {1: {"a": FailureRecord("a", 1, 1.0)}}
+    fails = {1: {"a": FailureRecord("a", 1, 1.0, FailureReport("a"))}}
     assert lean_end(view(b, r=mine, failures=fails)) == (RoundEnd.PEER_FAILED, ("a",))
     assert lean_end(own, fenced=True) == (RoundEnd.FENCED, ())
     newer = rnd(2, a, b)

@@ -18,6 +18,7 @@ from pathlib import Path
 from elastic.agent.args import UsageError
 from elastic.agent.devices import DeviceError, choose_devices, count_devices
 from elastic.contract import POLICY_ENV, RESTART_MODE_ENV, RestartMode, SnapshotPolicy
+from rendezvous.config import ConfigError, RdzvConf, build_options
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class RunConfig:
     nproc_per_node: int
     rdzv_endpoint: str  # empty: start an embedded etcd
     rdzv_id: str
-    rdzv_conf: dict[str, str]
+    rdzv_conf: RdzvConf
     max_restarts: int
     monitor_interval: float
     role: str
@@ -281,15 +282,12 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
                 f"--local-ranks-filter {ns.local_ranks_filter!r}: expected "
                 "comma-separated local ranks like 0,1"
             ) from None
-    from rendezvous.config import IGNORED, ConfigError, build_options, parse_bool, parse_conf
-
     try:
-        conf = parse_conf(str(ns.rdzv_conf))
+        conf = RdzvConf.parse(str(ns.rdzv_conf))
         _, rdzv = build_options(endpoint or "127.0.0.1", run_id, mn, mx, conf)  # check it all
-        is_host = parse_bool("is_host", conf["is_host"]) if "is_host" in conf else None
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    for key in sorted(set(conf) & set(IGNORED)):
+    for key in conf.ignored:
         log.warning("--rdzv-conf %s: a key of torchrun's backends, no effect here", key)
     _check_script(ns)
     # torchrun sets this in its own environment, which its workers inherit
@@ -326,7 +324,7 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         local_ranks_filter=filt,
         local_addr=ns.local_addr or (str(ns.master_addr) if static and node_rank == 0 else None),
         static=static,
-        is_host=is_host,
+        is_host=conf.is_host,
         join_timeout=rdzv.join_timeout,
         node_rank=node_rank,
         master_addr=str(ns.master_addr),

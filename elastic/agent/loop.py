@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,7 +28,7 @@ from elastic.agent.core import (
     Stop,
     decide,
 )
-from elastic.agent.failures import WorkerFailure, format_report, summarize
+from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement
 from elastic.agent.workers import Drained, GroupState
@@ -69,7 +70,7 @@ class Membership(Protocol):
     def closed(self) -> ClosedRecord | None: ...
     def wait(self, version: int, timeout: float | None) -> int: ...
     def poke(self) -> None: ...
-    def report_failure(self, detail: dict[str, Any]) -> None: ...
+    def report_failure(self, report: FailureReport) -> None: ...
     def finish_round(self) -> None: ...
     def announce_leaving(self) -> None: ...
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
@@ -551,10 +552,10 @@ class Agent:
         self._consequences = ()  # told once
 
     def _report(self, event: Event) -> None:
-        detail = summarize(list(self._failures), self.node_id, self.host)
-        log.error("workers failed: %s", detail["summary"])
+        report = summarize(list(self._failures), self.node_id, self.host)
+        log.error("workers failed: %s", report.summary)
         try:
-            self.rdzv.report_failure(detail)
+            self.rdzv.report_failure(report)
         except RendezvousError as e:
             log.warning("could not report the failure to etcd: %s", e)
 
@@ -595,18 +596,19 @@ class Agent:
             # another node closed the job: our own workers may have failed meanwhile
             state, failures = self.workers.poll()
             if state is GroupState.FAILED:
-                detail = {**summarize(failures, self.node_id, self.host), "node": self.node_id}
+                report = summarize(failures, self.node_id, self.host)
+                detail = replace(report, node=self.node_id)
                 self.state = AgentState.FAILED
                 return self._report_failed("workers failed after the job was closed", detail)
             log.info("job finished")
         return how.code(self.signal or 0)
 
-    def _report_failed(self, reason: str | None = None, root: dict[str, Any] | None = None) -> int:
+    def _report_failed(self, reason: str | None = None, root: FailureReport | None = None) -> int:
         closed = self._closed or self.rdzv.closed()
         if reason is None:
             reason = closed.reason if closed else self._change_why
         if root is None:
-            root = closed.root_cause if closed else {}
+            root = closed.root_cause if closed else None
         log.error("%s", format_report(f"job {self.rdzv.run_id} FAILED: {reason}", root))
         return Exit.FAILED.code()
 
@@ -614,7 +616,7 @@ class Agent:
         self._closed = e.record
         if e.record.state is JobOutcome.FAILED:
             self.state = AgentState.FAILED
-            return self._report_failed(e.record.reason, {})
+            return self._report_failed(e.record.reason, None)
         log.info("%s; nothing to do (to run the job again, give it a new --rdzv-id)", e)
         self.state = AgentState.SUCCEEDED
         return Exit.SUCCEEDED.code()

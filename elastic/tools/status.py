@@ -11,7 +11,7 @@ from typing import Any
 
 from elastic.agent.args import Parser, UsageError
 from rendezvous.client import EtcdClient
-from rendezvous.config import ConfigError, build_options, parse_conf
+from rendezvous.config import ConfigError, RdzvConf, build_options
 from rendezvous.errors import RendezvousError
 from rendezvous.mirror import read_view
 from rendezvous.records import JobOutcome
@@ -200,7 +200,7 @@ def _unless_joining(s: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> int:
     try:
         a = parser().parse_args(list(argv))
-        etcd, opts = build_options(a.endpoint, a.run_id, 1, 1, parse_conf(a.conf))
+        etcd, opts = build_options(a.endpoint, a.run_id, 1, 1, RdzvConf.parse(a.conf))
     except (UsageError, ConfigError) as e:
         print(f"elastic-run status: error: {e}", file=sys.stderr)
         return 2
