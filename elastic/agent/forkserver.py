@@ -15,19 +15,17 @@ environment instead.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from elastic.agent.procs import die_with_parent
+from elastic.agent.helper import Helper
 
 
 class ForkedWorker:
@@ -76,16 +74,7 @@ class ForkServer:
     """The per-node fork server, started at once so torch imports while the job forms."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic.agent.zygote", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C reaches only the agent
-            preexec_fn=die_with_parent(),
-        )
-        theirs.close()
+        self._helper = Helper("elastic.agent.zygote", env)
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
         self._pids: list[int] = []
@@ -97,16 +86,15 @@ class ForkServer:
     def _read(self) -> None:
         while True:
             try:
-                data = self._sock.recv(1 << 16)
+                msg = self._helper.receive()
             except OSError:
-                data = b""
+                msg = None
             with self._cond:
-                if not data:
+                if msg is None:
                     self._gone = True
                     self._pids.append(-1)  # wake spawners: the server is gone
                     self._cond.notify_all()
                     return
-                msg = json.loads(data)
                 if "ready" in msg:
                     self._ready = True
                 elif "pid" in msg:
@@ -140,7 +128,7 @@ class ForkServer:
             }
         ).encode()
         with self._lock:
-            socket.send_fds(self._sock, [request], list(stdio))
+            socket.send_fds(self._helper.sock, [request], list(stdio))
             with self._cond:
                 self._cond.wait_for(lambda: self._pids, timeout=60)
                 pid = self._pids.pop(0) if self._pids else -1
@@ -165,13 +153,4 @@ class ForkServer:
             self._cond.wait(timeout)
 
     def close(self) -> None:
-        # shutdown, not just close: our reader thread is blocked in recv on this socket,
-        # which keeps it open (and the server waiting) until something wakes it
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        try:
-            self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        self._helper.close()

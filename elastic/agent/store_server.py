@@ -13,7 +13,8 @@ import contextlib
 import datetime
 import json
 import socket
-import sys
+
+from elastic.agent.helper import agent_socket, say_ready
 
 STORE_TIMEOUT = datetime.timedelta(seconds=900)
 
@@ -21,7 +22,7 @@ STORE_TIMEOUT = datetime.timedelta(seconds=900)
 def serve(sock: socket.socket) -> None:
     from torch.distributed import TCPStore  # the point of this process: torch, off the agent
 
-    sock.send(json.dumps({"ready": True}).encode())
+    say_ready(sock)
     store = None  # kept referenced: the store lives as long as this variable holds it
     while True:
         data = sock.recv(1 << 16)
@@ -49,4 +50,4 @@ def serve(sock: socket.socket) -> None:
 if __name__ == "__main__":
     # OSError: the agent went (a close with the "ready" unread resets the socket)
     with contextlib.suppress(KeyboardInterrupt, OSError):
-        serve(socket.socket(fileno=int(sys.argv[1])))
+        serve(agent_socket())

@@ -19,14 +19,10 @@ dies with the agent.
 from __future__ import annotations
 
 import contextlib
-import json
 import select
-import socket
-import subprocess
-import sys
 import threading
 
-from elastic.agent.procs import die_with_parent
+from elastic.agent.helper import Helper
 
 
 class StoreError(RuntimeError):
@@ -39,8 +35,7 @@ class StoreHost:
     def __init__(self, start_timeout: float = 120.0) -> None:
         self._timeout = start_timeout
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._helper: Helper | None = None
         self._hosting = False
         self._ready = False
 
@@ -49,83 +44,63 @@ class StoreHost:
         with self._lock:
             self._start()
 
-    def _start(self) -> socket.socket:
-        if self._sock is None:
-            self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic.agent.store_server", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-            theirs.close()
-        return self._sock
+    def _start(self) -> Helper:
+        if self._helper is None:
+            self._helper = Helper("elastic.agent.store_server")
+        return self._helper
 
     @property
     def ready(self) -> bool:
         """The helper runs and has imported torch: hosting a store takes milliseconds."""
         with self._lock:
-            sock = self._sock
-            if sock is not None and not self._ready and select.select([sock], [], [], 0)[0]:
-                self._await_ready(sock)
+            helper = self._helper
+            waiting = helper is not None and not self._ready
+            if waiting and helper and select.select([helper.sock], [], [], 0)[0]:
+                self._await_ready(helper)
             return self._ready
 
     def host_round(self, addr: str, port: int) -> None:
         """Host a fresh store on ``port`` (the previous one goes). Waits for the helper's
         ``import torch`` if it is still under way."""
         with self._lock:
-            sock = self._start()
+            helper = self._start()
             if not self._ready:
-                self._await_ready(sock)
-            reply = self._ask(sock, {"host": addr, "port": port})
+                self._await_ready(helper)
+            reply = self._ask(helper, {"host": addr, "port": port})
         if "error" in reply:
             raise StoreError(f"cannot host the round's store on port {port}: {reply['error']}")
         self._hosting = True
 
     def drop_round(self) -> None:
         """The round is over: its store goes (stale workers have nothing to reach)."""
-        sock = self._sock
-        if not self._hosting or sock is None:
+        helper = self._helper
+        if not self._hosting or helper is None:
             return
         self._hosting = False
         with self._lock, contextlib.suppress(OSError):
-            sock.send(json.dumps({"drop": True}).encode())
+            helper.send({"drop": True})
 
-    def _await_ready(self, sock: socket.socket) -> None:
-        if "ready" not in self._receive(sock):
+    def _await_ready(self, helper: Helper) -> None:
+        if "ready" not in self._receive(helper):
             raise StoreError("the store helper did not say it was ready")
         self._ready = True
 
-    def _ask(self, sock: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+    def _ask(self, helper: Helper, msg: dict[str, object]) -> dict[str, object]:
         try:
-            sock.send(json.dumps(msg).encode())
+            helper.send(msg)
         except OSError as e:
             raise StoreError(f"the store helper is gone ({e})") from None
-        return self._receive(sock)
+        return self._receive(helper)
 
-    def _receive(self, sock: socket.socket) -> dict[str, object]:
+    def _receive(self, helper: Helper) -> dict[str, object]:
         try:
-            sock.settimeout(self._timeout)
-            data = sock.recv(1 << 16)
+            reply = helper.receive(self._timeout)
         except OSError as e:
             raise StoreError(f"the store helper is gone ({e})") from None
-        finally:
-            sock.settimeout(None)
-        if not data:
-            code = self._proc.poll() if self._proc is not None else None
-            raise StoreError(f"the store helper exited with {code}")
-        reply: dict[str, object] = json.loads(data)
+        if reply is None:
+            raise StoreError(f"the store helper exited with {helper.exit_code}")
         return reply
 
     def close(self) -> None:
-        if self._sock is None or self._proc is None:
-            return
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        try:
-            self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        if self._helper is not None:
+            self._helper.close()

@@ -22,6 +22,8 @@ import socket
 import sys
 import traceback
 
+from elastic.agent.helper import agent_socket, say_ready
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -85,7 +87,7 @@ def serve(sock: socket.socket) -> None:
     def send(msg: dict) -> None:
         sock.send(json.dumps(msg).encode())
 
-    send({"ready": True})
+    say_ready(sock)
     while True:
         while children:  # report exits first, so they arrive even with no request
             pid, raw = os.waitpid(-1, os.WNOHANG)
@@ -111,4 +113,4 @@ def serve(sock: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(agent_socket())
