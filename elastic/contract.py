@@ -154,8 +154,6 @@ _OFF = {
     "heartbeat": 16,
     "step": 24,
     "flags": 32,
-    "snapshot": 40,
-    "samples": 48,
     "pause": 56,
     "abandon": 64,
     "placement": 72,
@@ -177,8 +175,7 @@ class ControlBlock:
         16      heartbeat, ns since the epoch                          worker
         24      step                                                   worker
         32      flags: USES_STATE, REPORTS, LIVE                       worker
-        40      newest snapshot step, -1 for none                      worker
-        48      samples processed                                      worker
+        40, 48  unused
         56      pause generation ("stop at the next step, keep going   agent
                 live when the new placement comes")
         64      abandon generation ("the round is broken: leave the    agent
@@ -201,7 +198,6 @@ class ControlBlock:
         if create:
             self._map[:] = bytes(SIZE)
             self._put(0, MAGIC)
-            self._put(_OFF["snapshot"], -1)
         elif self._get(0) != MAGIC:
             self._map.close()
             raise ValueError(f"{self.path} is not an elastic-run control block (layout 3)")
@@ -261,14 +257,6 @@ class ControlBlock:
     def step(self) -> int:
         return self._get(_OFF["step"])
 
-    @property
-    def snapshot_step(self) -> int:
-        return self._get(_OFF["snapshot"])
-
-    @property
-    def samples(self) -> int:
-        return self._get(_OFF["samples"])
-
     # -- worker side -----------------------------------------------------------------------
     @property
     def stop_generation(self) -> int:
@@ -280,11 +268,9 @@ class ControlBlock:
     def unmark(self, flag: int) -> None:
         self._put(_OFF["flags"], self._get(_OFF["flags"]) & ~flag)
 
-    def beat(self, step: int | None = None, samples: int | None = None) -> None:
+    def beat(self, step: int | None = None) -> None:
         if step is not None:
             self._put(_OFF["step"], step)
-        if samples is not None:
-            self._put(_OFF["samples"], samples)
         self._put(_OFF["heartbeat"], time.time_ns())
 
     @property
@@ -311,9 +297,6 @@ class ControlBlock:
         """It formed the process group of placement ``generation``."""
         self._put(_OFF["formed"], generation)
         self._put(_OFF["phase"], Phase.RUNNING)
-
-    def snapshot_taken(self, step: int) -> None:
-        self._put(_OFF["snapshot"], step)
 
     def close(self) -> None:
         self._map.close()

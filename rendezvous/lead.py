@@ -79,12 +79,12 @@ class Lead:
     def _claim(self) -> None:
         s = self.session
         value = self._record(s.rev)
-        revision, held = self.client.create(self._key, value, lease=s.lease_id)
+        revision, existing = self.client.create(self._key, value, lease=s.lease_id)
         if revision:
             log.debug("leading job %s", s.options.run_id)
-            held = KV(self._key, value, revision, revision, s.lease_id)
-        if held is not None:
-            self.mirror.record_own(held)
+            existing = KV(self._key, value, revision, revision, s.lease_id)
+        if existing is not None:  # ours, or the one whose create landed first
+            self.mirror.record_own(existing)
 
     def hand_over(self, view: JobView, writer: str) -> None:
         """Make ``writer`` the leader (on its own lease), unless the post changed since."""

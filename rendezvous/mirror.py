@@ -1,4 +1,4 @@
-"""A live, watch-fed copy of one job's keys, and the immutable views taken of it.
+"""A watch-fed copy of one job's keys, from which immutable views are taken (view.py).
 
 One watch stream feeds the mirror; every change wakes whoever waits on it. Nothing polls
 etcd. When the stream breaks (etcd restarted, a member died) the mirror reads the job

@@ -22,10 +22,6 @@ def default_local_addr() -> str:
     return socket.getfqdn()
 
 
-def format_hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def resolve(host: str) -> str:
     """The first address ``host`` resolves to (as a client would use), or ``host``."""
     try:

@@ -11,11 +11,11 @@ Forming rounds (every agent computes the same plan from the same view; only the 
 acts):
 
 - A round is re-formed when there is none yet, when one of its members is gone (lost:
-  its lease expired; left: it said so first), or when a live member has declared it is
+  its lease expired; left: it said so first), or when a present member has declared it is
   done with the round (its workers failed, or it drained them for a resize).
-- It is formed only once every live member is done with the current round, so no old
+- It is formed only once every present member is done with the current round, so no old
   worker still runs when new ones start.
-- Candidates are the live members in their current order, then the other live nodes in
+- Candidates are the present members in their current order, then the other present nodes in
   join order (create revision); nodes that are leaving are never candidates. So
   survivors keep their relative order and the rank-0 node stays rank 0 while it lives.
 - With fewer than MIN candidates nothing forms. With MAX or more, the first MAX form the
@@ -67,35 +67,35 @@ __all__ = [
 class MemberState(enum.Enum):
     """A node as the job sees it, relative to the current round."""
 
-    RUNNING = "running"  # a member, live, its workers in the round
+    RUNNING = "running"  # a member, present, its workers in the round
     STOPPING = "stopping"  # a member that stopped its workers (done with the round)
-    LEAVING = "leaving"  # live, said it is going (SIGTERM, or its job ended)
+    LEAVING = "leaving"  # present, said it is going (SIGTERM, or its job ended)
     LEFT = "left"  # a member gone after saying it leaves
     LOST = "lost"  # a member gone without a word (crash, freeze, partition)
-    JOINING = "joining"  # live, not a member, and the round has room (or none exists)
-    STANDBY = "standby"  # live, not a member, the round is full
+    JOINING = "joining"  # present, not a member, and the round has room (or none exists)
+    STANDBY = "standby"  # present, not a member, the round is full
 
 
 def member_state(view: JobView, node_id: str, rev: int, max_nodes: int) -> MemberState:
     """What incarnation ``rev`` of ``node_id`` is doing, as the job can tell from ``view``:
-    a member of the round (alive or gone) or a live node outside it."""
+    a member of the round (present or gone) or a present node outside it."""
     r = view.round
-    live = view.nodes.get(node_id)
-    if live is not None and live.rev != rev:
-        live = None
+    present = view.nodes.get(node_id)
+    if present is not None and present.rev != rev:
+        present = None
     member = r is not None and r.member(node_id, rev) is not None
-    if member and live is None:
+    if member and present is None:
         gone = view.gone.get(node_id)
         return MemberState.LEFT if gone is not None and gone.rev == rev else MemberState.LOST
-    if live is None:
-        raise KeyError(f"{node_id} (rev {rev}) is neither live nor a member of the round")
-    if live.record.state is NodeState.LEAVING:
+    if present is None:
+        raise KeyError(f"{node_id} (rev {rev}) is neither present nor a member of the round")
+    if present.record.state is NodeState.LEAVING:
         return MemberState.LEAVING
     if not member:
         full = r is not None and len(r.members) >= max_nodes
         return MemberState.STANDBY if full else MemberState.JOINING
     assert r is not None
-    return MemberState.STOPPING if live.record.done >= r.number else MemberState.RUNNING
+    return MemberState.STOPPING if present.record.done >= r.number else MemberState.RUNNING
 
 
 def _members(view: JobView, max_nodes: int) -> dict[str, MemberState]:
@@ -105,7 +105,7 @@ def _members(view: JobView, max_nodes: int) -> dict[str, MemberState]:
 
 
 def _newcomers(view: JobView, max_nodes: int) -> list[PresentNode]:
-    """Live incarnations outside the round that may join it: those that ask for a rank
+    """Present incarnations outside the round that may join it: those that ask for a rank
     (torchrun's static form) in that order, then the others in join order."""
     return sorted(
         (
@@ -135,7 +135,7 @@ class Plan:
     wake_at: float | None = None  # monotonic time the plan may change without an event
     enough_nodes: bool = True
     present: int = 0  # candidates for the next round
-    busy: tuple[str, ...] = ()  # live members the round waits on
+    busy: tuple[str, ...] = ()  # present members the round waits on
 
 
 def _member(node: PresentNode) -> Member:
@@ -185,14 +185,14 @@ def plan(
 
     left = tuple(m.id for m in previous if states[m.id] is MemberState.LEFT)
     lost = tuple(m.id for m in previous if states[m.id] is MemberState.LOST)
-    live = [m for m in previous if m.id not in left and m.id not in lost]
+    present = [m for m in previous if m.id not in left and m.id not in lost]
     busy = tuple(
         m.id
-        for m in live
+        for m in present
         if states[m.id] is MemberState.RUNNING
         or (states[m.id] is MemberState.LEAVING and view.nodes[m.id].record.done < number)
     )
-    if current is not None and not left and not lost and len(busy) == len(live):
+    if current is not None and not left and not lost and len(busy) == len(present):
         return Plan(False, f"round {number} is running", writer=writer, present=count)
     if busy:
         return Plan(

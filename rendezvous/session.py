@@ -236,7 +236,7 @@ class Session:
             ops.delete(self.node_key),
         ]
         if resign is not None:
-            held, drop = resign
-            self.client.txn([held], [*leave, drop], leave, 2.0)
+            still_leads, drop = resign
+            self.client.txn([still_leads], [*leave, drop], leave, 2.0)
         else:
             self.client.txn([], leave, timeout=2.0)

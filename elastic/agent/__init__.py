@@ -3,21 +3,25 @@
 Never imports torch (a test proves it): what needs torch runs in helper processes (the
 round's store, the fork server) or in the workers.
 
-    main        the command: parse, check, launch
-    args        the command line (torchrun's flags and ours)
-    config      the checked RunConfig
-    launch      wires one node together
-    core        the decision table: (state, event) -> reaction, pure
-    loop        the agent loop: gathers events, carries out reactions
-    workers     the local worker processes (start, poll, drain, stop)
-    placement   a worker's torchrun environment
-    procs       process groups that never outlive the agent
-    forkserver  --start-method forkserver (zygote: its process)
-    storehost   the round's TCPStore (store_server: its process)
-    logs        worker output: console, files, attempts
-    failures    worker failures and the root-cause report
-    etcd_server the embedded etcd
-    metrics     /metrics and /healthz (collectors: workers via psutil, GPUs via NVML)
-    nodedir     the node's shared-memory directory
-    devices     GPUs and --nproc-per-node
+    main         the command: parse, check, launch
+    args         the command line (torchrun's flags and ours)
+    config       the checked RunConfig
+    launch       wires one node together
+    core         the decision table: (state, event) -> reaction, pure
+    loop         the agent loop: gathers events, carries out reactions
+    workers      the local worker processes (start, poll, drain, hold, stop)
+    placement    a worker's torchrun environment
+    procs        process groups that never outlive the agent
+    helper       the helper processes' common base (socket pair, session, ready)
+    forkserver   --start-method forkserver (zygote: its process)
+    storehost    the round's TCPStore (store_server: its process)
+    logs         worker output: console, files, attempts
+    failures     worker failures and the root-cause report
+    filetimer    torch's file timer (TORCHELASTIC_ENABLE_FILE_TIMER)
+    breakdown    the node's newest snapshot saved when the job or the node ends
+    etcd_plan    which etcd the job uses, decided (pure); job_etcd: its I/O
+    etcd_server  the embedded etcd
+    metrics      /metrics and /healthz (collectors: workers via psutil, GPUs via NVML)
+    nodedir      the node's shared-memory directory
+    devices      GPUs and --nproc-per-node
 """

@@ -3,14 +3,15 @@
 Imports torch; knows nothing of etcd. It talks to its agent only through
 ``elastic.contract`` (environment variables and the control block).
 
-    state       elastic.State: the facade a script uses (commit, restore)
-    snapshotter snapshots into the node's shared memory, copied in the background
-    slots       the two shared-memory slots a snapshot goes to
-    snapshot    the snapshot format (tensors plus a skeleton)
-    restore     finding the newest state in the job and loading it
-    rng         random number generator states
-    checkpoint  durable checkpoint files
-    sharded     FSDP2/DTensor state through torch.distributed.checkpoint
-    sampler     ElasticSampler and BatchPolicy
-    progress    training progress for the agent's /metrics
+    state        elastic.State: the facade a script uses (commit, restore, run)
+    group        the process group a live worker re-forms in place (its one owner)
+    comm         the few collectives State itself needs, on its own gloo group
+    snapshotter  snapshots into the node's shared memory, copied in the background
+    snapshot     the snapshot format (tensors plus a skeleton)
+    cadence      how often to snapshot, from measured step and snapshot costs
+    restore      finding the newest state in the job and loading it
+    rng          random number generator states
+    sharded      FSDP2/DTensor state through torch.distributed.checkpoint
+    sampler      ElasticSampler and BatchPolicy
+    progress     training progress for the agent's /metrics
 """

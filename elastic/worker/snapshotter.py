@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from elastic.contract import ControlBlock, SnapshotPolicy
+from elastic.contract import SnapshotPolicy
 from elastic.stored import CheckpointDir, SnapshotSlots, WriteResult
 from elastic.worker import progress, snapshot
 
@@ -51,7 +51,7 @@ def _idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-class Held:
+class SlotTensors:
     """The frozen tensors whose bytes a slot holds, with their version counters then: one
     not written since is not copied again. Every in-place torch op bumps
     ``Tensor._version`` (shared with ``detach()``ed views); holding the tensors keeps
@@ -144,12 +144,10 @@ class Snapshotter:
         policy: SnapshotPolicy,
         node_dir: str | None,
         local_rank: int,
-        block: ControlBlock | None,
         stats: Stats,
     ) -> None:
         self.policy = policy
         self.stats = stats
-        self._block = block
         self._copy: threading.Thread | None = None
         self._host_done = threading.Event()  # the copy no longer reads host tensors
         self._host_done.set()
@@ -157,7 +155,7 @@ class Snapshotter:
         self._pinned: dict[torch.device, torch.Tensor] = {}  # staging, per device
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._count = 0
-        self._held: dict[int, Held] = {}  # per slot: the tensors its bytes hold
+        self._kept: dict[int, SlotTensors] = {}  # per slot: the tensors its bytes hold
         self.slots: SnapshotSlots | None = None
         if local_rank == 0 and (node_dir or policy.checkpoint_dir):
             try:
@@ -201,13 +199,13 @@ class Snapshotter:
         deferred = set(later)
         now = [i for i in range(len(packed.tensors)) if i not in deferred]
         eligible = [i for i, t in enumerate(packed.tensors) if t.data_ptr() in frozen]
-        for other in self._held.values():  # trainable now: it may change unseen
+        for other in self._kept.values():  # trainable now: it may change unseen
             other.keep_only(packed, eligible)
-        held = self._held.pop(slot, None)  # void while the slot is rewritten
-        same = held.unchanged(buf, packed) if held is not None else set()
+        kept = self._kept.pop(slot, None)  # void while the slot is rewritten
+        same = kept.unchanged(buf, packed) if kept is not None else set()
         snapshot.copy_tensors(buf, packed, [i for i in now if i not in same])
-        record = Held(buf)  # takes effect once the whole copy is done
-        record.tensors = Held.versions(packed, eligible)  # as of now: optimizer.step() waits
+        record = SlotTensors(buf)  # takes effect once the whole copy is done
+        record.tensors = SlotTensors.versions(packed, eligible)  # now: optimizer.step() waits
         self.stats.unchanged_bytes = sum(packed.tensors[i].nbytes for i in same)
         later = [i for i in later if i not in same]
         on_gpu = [i for i in later if packed.tensors[i].is_cuda]
@@ -227,12 +225,10 @@ class Snapshotter:
             snapshot.copy_tensors_background(
                 buf, packed, on_gpu, threads, _idle_priority, sources=staged
             )
-            self._held[slot] = record
+            self._kept[slot] = record
             slots.commit(slot, step, packed.size)
             self.stats.snapshots += 1
             self.stats.snapshot_bytes = packed.size
-            if self._block is not None:
-                self._block.snapshot_taken(step)
             self._count += 1
             if checkpoint():
                 self._checkpoint(slot, step)

@@ -150,7 +150,7 @@ class State:
             ctl=ctl,
             node_dir=node_dir,
             sharded=is_sharded,
-            snapshotter=Snapshotter(policy, node_dir, comm.local_rank(), ctl, stats),
+            snapshotter=Snapshotter(policy, node_dir, comm.local_rank(), stats),
             stop_seen=ctl.stop_generation if ctl else 0,
         )
         object.__setattr__(self, "_core", core)
@@ -411,8 +411,6 @@ class State:
         self._core.stats.snapshots += 1
         took = time.perf_counter() - started
         self._core.stats.snapshot_seconds = self._core.stats.checkpoint_seconds = took
-        if self._core.ctl is not None:
-            self._core.ctl.snapshot_taken(step)
 
     # -- restore --------------------------------------------------------------------------
     def restore(self) -> bool:
