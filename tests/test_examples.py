@@ -85,10 +85,11 @@ def test_example_runs(launch: list[str], args: list[str], expect: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_ddp.py", "model_parallel_ddp.py"])
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_live.py"])
 def test_ddp_examples_survive_a_node_sigkill(
     etcd: EtcdServer, run_id: str, procs: list[Proc], script: str
 ) -> None:
+    """The respawn example resumes in new workers; the State.run one in the same ones."""
     args = ("--epochs", "3", "--step-time", "0.02")
     a = start_agent(procs, etcd.endpoint, run_id, "a", EXAMPLES / script, *args, nnodes="1:2")
     a.wait_output("registered as a", timeout=30)  # a joins first, so rank 0 is on a
@@ -98,7 +99,12 @@ def test_ddp_examples_survive_a_node_sigkill(
     b.signal(signal.SIGKILL)
     assert a.wait(180) == 0, a.transcript()
     out = "\n".join(a.out)
-    assert "resumed at epoch" in out
+    if script == "train_live.py":
+        logs = "\n".join(a.err)
+        assert "workers re-form live" in logs and "training from step" in out
+        assert "new workers follow" not in logs
+    else:
+        assert "resumed at epoch" in out
     assert "epoch 2: loss" in out and "world size 1" in out
 
 
