@@ -6,6 +6,7 @@ so the CLI can print it as one line.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -200,10 +201,20 @@ KEYS: dict[str, tuple[str, _Parser, str]] = {
 }
 
 
+def unquoted(text: str) -> str:
+    """``text`` without the quotes around it that a shell would have removed: a command
+    line given as a list (PyTorch's own launcher tests pass
+    ``--rdzv-conf='join_timeout=5,...'``) keeps them."""
+    text = (text or "").strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 def parse_conf(text: str) -> dict[str, str]:
     """``key=value,key2=value2`` (torchrun's --rdzv-conf syntax) into a dict."""
     conf: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+    for item in filter(None, (part.strip() for part in unquoted(text).split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
@@ -261,24 +272,41 @@ class RdzvConf:
     password_file: str | None = None
     is_host: bool | None = None
     ignored: tuple[str, ...] = ()  # keys of torchrun's backends with no effect here
+    unknown: tuple[str, ...] = ()  # keys no backend reads: ignored, as torchrun does
+    quoted: bool = False  # the whole text came with quotes around it (stripped)
 
     @classmethod
     def parse(cls, conf: str | Mapping[str, object]) -> RdzvConf:
         """From ``key=value,...`` or a mapping (torch's ``RendezvousParameters.config``);
         a bad key or value is a ``ConfigError`` naming it."""
         items = parse_conf(conf) if isinstance(conf, str) else conf
+        quoted = isinstance(conf, str) and unquoted(conf) != conf.strip()
         values: dict[str, Any] = {}
-        ignored = []
+        ignored, unknown = [], []
         for key, raw in items.items():
             if key not in KEYS:
-                known = ", ".join(sorted(KEYS))
-                raise ConfigError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+                unknown.append(key)
+                continue
             name, parser, _ = KEYS[key]
             if key in IGNORED:
                 ignored.append(key)
                 continue
             values[name] = parser(key, str(raw))
-        return replace(cls(ignored=tuple(sorted(ignored))), **values)
+        base = cls(ignored=tuple(sorted(ignored)), unknown=tuple(unknown), quoted=quoted)
+        return replace(base, **values)
+
+    def warnings(self) -> list[str]:
+        """What the user should hear about keys that have no effect (one line each)."""
+        out = []
+        if self.quoted:
+            out.append("--rdzv-conf: the quotes around its value were removed")
+        for key in self.unknown:
+            near = difflib.get_close_matches(key.strip("'\" "), list(KEYS), n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            out.append(f"--rdzv-conf {key}: no rendezvous reads this key; ignored{hint}")
+        for key in self.ignored:
+            out.append(f"--rdzv-conf {key}: a key of torchrun's backends, no effect here")
+        return out
 
 
 def _password(conf: RdzvConf) -> str | None:

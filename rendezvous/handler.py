@@ -134,6 +134,8 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
 def create_handler(params: torch_api.RendezvousParameters) -> EtcdV3RendezvousHandler:
     try:
         conf = RdzvConf.parse({k: v for k, v in params.config.items() if v is not None})
+        for line in conf.warnings():
+            log.warning("%s", line)
         etcd_opts, rdzv_opts = build_options(
             params.endpoint, params.run_id, params.min_nodes, params.max_nodes, conf
         )

@@ -96,11 +96,27 @@ def test_rdzv_conf_keys_of_torchruns_backends_are_accepted(conf: str) -> None:
     build_options("127.0.0.1", "j", 1, 1, RdzvConf.parse(conf))
 
 
-def test_a_key_no_backend_knows_is_still_an_error() -> None:
-    from rendezvous.config import ConfigError, RdzvConf, build_options
+def test_a_key_no_backend_knows_is_ignored_with_a_warning_naming_the_closest() -> None:
+    """As torchrun ignores it; a misspelt timeout is named, with the key it resembles."""
+    from rendezvous.config import RdzvConf, build_options
 
-    with pytest.raises(ConfigError, match="unknown key 'join_timout'"):
-        build_options("127.0.0.1", "j", 1, 1, RdzvConf.parse("join_timout=30"))
+    conf = RdzvConf.parse("join_timout=30,zzz=1")
+    _, rdzv = build_options("127.0.0.1", "j", 1, 1, conf)
+    assert rdzv.join_timeout == 600.0 and conf.unknown == ("join_timout", "zzz")
+    assert conf.warnings() == [
+        "--rdzv-conf join_timout: no rendezvous reads this key; ignored "
+        "(did you mean join_timeout?)",
+        "--rdzv-conf zzz: no rendezvous reads this key; ignored",
+    ]
+
+
+def test_quotes_a_shell_would_have_removed_are_removed() -> None:
+    """PyTorch's own launcher tests pass --rdzv-conf='join_timeout=5,...' in a list."""
+    from rendezvous.config import RdzvConf
+
+    conf = RdzvConf.parse("'join_timeout=5,last_call_timeout=1,timeout=5'")
+    assert (conf.join_timeout, conf.last_call_timeout, conf.unknown) == (5.0, 1.0, ())
+    assert conf.warnings() == ["--rdzv-conf: the quotes around its value were removed"]
 
 
 def test_the_scripts_arguments_are_never_read_as_ours() -> None:

@@ -39,6 +39,7 @@ def error_line(done: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize(
     "args,needle",
     [
+        # refused by the launcher (torchrun exits 1 for these too)
         (["--nnodes", "4:1", SCRIPT], "--nnodes '4:1': the maximum 1 is below the minimum 4"),
         (["--nnodes", "abc", SCRIPT], "--nnodes 'abc': expected N or MIN:MAX"),
         (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node 0: must be at least 1"),
@@ -46,11 +47,9 @@ def error_line(done: subprocess.CompletedProcess) -> str:
         (["--nproc-per-node", "many", SCRIPT], "expected a number, auto, cpu, gpu or xpu"),
         (["--rdzv-backend", "zookeeper", SCRIPT], "--rdzv-backend 'zookeeper': elastic-run's"),
         (["--rdzv-conf", "lease_ttl=zero", SCRIPT], "--rdzv-conf lease_ttl='zero'"),
-        (["--rdzv-conf", "nosuchkey=1", SCRIPT], "unknown key 'nosuchkey'"),
         (["no/such/train.py"], "training script 'no/such/train.py': no such file"),
-        ([], "the following arguments are required: training_script"),
+        (["stauts"], "no such file (did you mean the command 'elastic-run status'?)"),
         (["--max-restarts", "-1", SCRIPT], "--max-restarts -1: must be >= 0"),
-        (["--max-restarts", "x", SCRIPT], "invalid int value: 'x'"),
         (["--redirects", "7", SCRIPT], "modes are 0 (none)"),
         (["--local-ranks-filter", "a", SCRIPT], "--local-ranks-filter 'a'"),
         (["--signals-to-handle", "SIGNOPE", SCRIPT], "unknown signal 'SIGNOPE'"),
@@ -59,6 +58,22 @@ def error_line(done: subprocess.CompletedProcess) -> str:
 )
 def test_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = elastic_run(*args, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1
+    assert needle in error_line(done)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        # refused by argparse (exit 2 under torchrun too)
+        (["--max-restarts", "x", SCRIPT], "invalid int value: 'x'"),
+        (["--nproc-per-nod", "2", "--nosuch", SCRIPT], "unrecognized arguments: --nosuch"),
+        (["--nprocs", "2", SCRIPT], "--nprocs (did you mean --nproc-per-node?)"),
+        ([], "no training script given: elastic-run [options] train.py"),
+    ],
+)
+def test_what_argparse_refuses_exits_2(args: list[str], needle: str) -> None:
+    done = elastic_run(*args)
     assert done.returncode == 2
     assert needle in error_line(done)
 

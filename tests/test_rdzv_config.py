@@ -65,7 +65,6 @@ def test_defaults_and_aliases() -> None:
 @pytest.mark.parametrize(
     "conf,needle",
     [
-        ({"lease_tll": "5"}, "unknown key 'lease_tll'"),
         ({"lease_ttl": "1"}, "at least 2 seconds"),
         ({"lease_ttl": "2.5"}, "whole seconds"),
         ({"join_timeout": "-3"}, "positive"),

@@ -19,11 +19,14 @@ USAGE = "elastic-run [options] training_script [training_script_args ...]"
 
 
 class UsageError(ValueError):
-    """Bad command-line input; the message names the flag and the problem."""
+    """Bad command-line input; the message names the flag and the problem. ``code`` is
+    the exit code torchrun gives the same mistake: 2 for what argparse refuses (a flag
+    it does not know, a missing script), 1 for a value its launcher refuses."""
 
-    def __init__(self, message: str, usage: str = "") -> None:
+    def __init__(self, message: str, usage: str = "", code: int = 1) -> None:
         super().__init__(message)
         self.usage = usage
+        self.code = code
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,10 +36,34 @@ class Parser(argparse.ArgumentParser):
         unknown = re.match(r"unrecognized arguments: (--?[\w-]+)", message)
         if unknown:
             flags = [o for a in self._actions for o in a.option_strings if "_" not in o]
-            close = difflib.get_close_matches(unknown[1].split("=")[0], flags, n=1, cutoff=0.6)
+            close = closest(unknown[1].split("=")[0], flags)
             if close:
-                message += f" (did you mean {close[0]}?)"
-        raise UsageError(message, usage=f"usage: {USAGE}")
+                message += f" (did you mean {close}?)"
+        if "arguments are required: training_script" in message:
+            message = (
+                "no training script given: elastic-run [options] train.py [its arguments] "
+                "(elastic-run --help lists the options; 'elastic-run status' shows a job)"
+            )
+        raise UsageError(message, usage=f"usage: {USAGE}", code=2)
+
+
+def closest(word: str, choices: list[str]) -> str | None:
+    """The choice ``word`` most likely misspells: the longest shared start first (--nprocs
+    is --nproc-per-node, not --nnodes), then difflib's likeness."""
+
+    def shared(a: str, b: str) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    likely = difflib.get_close_matches(word, choices, n=5, cutoff=0.5)
+    prefixed = [c for c in choices if shared(word, c) >= max(len(word) - 2, 4)]
+    ranked = sorted(
+        set(likely) | set(prefixed),
+        key=lambda c: (-shared(word, c), -difflib.SequenceMatcher(None, word, c).ratio()),
+    )
+    return ranked[0] if ranked else None
 
 
 class HelpFormatter(argparse.HelpFormatter):

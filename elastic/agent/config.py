@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic.agent.args import UsageError
+from elastic.agent.args import UsageError, closest
 from elastic.agent.devices import DeviceError, choose_devices, count_devices
 from elastic.contract import POLICY_ENV, RESTART_MODE_ENV, RestartMode, SnapshotPolicy
 from rendezvous.config import ConfigError, RdzvConf, build_options
@@ -136,7 +136,11 @@ def _check_script(ns: argparse.Namespace) -> None:
             raise UsageError(f"training program {script!r}: not found or not executable")
         return
     if not Path(script).is_file():
-        raise UsageError(f"training script {script!r}: no such file")
+        from elastic.cli import SUBCOMMANDS
+
+        command = closest(script, list(SUBCOMMANDS)) if "/" not in script else None
+        hint = f" (did you mean the command 'elastic-run {command}'?)" if command else ""
+        raise UsageError(f"training script {script!r}: no such file{hint}")
 
 
 def _port(flag: str, value: object) -> int | None:
@@ -287,8 +291,8 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         _, rdzv = build_options(endpoint or "127.0.0.1", run_id, mn, mx, conf)  # check it all
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    for key in conf.ignored:
-        log.warning("--rdzv-conf %s: a key of torchrun's backends, no effect here", key)
+    for line in conf.warnings():
+        log.warning("%s", line)
     _check_script(ns)
     # torchrun sets this in its own environment, which its workers inherit
     env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": str(ns.signals_to_handle)}

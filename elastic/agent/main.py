@@ -27,7 +27,7 @@ def main(argv: Sequence[str]) -> int:
     except UsageError as e:
         if e.usage:
             print(e.usage, file=sys.stderr)
-        return fail(str(e), 2)
+        return fail(str(e), e.code)
     setup_logging(cfg.node_id)
     try:
         return launch(cfg)
