@@ -197,6 +197,14 @@ class EtcdClient:
 
         return self.call(f"read {prefix}", run, timeout)
 
+    def count(self, prefix: str, timeout: float | None = None) -> int:
+        """How many keys are under ``prefix`` (etcd counts; no values travel)."""
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            return int(c.get_prefix_response(prefix, count_only=True).count)
+
+        return int(self.call(f"count {prefix}", run, timeout))
+
     def get(self, key: str, timeout: float | None = None, revision: int = 0) -> KV | None:
         """``key`` now, or as of ``revision``."""
 

@@ -113,7 +113,12 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
         without charging a restart, which is what a lost or departed node deserves."""
         self._rdzv.upkeep()
         change = self._rdzv.check()
-        if change is None or change.end in (RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED):
+        if change is None:
+            try:
+                return self._rdzv.nodes_waiting()  # each member answers from its own reading
+            except RendezvousError:
+                return 0
+        if change.end in (RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED):
             return 0
         return max(1, len(change.nodes))
 

@@ -352,6 +352,17 @@ class Rendezvous:
             return None  # the full view is a moment away
         return round_end(view, self.me.id, self.rev, self.round, self.options.max_nodes, fenced)
 
+    def nodes_waiting(self) -> int:
+        """How many nodes wait to join this node's round while it has room, read by this
+        node itself: from the whole job where it leads, else from one count of the
+        present nodes (no values read)."""
+        if self.round is None:
+            return 0
+        if self.mirror.complete:
+            return rules.waiting(self.mirror.view(), self.round, self.options.max_nodes)
+        present = self.client.count(self.key(records.NODES))
+        return rules.waiting_by_count(present, self.round, self.options.max_nodes)
+
     def closed(self) -> ClosedRecord | None:
         """The job's end, if another node has closed it."""
         return self.mirror.view().closed

@@ -61,6 +61,8 @@ __all__ = [
     "plan",
     "round_end",
     "successor",
+    "waiting",
+    "waiting_by_count",
 ]
 
 
@@ -341,6 +343,23 @@ def lean_round_end(
     if notice.nodes and not nodes:
         return None
     return Change(notice.end, notice.detail, nodes)
+
+
+# -- nodes waiting to join ---------------------------------------------------------------------
+def waiting(view: JobView, mine: RoundRecord | None, max_nodes: int) -> int:
+    """Nodes waiting to join round ``mine`` while it has room, from the whole job."""
+    if mine is None or mine.size >= max_nodes:
+        return 0
+    return len([n for n in _newcomers(view, max_nodes) if n.record.state is NodeState.WAITING])
+
+
+def waiting_by_count(present: int, mine: RoundRecord | None, max_nodes: int) -> int:
+    """The same from a count of the present nodes alone (a node that reads only its share
+    of the job): those beyond the round's members, while it has room. A member that went
+    meanwhile is a change of its own (``round_end``)."""
+    if mine is None or mine.size >= max_nodes:
+        return 0
+    return max(0, present - mine.size)
 
 
 # -- fencing --------------------------------------------------------------------------------

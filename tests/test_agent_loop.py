@@ -237,6 +237,8 @@ def test_a_lost_member_stops_workers_now_without_a_failure_report() -> None:
     assert agent(job, workers, metrics=metrics).run() == 0
     assert workers.actions[0] == "stop 1" and job.reported == []
     assert _sample(metrics.registry, "elastic_run_restarts_total", cause="member_lost") == 1
+    # torchrun's count of re-rendezvous, though no restart of the budget was charged
+    assert [ps[0].restart_count for ps in workers.started] == [0, 1]
     assert _sample(metrics.registry, "elastic_run_world_size") == 2
 
 

@@ -38,6 +38,8 @@ from rendezvous.rules import (
     plan,
     round_end,
     successor,
+    waiting,
+    waiting_by_count,
 )
 from rendezvous.view import JobView, PresentNode
 
@@ -375,3 +377,14 @@ def test_fenced_only_on_a_lost_lease_or_a_connected_view_without_this_incarnatio
     assert fenced(gone, "a", 5, registered_at=5, lease_lost=False, connected=True)
     assert not fenced(gone, "a", 5, registered_at=5, lease_lost=False, connected=False)
     assert not fenced(gone, "a", 5, registered_at=11, lease_lost=False, connected=True)
+
+
+def test_nodes_waiting_from_the_whole_job_or_from_a_count() -> None:
+    a, b, n, m = node("a", 1), node("b", 2), node("n", 3), node("m", 4, state=LEAVING)
+    r = rnd(1, a, b)
+    assert waiting(view(a, b, n, m, r=r), r, max_nodes=3) == 1  # a leaving node is not
+    assert waiting(view(a, b, n, r=r), r, max_nodes=2) == 0  # no room: n is a standby
+    assert waiting(view(a, b), None, max_nodes=3) == 0
+    assert waiting_by_count(3, r, max_nodes=3) == 1
+    assert waiting_by_count(3, r, max_nodes=2) == 0
+    assert waiting_by_count(1, r, max_nodes=3) == 0  # a member went: a change of its own

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 from conftest import need
-from harness import ROOT, Proc
+from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
+from rendezvous.client import EtcdClient
+from rendezvous.config import RdzvConf, build_options
+from rendezvous.handler import EtcdV3RendezvousHandler
+from rendezvous.protocol import NodeSpec, Rendezvous
 
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_min.py"
 
@@ -69,3 +74,30 @@ def test_two_stock_torchrun_agents_train_to_completion(
     procs.append(late)
     assert late.wait(60) != 0
     assert "has finished" in "\n".join(late.err)
+
+
+def _handler(etcd: EtcdServer, run_id: str, node: str) -> EtcdV3RendezvousHandler:
+    opts, rdzv = build_options(
+        etcd.endpoint, run_id, 2, 3, RdzvConf.parse("last_call_timeout=0.2,lease_ttl=3")
+    )
+    me = NodeSpec(id=node, addr="127.0.0.1", nproc=1)
+    return EtcdV3RendezvousHandler(Rendezvous(EtcdClient(opts), rdzv, me))
+
+
+def test_every_member_sees_a_late_node_from_its_own_reading(etcd: EtcdServer, run_id: str) -> None:
+    """torch's agents poll every member; a caller that polls one member only (a custom
+    agent, a monitor) must see a late node there too, whichever member it asks."""
+    a, b = _handler(etcd, run_id, "a"), _handler(etcd, run_id, "b")
+    late = _handler(etcd, run_id, "c")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), (a, b)))
+        assert sorted(i.rank for i in infos) == [0, 1]
+        follower = b if infos[1].rank == 1 else a
+        assert follower.num_nodes_waiting() == 0
+        late._rdzv.start()  # registers and waits: the round of two has room for three
+        assert wait_until(follower.num_nodes_waiting, 10.0, "the follower sees c") == 1
+    finally:
+        for h in (a, b, late):
+            h._rdzv.shutdown(leave=True)
+            h._rdzv.client.close()

@@ -23,8 +23,11 @@ from rendezvous.config import ConfigError, RdzvConf, build_options
 log = logging.getLogger(__name__)
 
 BACKENDS = ("etcd-v3", "etcd", "c10d", "static")  # torchrun's mean the same here
+# --run-path: the script runs where the launcher's sys.path[0] is first, as torchrun's
+# workers (multiprocessing children of the launcher) inherit it
 _RUN_PATH = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    "import runpy, sys; sys.path[0] = sys.argv[1]; sys.argv = sys.argv[2:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
 
@@ -118,7 +121,7 @@ class RunConfig:
 def _worker_command(ns: argparse.Namespace) -> tuple[str, ...]:
     script, args = ns.training_script, list(ns.training_script_args)
     if ns.run_path:
-        return (sys.executable, "-u", "-c", _RUN_PATH, script, *args)
+        return (sys.executable, "-u", "-c", _RUN_PATH, sys.path[0], script, *args)
     if ns.no_python:
         if ns.module:
             raise UsageError("--no-python and --module cannot be used together")
@@ -141,6 +144,19 @@ def _check_script(ns: argparse.Namespace) -> None:
         command = closest(script, list(SUBCOMMANDS)) if "/" not in script else None
         hint = f" (did you mean the command 'elastic-run {command}'?)" if command else ""
         raise UsageError(f"training script {script!r}: no such file{hint}")
+
+
+def _check_logs_specs(name: str) -> None:
+    """torchrun loads ``--logs-specs`` from the ``torchrun.logs_specs`` entry points and
+    refuses a name none has; so does this launcher (which then ignores it)."""
+    from importlib import metadata
+
+    names = sorted(metadata.entry_points().select(group="torchrun.logs_specs").names)
+    if name not in names:
+        raise UsageError(
+            f"--logs-specs {name!r}: no entry point of that name in group "
+            f"torchrun.logs_specs (there: {', '.join(names) or 'none'})"
+        )
 
 
 def _port(flag: str, value: object) -> int | None:
@@ -274,6 +290,12 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         )
     if not static and node_rank:
         log.warning("--node-rank is for torchrun's static form (no --rdzv-endpoint): ignored")
+    # torchrun's static form: node 0 is the master, at --master-addr; one node with a
+    # --master-port is the static form too (without one, torchrun picks a free port)
+    one_static = not endpoint and not ns.standalone and mx == 1 and master_port is not None
+    master_is_here = (static and node_rank == 0) or one_static
+    if ns.logs_specs:
+        _check_logs_specs(str(ns.logs_specs))
     for flag, value in (("--numa-binding", ns.numa_binding), ("--logs-specs", ns.logs_specs)):
         if value:
             log.warning("%s is accepted for compatibility and ignored", flag)
@@ -326,7 +348,7 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         redirects=parse_std("--redirects", ns.redirects, nproc),
         tee=parse_std("--tee", ns.tee, nproc),
         local_ranks_filter=filt,
-        local_addr=ns.local_addr or (str(ns.master_addr) if static and node_rank == 0 else None),
+        local_addr=ns.local_addr or (str(ns.master_addr) if master_is_here else None),
         static=static,
         is_host=conf.is_host,
         join_timeout=rdzv.join_timeout,

@@ -403,7 +403,9 @@ class Agent:
                 group_world_size=r.size,
                 master_addr=r.master_addr,
                 master_port=r.master_port,
-                restart_count=r.restarts,
+                # torchrun's count of re-rendezvous: every round after the first (the
+                # job's restart budget counts only failures: r.restarts)
+                restart_count=r.number - 1,
             )
             for lr in range(nproc)
         ]
