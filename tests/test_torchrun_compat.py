@@ -181,7 +181,9 @@ def test_rdzv_conf_keys_nobody_reads_and_quotes_left_by_a_list_command_line() ->
     """A key no backend reads is ignored by both (elastic-run names it and the key it
     resembles); PyTorch's own launcher tests pass the value with literal quotes."""
     got = both("--standalone", "--rdzv-conf", "join_timout=30", ECHO)
-    quoted = both("--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1'", ECHO)
+    quoted = both(
+        "--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", ECHO
+    )
     for who in LAUNCHERS:
         for done in (got[who], quoted[who]):
             assert done.returncode == 0, (who, done.stderr)
@@ -251,6 +253,41 @@ def test_how_the_script_runs(flags: tuple[str, ...]) -> None:
     got = both("--nproc-per-node", "1", *flags)
     assert got["torchrun"].returncode == got["elastic-run"].returncode == 0
     assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)
+
+
+def test_one_node_with_a_master_port_gets_the_master_addr_and_run_path_its_path() -> None:
+    ports = port_pairs()
+    got = each(
+        lambda who: run(
+            who, "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(ports[who]),
+            "--run-path", SCRIPT, "--where",
+        )
+    )  # fmt: skip
+    for who, done in got.items():
+        assert done.returncode == 0, (who, done.stderr)
+        assert lines(done.stdout) == [
+            f"rank 0 at 127.0.0.1:{ports[who]}",
+            f"rank 0 path {str(ROOT)!r}",  # the launcher's own sys.path[0] (python -m: cwd)
+        ], who
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--no-python", "--module", ECHO),
+        ("--nproc-per-node", "unknown", ECHO),
+        ("--logs-specs", "DOESNOT_EXIST", ECHO),
+        ("--nprocs", "2", ECHO),
+        (),
+    ],
+    ids=["no-python-with-module", "nproc-unknown", "logs-specs", "unknown-flag", "no-script"],
+)
+def test_refused_command_lines_exit_as_under_torchrun(args: tuple[str, ...]) -> None:
+    got = both(*args)
+    assert got["elastic-run"].returncode == got["torchrun"].returncode != 0, {
+        who: (done.returncode, done.stderr[-300:]) for who, done in got.items()
+    }
+    assert "Traceback" not in got["elastic-run"].stderr
 
 
 def test_record_and_restart_count(tmp_path: Path) -> None:

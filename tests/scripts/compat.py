@@ -5,6 +5,7 @@
 --stdin               print the line read from stdin
 --timer               arm torch's file timer for 0.5 s and overrun it
 --raise               fail with an exception under torch's @record
+--where               print MASTER_ADDR, MASTER_PORT and sys.path[0]
 """
 
 import os
@@ -19,6 +20,9 @@ def say(line: str) -> None:
 
 
 rank = os.environ["RANK"]
+if "--where" in sys.argv:
+    say(f"rank {rank} at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    say(f"rank {rank} path {sys.path[0]!r}")
 if "--stdin" in sys.argv:
     say(f"rank {rank} read {sys.stdin.readline().strip()!r}")
 if "--allreduce" in sys.argv:

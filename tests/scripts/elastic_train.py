@@ -93,6 +93,7 @@ def main() -> None:
                         "rank": rank,
                         "world": world,
                         "port": int(os.environ["MASTER_PORT"]),
+                        "restart_count": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
                         "indices": seen,
                     }
                 )
