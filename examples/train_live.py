@@ -12,7 +12,9 @@ splits what remains of the epoch over the new world size. Two rules follow:
 - DDP holds the process group, so it is built inside the function, once per round;
   ``State`` gets the plain module.
 - Anything about the round (rank, world size) is read inside the function too: after a
-  re-formation this process may have another rank (here: ``state.round``).
+  re-formation this process may have another rank: ``state.round.rank``, read inside
+  the function (a ``rank`` kept from before ``state.run`` goes stale when rank 0's node
+  goes, and whatever only rank 0 does, printing, saving, stops with it).
 
 Kill a node (``kill -9`` its agent) and watch the survivors log ``re-formed live``.
 """
@@ -55,7 +57,7 @@ def main() -> None:
     def train() -> None:
         # built here, once per round: DDP holds the process group a re-formation replaces
         model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-        rank, world = dist.get_rank(), dist.get_world_size()  # this round's
+        rank, world = state.round.rank, state.round.world_size  # this round's
         if state.step and rank == 0:
             print(f"training from step {state.step} at world size {world}", flush=True)
         for epoch in range(state.epoch, a.epochs):

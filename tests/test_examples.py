@@ -89,18 +89,20 @@ def test_example_runs(launch: list[str], args: list[str], expect: str) -> None:
 def test_ddp_examples_survive_a_node_sigkill(
     etcd: EtcdServer, run_id: str, procs: list[Proc], script: str
 ) -> None:
-    """The respawn example resumes in new workers; the State.run one in the same ones."""
+    """The rank-0 node is killed: the respawn example resumes in new workers, the
+    State.run one in the same ones; either way the survivor, now rank 0, goes on printing
+    (a rank kept from before State.run would leave it silent)."""
     args = ("--epochs", "3", "--step-time", "0.02")
     a = start_agent(procs, etcd.endpoint, run_id, "a", EXAMPLES / script, *args, nnodes="1:2")
     a.wait_output("registered as a", timeout=30)  # a joins first, so rank 0 is on a
     b = start_agent(procs, etcd.endpoint, run_id, "b", EXAMPLES / script, *args, nnodes="1:2")
     first = a.wait_output("epoch 0: loss", timeout=90)
     assert "world size 2" in first
-    b.signal(signal.SIGKILL)
-    assert a.wait(180) == 0, a.transcript()
-    out = "\n".join(a.out)
+    a.signal(signal.SIGKILL)
+    assert b.wait(180) == 0, b.transcript()
+    out = "\n".join(b.out)
     if script == "train_live.py":
-        logs = "\n".join(a.err)
+        logs = "\n".join(b.err)
         assert "workers re-form live" in logs and "training from step" in out
         assert "new workers follow" not in logs
     else:

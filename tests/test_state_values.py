@@ -44,3 +44,22 @@ def test_objects_are_attributes_too_and_an_undeclared_name_is_an_error() -> None
         state.stats = 7  # type: ignore[misc]
     with pytest.raises(AttributeError, match="no value or object 'epoch'"):
         _ = state.epoch
+
+
+def test_the_round_is_read_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``state.round`` follows the environment (and, once formed, the process group) of
+    the round running now: a live re-formation updates both."""
+    state = State(epoch=0)
+    for var, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    r = state.round
+    assert (r.rank, r.world_size, r.local_rank, r.local_world_size) == (3, 4, 1, 2)
+    assert (r.group_rank, r.restart_count) == (1, 2)
+    monkeypatch.setenv("RANK", "0")  # after a re-formation
+    assert state.round.rank == 0
+    assert state.round.device == torch.device("cpu") or torch.cuda.is_available()
+    with pytest.raises(ValueError, match="'round' is a name State uses itself"):
+        State(round=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,43 @@ def world() -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+@dataclass(frozen=True)
+class Round:
+    """Where this worker is in the round it trains in now. A live re-formation changes it
+    (a survivor may become rank 0), so read it where it is used, not once before
+    ``State.run``: ``state.round.rank``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    restart_count: int
+
+    @property
+    def device(self) -> torch.device:
+        """This local rank's GPU where there is one for it, else the CPU."""
+        if torch.cuda.is_available() and self.local_rank < torch.cuda.device_count():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @classmethod
+    def now(cls) -> Round:
+        env = os.environ
+
+        def var(name: str, default: int) -> int:
+            return int(env.get(name, default))
+
+        return cls(
+            rank=rank(),
+            world_size=world() if dist() is not None else var("WORLD_SIZE", 1),
+            local_rank=local_rank(),
+            local_world_size=var("LOCAL_WORLD_SIZE", 1),
+            group_rank=var("GROUP_RANK", 0),
+            restart_count=var("TORCHELASTIC_RESTART_COUNT", 0),
+        )
 
 
 class ControlGroup:

@@ -194,6 +194,13 @@ class State:
         return self._core.stats
 
     @property
+    def round(self) -> comm.Round:
+        """This worker's place in the round it trains in now (rank, world size, local
+        rank, device...): read it inside the training function, as it changes when the
+        job re-forms."""
+        return comm.Round.now()
+
+    @property
     def policy(self) -> SnapshotPolicy:
         """When it snapshots and checkpoints (``--snapshot-every`` and the others)."""
         return self._core.policy
