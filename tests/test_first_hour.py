@@ -115,3 +115,26 @@ def test_standalone_says_it_overrides_nnodes_and_the_job_ends_with_a_summary(
     assert len(summary) == 1 and "0 restart(s)" in summary[0], err
     assert f"checkpoints in {tmp_path}" in summary[0] and "step " in summary[0]
     assert "worker logs in" not in err  # nothing was written to log files: nothing to point at
+
+
+def test_a_second_node_without_its_node_rank_is_told_to_give_one() -> None:
+    """``elastic-run --nnodes 2 ...`` in a second terminal: the first waits as node rank
+    0; the second is node rank 0 too. It is told to take --node-rank 1 first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ("--nnodes", "2", "--master-port", str(port))
+    first = agent(*flags, TRAIN)
+    try:
+        assert first.stderr is not None
+        wait_until(lambda: "registered as" in first.stderr.readline(), 60, "node 0 registers")
+        second = agent(*flags, TRAIN)
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 1
+        [line] = [x for x in err.splitlines() if "error:" in x]
+        assert "node rank 0 of job 'none' already runs" in line
+        assert "start this node with --node-rank 1 to join it" in line
+        assert line.index("--node-rank 1") < line.index("--master-port")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)

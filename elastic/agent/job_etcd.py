@@ -19,6 +19,7 @@ from elastic.agent.etcd_server import EtcdServer, EtcdServerError
 from rendezvous.client import EtcdClient
 from rendezvous.config import build_options, parse_endpoints
 from rendezvous.errors import RendezvousError
+from rendezvous.mirror import read_view
 from rendezvous.net import answers, is_local_address, resolve
 
 log = logging.getLogger("elastic.launch")
@@ -97,13 +98,9 @@ def job_etcd(cfg: RunConfig) -> Iterator[tuple[str, bool]]:
     except EtcdServerError as e:
         server.close()
         if cfg.static and answers(plan.host, plan.port):
-            # node 0 of the static form owns this port: someone else has it (another job
-            # on the default --master-port, most likely); joining it would merge two jobs
-            raise EtcdServerError(
-                f"node 0 serves the job's etcd on {plan.endpoint} (--master-port + 1), but "
-                "something already listens there: another job? Give this job its own "
-                "--master-port"
-            ) from e
+            # node 0 of the static form owns this port: someone else has it. Joining it
+            # would merge two jobs; most often it is this job's node 0, started already
+            raise EtcdServerError(_taken(cfg, plan.endpoint)) from e
         if plan.source is not EtcdSource.SERVE or not answers(plan.host, plan.port):
             raise
         log.info("another agent serves the job's etcd at %s: using it", plan.endpoint)
@@ -118,6 +115,40 @@ def job_etcd(cfg: RunConfig) -> Iterator[tuple[str, bool]]:
         _mark_served(cfg, server.endpoint)
         yield server.endpoint, True
         _wait_for_others(cfg, server.endpoint)
+
+
+def _taken(cfg: RunConfig, endpoint: str) -> str:
+    """Why node rank 0 cannot serve the job's etcd: what holds its port, and what to do."""
+    others = f"--node-rank 1 to {cfg.max_nodes - 1}" if cfg.max_nodes > 2 else "--node-rank 1"
+    join = f"start this node with {others} to join it"
+    node0 = _node0(cfg, endpoint)
+    if node0:
+        return (
+            f"node rank 0 of job {cfg.rdzv_id!r} already runs ({node0}) and serves its etcd "
+            f"on {endpoint}: {join}; a separate job needs its own --master-port"
+        )
+    return (
+        f"something already listens on {endpoint}, where node rank 0 serves the job's etcd "
+        f"(--master-port + 1): if it is this job's node 0, {join}; if it is another job, "
+        "give this one its own --master-port"
+    )
+
+
+def _node0(cfg: RunConfig, endpoint: str) -> str:
+    """Which agent has node rank 0 in this job at ``endpoint`` ("" if none answers)."""
+    try:
+        etcd, rdzv = build_options(endpoint, cfg.rdzv_id, 1, 1, cfg.rdzv_conf)
+        client = EtcdClient(dataclasses.replace(etcd, connect_timeout=1.0, request_timeout=1.0))
+        try:
+            view = read_view(client, rdzv.job_prefix)
+        finally:
+            client.close()
+    except RendezvousError:
+        return ""
+    for n in view.nodes.values():
+        if n.record.rank == 0:
+            return f"{n.record.id}, pid {n.record.pid} on {n.record.host}"
+    return ""
 
 
 def _wait_for_others(cfg: RunConfig, endpoint: str, timeout: float = 10.0) -> None:
