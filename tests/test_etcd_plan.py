@@ -44,6 +44,13 @@ def test_with_endpoint(kwargs: dict, source: EtcdSource) -> None:
     assert plan.endpoint == "etcd.example:2379" and plan.reason
 
 
+def test_only_a_guess_is_said_to_be_one() -> None:
+    """Serving because nothing answered may hide a mistyped port: that plan says so."""
+    assert plan_etcd(EP, names_this_host=True).guessed
+    assert not plan_etcd(EP, is_host=True).guessed  # the user said so
+    assert not plan_etcd(None, static=True).guessed
+
+
 def test_static_port_is_one_above_the_master_port() -> None:
     assert static_etcd_port(None) == 29501  # torchrun's default master port, plus one
     assert static_etcd_port(40000) == 40001

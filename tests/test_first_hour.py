@@ -138,3 +138,18 @@ def test_a_second_node_without_its_node_rank_is_told_to_give_one() -> None:
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=30)
+
+
+def test_a_free_port_of_this_host_is_served_with_a_warning_that_says_how_to_choose() -> None:
+    """A mistyped port of a local etcd looks like torchrun's c10d form (the agent on that
+    host serves it): the job runs, and the log says so as a warning with the way out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    echo = str(ROOT / "tests" / "scripts" / "echo.py")
+    p = agent("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "typo", echo)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    [line] = [x for x in err.splitlines() if "serving the job's etcd" in x]
+    assert " W " in line and f"127.0.0.1:{port} myself: nothing answered there" in line
+    assert "is_host=false waits for one instead" in line

@@ -37,6 +37,7 @@ class EtcdPlan:
     host: str = ""
     port: int = 0
     reason: str = ""
+    guessed: bool = False  # served because nothing answered: the user may mean another etcd
 
     @property
     def endpoint(self) -> str:
@@ -82,5 +83,5 @@ def plan_etcd(
         return EtcdPlan(EtcdSource.WAIT, host, port, "is_host=false: another agent serves it")
     if is_host or names_this_host:
         why = "is_host=true" if is_host else "it names this host and nothing answers there"
-        return EtcdPlan(EtcdSource.SERVE, host, port, why)
+        return EtcdPlan(EtcdSource.SERVE, host, port, why, guessed=not is_host)
     return EtcdPlan(EtcdSource.WAIT, host, port, "nothing answers there yet")

@@ -17,7 +17,7 @@ from elastic.agent.config import RunConfig
 from elastic.agent.etcd_plan import EtcdPlan, EtcdSource, plan_etcd, static_etcd_port
 from elastic.agent.etcd_server import EtcdServer, EtcdServerError
 from rendezvous.client import EtcdClient
-from rendezvous.config import build_options, parse_endpoints
+from rendezvous.config import DEFAULT_PORT, build_options, parse_endpoints
 from rendezvous.errors import RendezvousError
 from rendezvous.mirror import read_view
 from rendezvous.net import answers, is_local_address, resolve
@@ -111,10 +111,27 @@ def job_etcd(cfg: RunConfig) -> Iterator[tuple[str, bool]]:
             log.info("no --rdzv-endpoint: started an embedded etcd at %s", server.endpoint)
             yield server.endpoint, True
             return
-        log.info("serving the job's etcd at %s (%s)", server.endpoint, plan.reason)
+        if plan.guessed:
+            log.warning("%s", _guessed(plan))
+        else:
+            log.info("serving the job's etcd at %s (%s)", server.endpoint, plan.reason)
         _mark_served(cfg, server.endpoint)
         yield server.endpoint, True
         _wait_for_others(cfg, server.endpoint)
+
+
+def _guessed(plan: EtcdPlan) -> str:
+    """What a user who mistyped the port of an existing etcd must not miss."""
+    near = ""
+    if plan.port != DEFAULT_PORT and answers(plan.host, DEFAULT_PORT, timeout=0.3):
+        near = f" (something answers on {plan.host}:{DEFAULT_PORT}, etcd's usual port)"
+    return (
+        f"serving the job's etcd at {plan.endpoint} myself: nothing answered there, and it "
+        "names this host (as torchrun's c10d agent serves its store). Every other node must "
+        f"use this endpoint too. If you meant an etcd that runs already, check the address"
+        f"{near}; --rdzv-conf is_host=false waits for one instead of serving it, "
+        "is_host=true serves it without this warning"
+    )
 
 
 def _taken(cfg: RunConfig, endpoint: str) -> str:
