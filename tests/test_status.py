@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,14 @@ from elastic.agent.etcd_server import EtcdServer
 pytestmark = pytest.mark.slow
 
 
-def status(*args: str) -> subprocess.CompletedProcess:
+def status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "elastic", "status", *args],
         capture_output=True,
         text=True,
         timeout=30,
         cwd=str(ROOT),
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("PET_")}, **(env or {})},
     )
 
 
@@ -56,6 +58,11 @@ def test_status_shows_round_members_and_standbys(
     assert all(m["metrics"].startswith("127.0.0.1:") for m in d["members"])
     table = status("--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id)
     assert "RANK  NODE" in table.stdout and f"job {run_id}: running" in table.stdout
+    # inside a job's pod: `kubectl exec job/trainer -- elastic-run status`, no flags
+    pet = {"PET_RDZV_ENDPOINT": etcd.endpoint, "PET_RDZV_ID": run_id, "PET_RDZV_CONF": ""}
+    same = status(env=pet).stdout
+    assert same.splitlines()[2:] == table.stdout.splitlines()[2:]  # the "formed ... ago" aside
+    assert same.splitlines()[0] == table.stdout.splitlines()[0]
     # the spare registers a moment later: ask again until it shows as a standby
     for _ in range(50):
         d = json.loads(
@@ -64,6 +71,12 @@ def test_status_shows_round_members_and_standbys(
         if d["standbys"]:
             break
     assert [s["node"] for s in d["standbys"]] == ["spare"]
+
+
+def test_status_without_a_job_says_which_flags_or_variables_name_one() -> None:
+    done = status()
+    assert done.returncode == 2
+    assert "give --rdzv-endpoint, or set PET_RDZV_ENDPOINT" in done.stderr
 
 
 def test_status_of_an_unknown_job_is_one_line(etcd: EtcdServer) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from elastic.agent.args import Parser, UsageError
+from elastic.agent.args import HelpFormatter, Parser, UsageError
 from rendezvous.client import EtcdClient
 from rendezvous.config import ConfigError, RdzvConf, build_options
 from rendezvous.errors import RendezvousError
@@ -22,16 +23,32 @@ from rendezvous.view import JobView
 def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="elastic-run status",
-        description="Show a job: its round, members, standbys, restarts and state, read from etcd.",
+        description="Show a job: its round, members, standbys, restarts and state, read from "
+        "etcd. Inside a job's pod (kubectl exec job/trainer -- elastic-run status) the job's "
+        "own PET_RDZV_* variables are used.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, dest="endpoint")
-    p.add_argument("--rdzv-id", "--rdzv_id", required=True, dest="run_id")
+    env = os.environ
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="endpoint",
+        default=env.get("PET_RDZV_ENDPOINT", ""),
+        help="the job's etcd, host[:port][,...] (default: $PET_RDZV_ENDPOINT)",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="run_id",
+        default=env.get("PET_RDZV_ID", ""),
+        help="the job's id (default: $PET_RDZV_ID)",
+    )
     p.add_argument(
         "--rdzv-conf",
         "--rdzv_conf",
-        default="",
+        default=env.get("PET_RDZV_CONF", ""),
         dest="conf",
-        help="TLS, auth and prefix keys, as for the job",
+        help="TLS, auth and prefix keys, as for the job (default: $PET_RDZV_CONF)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -200,6 +217,10 @@ def _unless_joining(s: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> int:
     try:
         a = parser().parse_args(list(argv))
+        for value, flag, var in ((a.endpoint, "--rdzv-endpoint", "PET_RDZV_ENDPOINT"),
+                                 (a.run_id, "--rdzv-id", "PET_RDZV_ID")):  # fmt: skip
+            if not value:
+                raise UsageError(f"which job? give {flag}, or set {var} (a job's pods have it)")
         etcd, opts = build_options(a.endpoint, a.run_id, 1, 1, RdzvConf.parse(a.conf))
     except (UsageError, ConfigError) as e:
         print(f"elastic-run status: error: {e}", file=sys.stderr)
