@@ -23,6 +23,7 @@ from etcd3.client import KVMetadata
 from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
+from rendezvous import tlsprobe
 from rendezvous.config import EtcdOptions
 from rendezvous.errors import EtcdUnavailableError, RendezvousError
 from rendezvous.net import answers
@@ -137,6 +138,11 @@ class EtcdClient:
         live = [e for e in self.options.endpoints if answers(*_split(e), timeout=0.5)]
         if not live:
             return "; nothing accepts connections there: is etcd running, and is the port right?"
+        o = self.options
+        if o.secure:
+            why = tlsprobe.diagnose(*_split(live[0]), o.ca_cert, o.cert, o.key)
+            if why:
+                return f"; {why}"
         return (
             f"; {', '.join(live)} accepts connections but does not answer as etcd: is this "
             f"etcd's client port (2379 by default)?"

@@ -12,6 +12,7 @@ from harness import Proc, etcdctl
 from test_rendezvous import TTL, join, join_in_order, start_round
 
 from elastic.agent.etcd_server import EtcdServer
+from rendezvous.tlsprobe import diagnose
 
 
 def test_tls_only_etcd_with_client_certificates(
@@ -40,7 +41,33 @@ def test_tls_only_etcd_with_client_certificates(
                 f"cacert={tls.ca},cert={other.client_cert},key={other.client_key},connect_timeout=2"
             ),
         )
-        assert bad.expect("error", timeout=10)["kind"] == "EtcdUnavailableError"
+        err = bad.expect("error", timeout=10)
+        assert err["kind"] == "EtcdUnavailableError"
+        assert "etcd refused this client's certificate" in err["message"], err
+        assert f"cert={other.client_cert}" in err["message"]
+
+
+def test_tls_mistakes_are_named_with_the_key_that_sets_them(tmp_path: Path) -> None:
+    """gRPC reports every failed handshake as an unreachable etcd; the diagnosis says
+    which side refused which certificate."""
+    tls = make_tls(tmp_path / "pki")
+    other = make_tls(tmp_path / "other", ca_cn="someone else")
+    with TlsEtcdServer(tls=tls) as server:
+        host, port = server.endpoint.rsplit(":", 1)
+
+        def why(ca: str, cert: str | None, key: str | None) -> str | None:
+            return diagnose(host, int(port), ca, cert, key)
+
+        assert why(tls.ca, tls.client_cert, tls.client_key) is None  # all good
+        assert "etcd requires a client certificate; give --rdzv-conf cert=" in str(
+            why(tls.ca, None, None)
+        )
+        assert "etcd refused this client's certificate" in str(
+            why(tls.ca, other.client_cert, other.client_key)
+        )
+        wrong_ca = str(why(other.ca, tls.client_cert, tls.client_key))
+        assert "this client refused etcd's certificate" in wrong_ca
+        assert f"cacert={other.ca}" in wrong_ca
 
 
 def test_user_password_auth_survives_etcd_restart(
