@@ -34,11 +34,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2048)
     a = ap.parse_args()
     device = init_distributed()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = f"GPUs {chosen}" if chosen else "every GPU of the machine"
+    if not torch.cuda.is_available():
+        visible = "no GPU"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"rank {dist.get_rank()} (local {os.environ['LOCAL_RANK']}): {device} = {name}; "
-        f"this job sees GPUs {visible}",
+        f"this job sees {visible}",
         flush=True,
     )
     torch.manual_seed(0)

@@ -166,10 +166,11 @@ class Session:
         self.registered_at = revision
         self.record = rec
         self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
+        job = "" if self.options.run_id == "none" else f" in job {self.options.run_id}"
         log.info(
-            "registered as %s in job %s (lease %x, ttl %ss)",
+            "registered as %s%s (lease %x, ttl %ss)",
             self.me.id,
-            self.options.run_id,
+            job,
             lease_id,
             self.options.lease_ttl,
         )

@@ -153,3 +153,25 @@ def test_a_free_port_of_this_host_is_served_with_a_warning_that_says_how_to_choo
     [line] = [x for x in err.splitlines() if "serving the job's etcd" in x]
     assert " W " in line and f"127.0.0.1:{port} myself: nothing answered there" in line
     assert "is_host=false waits for one instead" in line
+
+
+def test_both_nodes_end_a_job_in_the_same_words() -> None:
+    """Whichever node closes the job, each says the same last two lines; a default run
+    does not name the default job id, and counts say '1 worker'."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    echo = str(ROOT / "tests" / "scripts" / "echo.py")
+    flags = ("--nnodes", "2", "--master-port", str(port))
+    node0 = agent(*flags, "--node-rank", "0", echo)
+    node1 = agent(*flags, "--node-rank", "1", echo)
+    ends = []
+    for p in (node0, node1):
+        _, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err
+        lines = [x.split(": ", 1)[1] for x in err.splitlines() if " I elastic-run" in x]
+        ends.append(lines[-2:])
+        assert "job none" not in err and "1 workers" not in err
+        assert "joining (2 node(s), 1 worker per node)" in err
+    assert ends[0][0] == ends[1][0] == "job finished: all workers succeeded"
+    assert all(e[1].startswith("summary: ") for e in ends)

@@ -196,6 +196,7 @@ def test_promtool_accepts_a_real_scrape(agent: dict) -> None:
         "elastic_run_training_samples_total",
     ):
         assert name in text, name
+    assert "_created" not in text  # creation times, as series of their own: none wanted
     done = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
@@ -422,7 +423,9 @@ def test_two_agents_side_by_side_do_not_fight_for_the_port(
         )
         procs.append(p)
         assert p.wait(60) == 0, p.transcript()
-        assert "port 9400 is taken: /metrics on port" in "\n".join(p.err)
+        line = next(x for x in p.err if "metrics on http://" in x)
+        assert "(port 9400 is taken)" in line  # the default falls back to a free port
+        assert "http://127.0.0.1:" in line and "this host only: --metrics-addr 0.0.0.0" in line
         explicit = Proc(
             [
                 sys.executable,
@@ -441,4 +444,4 @@ def test_two_agents_side_by_side_do_not_fight_for_the_port(
         procs.append(explicit)
         assert explicit.wait(60) == 1
         errors = [line for line in explicit.err if "error:" in line]
-        assert errors and "--metrics-port 9400: cannot listen on 0.0.0.0:9400" in errors[0]
+        assert errors and "--metrics-port 9400: cannot listen on 127.0.0.1:9400" in errors[0]

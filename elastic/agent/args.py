@@ -301,7 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     _value(ckpt, "checkpoint_keep", 3, "checkpoints kept in --checkpoint-dir", type=int)
 
     met = p.add_argument_group("metrics")
-    _value(met, "metrics_addr", "0.0.0.0", "address of /metrics and /healthz")
+    _value(
+        met,
+        "metrics_addr",
+        "127.0.0.1",
+        "address of /metrics and /healthz: this host only by default; 0.0.0.0 for a "
+        "Prometheus elsewhere (the Kubernetes manifests set it)",
+    )
     _value(
         met,
         "metrics_port",

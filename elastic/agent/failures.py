@@ -97,7 +97,8 @@ def format_report(title: str, root: FailureReport | None) -> str:
     lines.append(f"  node      : {root.node or '?'} (host {root.host or '?'})")
     if f is not None:
         lines.append(f"  rank      : {f.rank} (local_rank: {f.local_rank})")
-        lines.append(f"  exitcode  : {f.how} (pid: {f.pid})")
+        how = "" if f.exitcode >= 0 else f"{f.how}, "  # torchrun shows the number alone
+        lines.append(f"  exitcode  : {f.exitcode} ({how}pid: {f.pid})")
         lines.append(f"  error_file: {f.error_file or '<N/A>'}")
         if f.message:
             lines.append(f"  message   : {f.message.strip()}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV, POLICY_ENV, SnapshotPol
 from rendezvous import version
 from rendezvous.client import EtcdClient
 from rendezvous.config import ConfigError, build_options
-from rendezvous.net import default_local_addr
+from rendezvous.net import default_local_addr, resolve
 from rendezvous.protocol import NodeSpec, Rendezvous
 
 log = logging.getLogger("elastic.launch")
@@ -46,6 +47,12 @@ def handled_signals(signals: tuple[int, ...], handler: Callable[[int], None]) ->
             signal.signal(s, h)
 
 
+def _reach(cfg: RunConfig) -> str:
+    if ipaddress.ip_address(resolve(cfg.metrics_addr)).is_loopback:
+        return " (this host only: --metrics-addr 0.0.0.0 for a Prometheus elsewhere)"
+    return ""
+
+
 def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
     """Start /metrics; returns the port. The default port, if another agent on this
     machine has it, falls back to a free one (logged); an explicit one must be free."""
@@ -54,11 +61,17 @@ def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
             port = server.start(cfg.metrics_addr, DEFAULT_METRICS_PORT)
         except MetricsError:
             port = server.start(cfg.metrics_addr, 0)
-            log.info("port %d is taken: /metrics on port %d instead", DEFAULT_METRICS_PORT, port)
+            log.info(
+                "metrics on http://%s:%d/metrics (port %d is taken)%s",
+                cfg.metrics_addr,
+                port,
+                DEFAULT_METRICS_PORT,
+                _reach(cfg),
+            )
             return port
     else:
         port = server.start(cfg.metrics_addr, cfg.metrics_port)
-    log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, port)
+    log.info("metrics on http://%s:%d/metrics%s", cfg.metrics_addr, port, _reach(cfg))
     return port
 
 
@@ -167,14 +180,11 @@ def launch(cfg: RunConfig) -> int:
             checkpoint_dir=policy.checkpoint_dir,
             restart_mode=cfg.restart_mode,
         )
-        log.info(
-            "node %s joining job %s (nnodes %d:%d, %d worker(s) per node)",
-            cfg.node_id,
-            cfg.rdzv_id,
-            cfg.min_nodes,
-            cfg.max_nodes,
-            cfg.nproc_per_node,
-        )
+        job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
+        nodes = str(cfg.min_nodes) if cfg.min_nodes == cfg.max_nodes else f"{cfg.min_nodes}:"
+        nodes += "" if cfg.min_nodes == cfg.max_nodes else str(cfg.max_nodes)
+        per = "1 worker" if cfg.nproc_per_node == 1 else f"{cfg.nproc_per_node} workers"
+        log.info("node %s joining%s (%s node(s), %s per node)", cfg.node_id, job, nodes, per)
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
         with handled_signals(cfg.signals, agent.on_signal):
             if fork is not None:

@@ -44,6 +44,7 @@ from rendezvous.rules import Change, RoundEnd
 
 log = logging.getLogger("elastic.agent")
 
+FINISHED = "job finished: all workers succeeded"
 URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
 
 
@@ -569,7 +570,8 @@ class Agent:
         except RendezvousError as e:
             log.warning("could not mark the job closed in etcd: %s", e)
             closed = False
-        log.info("all workers succeeded%s", "; job closed" if closed else "")
+        log.debug("job closed %s", "here" if closed else "by another node first")
+        log.info("%s", FINISHED)
 
     # -- endings ----------------------------------------------------------------------------
     def summary(self) -> str:
@@ -589,20 +591,21 @@ class Agent:
     def _end(self, event: Event, how: Exit, stop: Stop) -> int:
         """Leave the job; the exit code for ``how``."""
         self.rdzv.shutdown(leave=True)
-        log.info("%s", self.summary())
-        if how is Exit.FAILED and event is not LocalEvent.JOIN_TIMED_OUT:
-            return self._report_failed()
-        if event is RoundEnd.JOB_SUCCEEDED and self._closed is not None:
-            log.info("job %s has finished: %s", self.rdzv.run_id, self._closed.reason)
-        elif event is RoundEnd.JOB_SUCCEEDED and stop is Stop.FINISH:
+        if event is RoundEnd.JOB_SUCCEEDED and stop is Stop.FINISH:
             # another node closed the job: our own workers may have failed meanwhile
             state, failures = self.workers.poll()
             if state is GroupState.FAILED:
+                log.info("%s", self.summary())
                 report = summarize(failures, self.node_id, self.host)
                 detail = replace(report, node=self.node_id)
                 self.state = AgentState.FAILED
                 return self._report_failed("workers failed after the job was closed", detail)
-            log.info("job finished")
+            log.info("%s", FINISHED)  # the same words on every node, whoever closed the job
+        elif event is RoundEnd.JOB_SUCCEEDED and self._closed is not None:
+            log.info("job %s has finished: %s", self.rdzv.run_id, self._closed.reason)
+        log.info("%s", self.summary())
+        if how is Exit.FAILED and event is not LocalEvent.JOIN_TIMED_OUT:
+            return self._report_failed()
         return how.code(self.signal or 0)
 
     def _report_failed(self, reason: str | None = None, root: FailureReport | None = None) -> int:

@@ -201,13 +201,17 @@ def render(d: dict) -> str:
     for key, title in (("waiting", "waiting to join"), ("standbys", "standbys")):
         if d[key]:
             nodes = ", ".join(
-                f"{s['node']} ({s['host']}, {s['workers']} workers{_unless_joining(s)})"
+                f"{s['node']} ({s['host']}, {_workers(s['workers'])}{_unless_joining(s)})"
                 for s in d[key]
             )
             lines.append(f"{title}: {nodes}")
     for p in d.get("problems", []):
         lines.append(f"warning: {p}")
     return "\n".join(lines)
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
 
 
 def _unless_joining(s: dict[str, Any]) -> str:
