@@ -21,7 +21,8 @@ from elastic.agent.args import build_parser, parse_args
 from elastic.agent.etcd_server import EtcdServer
 
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ["dev", "production"]
+OVERLAYS = ["dev", "dev-monitored", "production"]
+MONITORED = ["dev-monitored", "production"]
 KUBERNETES = "1.32.0"  # the API version the manifests are validated against
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 
@@ -45,7 +46,9 @@ def find(docs: tuple[dict, ...], kind: str, name: str) -> dict:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_builds_with_everything(overlay: str) -> None:
-    kinds = sorted(d["kind"] for d in build(overlay))
+    """dev needs a bare cluster only (kind, minikube): no Prometheus Operator kinds."""
+    docs = build(overlay)
+    kinds = sorted(d["kind"] for d in docs)
     for kind in (
         "StatefulSet",
         "Job",
@@ -53,11 +56,13 @@ def test_overlay_builds_with_everything(overlay: str) -> None:
         "PodDisruptionBudget",
         "NetworkPolicy",
         "ConfigMap",
-        "PodMonitor",
-        "PrometheusRule",
         "Namespace",
     ):
         assert kind in kinds, kind
+    assert (CRD_KINDS <= set(kinds)) == (overlay in MONITORED), kinds
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {
+        "elastic-run-dev" if overlay.startswith("dev") else "elastic-run"
+    }
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -74,7 +79,7 @@ def test_resources_validate_strictly(overlay: str) -> None:
             )
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", MONITORED)
 def test_prometheus_operator_objects_fit_their_crds(overlay: str) -> None:
     need(MODELS.is_dir(), "tests/k8s has no node_modules: npm install --prefix tests/k8s")
     node = need_binary("node")
@@ -115,7 +120,7 @@ def test_monitoring_is_the_same_as_deploy_prometheus_and_grafana() -> None:
     assert rule["spec"] == yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert (
-        find(build("dev"), "PodMonitor", "elastic-run")["metadata"]["labels"]["release"]
+        find(build("dev-monitored"), "PodMonitor", "elastic-run")["metadata"]["labels"]["release"]
         == "prometheus"
     )
     dashboard = find(docs, "ConfigMap", "grafana-dashboard-elastic-run")
@@ -179,7 +184,7 @@ def test_the_trainer_completes_and_its_probes_follow_the_agent(overlay: str) -> 
 
 
 def test_the_dashboard_configmap_carries_the_sidecar_label() -> None:
-    cm = find(build("dev"), "ConfigMap", "grafana-dashboard-elastic-run")
+    cm = find(build("dev-monitored"), "ConfigMap", "grafana-dashboard-elastic-run")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
