@@ -43,7 +43,7 @@ class EtcdOptions:
 
 
 # keep-alives a second that the default lease TTL keeps a job under: etcd spends a few
-# hundred microseconds of CPU on each (see the README's "Scale"), so 2,000 is under a core
+# hundred microseconds of CPU on each (see docs/measured.md, "Scale"), so 2,000 is under a core
 RENEWALS_PER_SECOND = 2000
 
 
@@ -136,7 +136,7 @@ def parse_bool(key: str, text: str) -> bool:
 IGNORED = ("keep_alive_max_attempt", "store_type", "use_libuv", "rank")
 
 
-# key -> (canonical name, parser, help). Canonical names are what the README documents.
+# key -> (canonical name, parser, help). Canonical names are what docs/reference.md documents.
 _Parser = Callable[[str, str], object]
 KEYS: dict[str, tuple[str, _Parser, str]] = {
     "join_timeout": (

@@ -1,7 +1,8 @@
 """The fault-injection suite: each test injects one fault for real and checks the outcome.
 
 Figures (time to recover, steps redone, samples lost or repeated) are written to the JSON
-file named by $ELASTIC_RUN_FAULT_REPORT, when set; the README's fault table comes from it.
+file named by $ELASTIC_RUN_FAULT_REPORT, when set; docs/measured.md's fault table comes
+from it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each test runs torchrun 2.13 and elastic-run with identical flags and compares what a
 user sees: exit codes, worker output and environment, log layout. A difference is a
-failing test; the differences the README's migration table documents are asserted as
+failing test; the differences docs/torchrun.md documents are asserted as
 documented.
 """
 
@@ -327,5 +327,5 @@ def test_sigterm_exit_code_is_documented() -> None:
             p.wait()
 
     codes = each(stopped)
-    # torchrun exits 1; elastic-run 128+SIGTERM, as shells and Kubernetes expect (README)
+    # torchrun exits 1; elastic-run 128+SIGTERM, as shells and Kubernetes expect (docs/torchrun.md)
     assert codes == {"torchrun": 1, "elastic-run": 128 + signal.SIGTERM}

@@ -18,7 +18,7 @@ PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RES
 
 
 def ours_only(name: str) -> bool:
-    """The variables elastic-run adds on top of torchrun's, as the README documents."""
+    """The variables elastic-run adds on top of torchrun's, as docs/reference.md documents."""
     return name.startswith("ELASTIC_RUN_") or name == "PROMETHEUS_MULTIPROC_DIR"
 
 

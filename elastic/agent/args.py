@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this node alone, or for the static form below)",
     )
     _value(rdzv, "rdzv_id", "none", "job id shared by all nodes of a job")
-    _value(rdzv, "rdzv_conf", "", "key=value,... (see the README: rendezvous options)")
+    _value(rdzv, "rdzv_conf", "", "key=value,... (see docs/reference.md: rendezvous options)")
     _value(
         rdzv,
         "rdzv_backend",

@@ -58,8 +58,8 @@ class SlotTensors:
     their memory from going to another tensor at the same address. Only parameters that
     take no gradient qualify: fused optimizer kernels (``Adam(fused=True)``) and some
     library kernels (batch-norm statistics) write without bumping the counter, and never
-    touch those. Writes through ``.data`` bypass it too (as they bypass autograd): the
-    README asks scripts to write frozen tensors under ``torch.no_grad()`` instead."""
+    touch those. Writes through ``.data`` bypass it too (as they bypass autograd):
+    docs/reference.md asks scripts to write frozen tensors under ``torch.no_grad()``."""
 
     def __init__(self, buf: object) -> None:
         self.buf = buf  # the slot's mapping: a new one (grown, remapped) holds nothing
