@@ -34,6 +34,8 @@ def test_readme_first_command_runs_train_ddp() -> None:
     done = elastic_run("--nproc-per-node", "2", "examples/train_ddp.py", "--epochs", "2")
     assert done.returncode == 0, done.stderr
     assert "epoch 1: loss" in done.stdout and "world size 2" in done.stdout
+    # a clean first run: no warning of torch's (numpy, which .ci/install brings) or ours
+    assert "Warning" not in done.stderr and " W " not in done.stderr.split("\n", 1)[1], done.stderr
 
 
 @pytest.mark.slow
