@@ -185,14 +185,22 @@ def plan(
     if me is not None and me != writer:
         return Plan(False, f"waiting for {writer} to form round {number + 1}", writer=writer)
 
-    left = tuple(m.id for m in previous if states[m.id] is MemberState.LEFT)
+    def stopped(m: Member) -> bool:
+        return view.nodes[m.id].record.done >= number
+
+    # a member that said it leaves has left once its workers stopped, gone from etcd or not
+    left = tuple(
+        m.id
+        for m in previous
+        if states[m.id] is MemberState.LEFT
+        or (states[m.id] is MemberState.LEAVING and stopped(m))
+    )
     lost = tuple(m.id for m in previous if states[m.id] is MemberState.LOST)
     present = [m for m in previous if m.id not in left and m.id not in lost]
     busy = tuple(
         m.id
         for m in present
-        if states[m.id] is MemberState.RUNNING
-        or (states[m.id] is MemberState.LEAVING and view.nodes[m.id].record.done < number)
+        if states[m.id] in (MemberState.RUNNING, MemberState.LEAVING)  # LEAVING: not stopped
     )
     if current is not None and not left and not lost and len(busy) == len(present):
         return Plan(False, f"round {number} is running", writer=writer, present=count)

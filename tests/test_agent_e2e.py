@@ -57,7 +57,10 @@ def test_sigkill_of_an_agent(
     survivor.wait_output(f"lost {dead.name}", timeout=TTL + 3)
     wait_world(tmp_path, 2, after=killed, timeout=TTL + 30)
     late = [s for s in steps(tmp_path) if s["world"] == 2]
-    assert {s["restarts"] for s in late} == {0}, "a lost node must not charge a restart"
+    # torchrun's count for the workers (its survivors' workers would fail), but the job's
+    # restart budget is not charged for a lost node
+    assert {s["restarts"] for s in late} == {1}
+    assert not any("restart 1 after" in line for line in survivor.err), "budget charged"
     # the membership change is reported first and as the cause; its consequences for the
     # survivor's workers follow in one line each, never as the survivor's failure
     log = list(survivor.err)
@@ -73,8 +76,8 @@ def test_sigstop_of_a_whole_node_fences_and_rejoins(
 ) -> None:
     nodes = three(procs, etcd, run_id, tmp_path)
     frozen = nodes[1]
-    tree = [psutil.Process(frozen.pid), *psutil.Process(frozen.pid).children(recursive=True)]
     stale = wait_workers(frozen, 1)
+    tree = [psutil.Process(frozen.pid), *psutil.Process(frozen.pid).children(recursive=True)]
     stopped = time.time()
     for p in tree:
         p.send_signal(signal.SIGSTOP)
@@ -84,9 +87,13 @@ def test_sigstop_of_a_whole_node_fences_and_rejoins(
         p.send_signal(signal.SIGCONT)
     frozen.wait_output("fenced", timeout=15)
     wait_until(lambda: gone(stale), 5, "the fenced node's stale workers to be killed")
-    # stale workers never trained in a newer round: after the freeze, nothing they logged
-    after = [s for s in steps(tmp_path) if s["pid"] in stale and s["t"] > stopped + 0.5]
-    assert after == [], after
+    # stale workers never trained in a newer round: after the freeze they log at most the
+    # step they were frozen in (its row is written after the thaw), in their old round
+    mine = [s for s in steps(tmp_path) if s["pid"] in stale]
+    before = [s for s in mine if s["t"] <= stopped]
+    after = [s for s in mine if s["t"] > stopped + 0.5]
+    last = max(s["step"] for s in before)
+    assert all(s["port"] == before[-1]["port"] and s["step"] <= last + 1 for s in after), after
     wait_world(tmp_path, 3, after=resumed, timeout=40)
 
 

@@ -29,9 +29,11 @@ from rendezvous.records import ClosedRecord, JobOutcome, Member, RoundCause, Rou
 from rendezvous.rules import Change, RoundEnd
 
 
-def round_of(number: int, *nodes: str, restarts: int = 0) -> RoundRecord:
+def round_of(
+    number: int, *nodes: str, restarts: int = 0, cause: RoundCause = RoundCause.START
+) -> RoundRecord:
     members = tuple(Member(n, i + 1, "10.0.0.1", 2) for i, n in enumerate(nodes))
-    return RoundRecord(number, members, "10.0.0.1", 29500 + number, 0, restarts, RoundCause.START)
+    return RoundRecord(number, members, "10.0.0.1", 29500 + number, 0, restarts, cause)
 
 
 class FakeJob:
@@ -231,13 +233,13 @@ def test_a_worker_failure_is_reported_and_the_next_round_restarts(
 
 def test_a_lost_member_stops_workers_now_without_a_failure_report() -> None:
     lost = Change(RoundEnd.LOST, "lost b", ("b",))
-    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", cause=RoundCause.LOST)], [None, lost])
     workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
     metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
     assert agent(job, workers, metrics=metrics).run() == 0
     assert workers.actions[0] == "stop 1" and job.reported == []
     assert _sample(metrics.registry, "elastic_run_restarts_total", cause="member_lost") == 1
-    # torchrun's count of re-rendezvous, though no restart of the budget was charged
+    # torchrun's count (its survivors' workers fail), though the budget was not charged
     assert [ps[0].restart_count for ps in workers.started] == [0, 1]
     assert _sample(metrics.registry, "elastic_run_world_size") == 2
 

@@ -213,7 +213,8 @@ def test_a_join_after_training_ended_closes_the_job(
     assert a.wait(60) == 0, a.transcript()
     assert b.wait(60) == 0, b.transcript()
     assert "had finished training before the resize" in a.transcript()
-    assert "job closed" in a.transcript() and "round 2" not in a.transcript()
+    assert "job finished: all workers succeeded" in a.transcript()
+    assert "round 2" not in a.transcript()
     assert len(pids_at(tmp_path, 1)) == 1 and not pids_at(tmp_path, 2), "one worker ever"
     check_run(tmp_path, changes=0)
 

@@ -158,7 +158,8 @@ def test_graceful_leave_is_left_not_lost_and_leaving_nodes_are_not_candidates() 
     v = view(node("a", 1, done=1), node("b", 2, done=1, state=LEAVING), r=r, gone=(c,))
     p = plan(v, 1, 3, 0.1, 0, now=100)
     assert p.form and [m.id for m in p.members] == ["a"]
-    assert p.left == ("c",) and p.lost == () and p.cause is RoundCause.LEFT
+    # b said it leaves and stopped its workers: it has left, whether its record is gone yet
+    assert p.left == ("b", "c") and p.lost == () and p.cause is RoundCause.LEFT
 
 
 def test_failure_charges_one_restart_and_past_budget_closes() -> None:

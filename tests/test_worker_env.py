@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from harness import ROOT
 
-from elastic.agent.placement import Placement, worker_env
+from elastic.agent.placement import Placement, restart_count, worker_env
+from rendezvous.records import RoundCause
 
 DUMP = str(ROOT / "tests" / "scripts" / "dump_env.py")
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RESULT_DIR"}
@@ -107,3 +108,18 @@ def test_virtual_local_rank_maps_through_visible_devices() -> None:
     assert plain["CUDA_VISIBLE_DEVICES"] == "4,6" and plain["LOCAL_RANK"] == "1"
     assert plain["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert plain["TORCHELASTIC_MAX_RESTARTS"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("cause", "first", "after"),
+    [
+        (RoundCause.START, True, 0),
+        (RoundCause.LOST, True, 0),  # a node's first round: torchrun's new agent starts at 0
+        (RoundCause.LOST, False, 3),  # the survivors' workers fail under torchrun: counted
+        (RoundCause.FAILURE, False, 3),
+        (RoundCause.LEFT, False, 3),
+        (RoundCause.RESIZE, False, 2),  # num_nodes_waiting: restarted, not counted
+    ],
+)
+def test_torchruns_restart_count(cause: RoundCause, first: bool, after: int) -> None:
+    assert restart_count(2 if not first else 0, cause, first=first) == after

@@ -30,7 +30,7 @@ from elastic.agent.core import (
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.metrics import AgentMetrics
-from elastic.agent.placement import Placement
+from elastic.agent.placement import Placement, restart_count
 from elastic.agent.workers import Drained, GroupState
 from elastic.contract import RestartMode
 from rendezvous.errors import (
@@ -140,6 +140,7 @@ class Agent:
         self.signal: int | None = None
         self.round: RoundRecord | None = None
         self._previous: RoundRecord | None = None
+        self._restart_count = 0  # torchrun's count for the workers (not the budget)
         self._cancel = threading.Event()
         self._change_at = time.monotonic()
         self._change_why = "start"
@@ -394,6 +395,7 @@ class Agent:
         me = r.member(self.node_id)
         assert me is not None, "a round this node is not in"
         group_rank, nproc = me.rank, me.nproc
+        count = restart_count(self._restart_count, r.cause, first=self._previous is None)
         placements = [
             Placement(
                 local_rank=lr,
@@ -404,9 +406,7 @@ class Agent:
                 group_world_size=r.size,
                 master_addr=r.master_addr,
                 master_port=r.master_port,
-                # torchrun's count of re-rendezvous: every round after the first (the
-                # job's restart budget counts only failures: r.restarts)
-                restart_count=r.number - 1,
+                restart_count=count,
             )
             for lr in range(nproc)
         ]
@@ -456,7 +456,7 @@ class Agent:
             r.restarts,
             f"; workers re-form live (pids {self.workers.pids})" if in_place else "",
         )
-        self._previous = r
+        self._previous, self._restart_count = r, count
 
     def _host(self, store: Store, r: RoundRecord) -> bool:
         """Host the round's store (this node has group rank 0); False: leave the round."""

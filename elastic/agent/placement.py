@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rendezvous.records import RoundCause
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -20,6 +22,19 @@ class Placement:
     master_addr: str
     master_port: int
     restart_count: int
+
+
+def restart_count(before: int, cause: RoundCause, *, first: bool) -> int:
+    """torchrun's TORCHELASTIC_RESTART_COUNT for this node's next round.
+
+    torchrun counts, per agent, the restarts its workers needed: a member that failed,
+    vanished or left makes the survivors' workers fail, so that counts; nodes joining
+    (``num_nodes_waiting``) restart the workers uncounted, and a node's first round is 0.
+    The job's restart budget (``--max-restarts``) is another count: failures only.
+    """
+    if first or cause in (RoundCause.START, RoundCause.RESIZE):
+        return before
+    return before + 1
 
 
 def round_env(p: Placement) -> dict[str, str]:
