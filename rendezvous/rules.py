@@ -192,8 +192,7 @@ def plan(
     left = tuple(
         m.id
         for m in previous
-        if states[m.id] is MemberState.LEFT
-        or (states[m.id] is MemberState.LEAVING and stopped(m))
+        if states[m.id] is MemberState.LEFT or (states[m.id] is MemberState.LEAVING and stopped(m))
     )
     lost = tuple(m.id for m in previous if states[m.id] is MemberState.LOST)
     present = [m for m in previous if m.id not in left and m.id not in lost]
