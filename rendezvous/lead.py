@@ -69,20 +69,28 @@ class Lead:
         fenced = s.fenced(view, self.mirror.connected)
         choice = rules.lead_step(view, s.me.id, s.rev, mine, vacant_for, fenced)
         if choice.step is LeadStep.CLAIM:
-            self._claim()
+            self._claim(view.leader_kv)
             view = self.mirror.view()
         mine_now = self.holds(view)
         if mine_now != self.mirror.full:
             self.mirror.set_full(mine_now)
         return mine_now
 
-    def _claim(self) -> None:
+    def _claim(self, junk: KV | None) -> None:
+        """Create the post, or replace ``junk``: what the key holds that is no live
+        leader's (a foreign or leaseless value), as long as nobody wrote it since."""
         s = self.session
         value = self._record(s.rev)
-        revision, existing = self.client.create(self._key, value, lease=s.lease_id)
+        if junk is not None:
+            log.warning("claiming the lead over a value that is no leader's at %s", self._key)
+            revision = self.client.put_if(self._key, value, junk.mod_revision, lease=s.lease_id)
+            existing = None
+        else:
+            revision, existing = self.client.create(self._key, value, lease=s.lease_id)
         if revision:
             log.debug("leading job %s", s.options.run_id)
-            existing = KV(self._key, value, revision, revision, s.lease_id)
+            created = junk.create_revision if junk is not None else revision
+            existing = KV(self._key, value, created, revision, s.lease_id)
         if existing is not None:  # ours, or the one whose create landed first
             self.mirror.record_own(existing)
 

@@ -58,8 +58,8 @@ class JobView:
     failures: dict[int, dict[str, FailureRecord]] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     last_join: float = 0.0  # monotonic time this process saw the newest node register
-    leader: LeaderRecord | None = None
-    leader_kv: KV | None = None  # its key's revisions and lease, for guarded writes
+    leader: LeaderRecord | None = None  # None also when the key holds no live leader's
+    leader_kv: KV | None = None  # whatever the key holds, for guarded writes (and claims)
     notice: NoticeRecord | None = None
 
     @property
@@ -111,8 +111,13 @@ class Decoded:
                     raise MalformedRecordError(f"malformed etcd key {kv.key}: not a bucket")
                 self.buckets[int(bucket)] = decode_bucket(kv.key, kv.value)
             elif rel == records.LEADER:
+                self.leader = kv  # kept even if foreign: a claim replaces it over its revision
                 LeaderRecord.decode(kv.key, kv.value)
-                self.leader = kv
+                if not kv.lease:
+                    raise MalformedRecordError(
+                        f"the leader record at etcd key {kv.key} is on no lease: "
+                        "not a live leader's (every elastic-run leader holds it on its lease)"
+                    )
             elif rel == records.NOTICE:
                 self.notice = NoticeRecord.decode(kv.key, kv.value)
             elif rel == records.CLOSED:
@@ -175,8 +180,11 @@ class Decoded:
         return self.shown, self.shown_rev
 
     def leader_record(self) -> LeaderRecord | None:
+        """The leader, if the key holds a live leader's record (see ``put``)."""
         kv = self.leader
-        return None if kv is None else LeaderRecord.decode(kv.key, kv.value, kv.create_revision)
+        if kv is None or records.LEADER in self.problems:
+            return None
+        return LeaderRecord.decode(kv.key, kv.value, kv.create_revision)
 
     def view(self, revision: int, last_join: float) -> JobView:
         shown, shown_rev = self.assembled()

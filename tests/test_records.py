@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.agent.failures import format_report
+from rendezvous import records
 from rendezvous.errors import MalformedRecordError
 from rendezvous.records import (
     MAX_BUCKETS,
@@ -21,6 +22,7 @@ from rendezvous.records import (
     bucket_of,
     decode_bucket,
 )
+from rendezvous.view import KV, Decoded
 
 ETCD_REQUEST_LIMIT = 1536 * 1024  # etcd's default --max-request-bytes
 ETCD_TXN_OPS = 128  # etcd's default --max-txn-ops
@@ -145,3 +147,25 @@ def test_a_forged_root_cause_leaves_the_closed_job_readable() -> None:
     assert closed.root_cause is not None and "unreadable" in closed.root_cause.summary
     text = format_report("job j FAILED: x", closed.root_cause)
     assert "the root cause is unreadable" in text and "node      : ?" in text
+
+
+@pytest.mark.parametrize(
+    ("value", "lease", "live"),
+    [
+        (b'{"id": "a", "rev": 3, "addr": "h", "probe": 9}', 77, True),
+        (b'{"id": "a", "rev": 3, "addr": "h", "probe": 9}', 0, False),  # on no lease
+        (b'{"id": 7}', 77, False),
+        (b"\x80", 77, False),
+    ],
+)
+def test_the_lead_key_holds_a_live_leader_only_on_a_lease(
+    value: bytes, lease: int, live: bool
+) -> None:
+    """What is no live leader's leaves the post vacant, and the view keeps its revision
+    for the claim that replaces it."""
+    decoded = Decoded()
+    kv = KV("/j/job/leader", value, 5, 6, lease)
+    decoded.put(records.LEADER, kv)
+    view = decoded.view(6, 0.0)
+    assert (view.leader is not None) is live and view.leader_kv == kv
+    assert bool(view.problems) is not live

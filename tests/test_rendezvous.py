@@ -290,6 +290,37 @@ def test_malformed_node_record_is_ignored_by_name(
         client.close()
 
 
+@pytest.mark.parametrize(
+    "value",
+    [b"\x80junk", b'{"id": 7}', b'{"id": "a", "rev": 1, "addr": "10.9.9.9", "probe": 1}'],
+    ids=["not-json", "wrong-types", "on-no-lease"],
+)
+def test_a_value_at_the_lead_key_that_is_no_leaders_is_claimed_over(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
+) -> None:
+    """Before the job and over the live leader's record mid-job: named once, and the
+    next loss is noticed and re-formed around as without it (a claim only created an
+    absent key, so the job hung until join_timeout)."""
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
+    client = EtcdClient(e)
+    key = f"/elastic-run/{run_id}/{records.LEADER}"
+    try:
+        client.put(key, value)
+        a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="2:3")
+        assert start_round([a, b, c])[0]["members"] == ["a", "b", "c"]
+        client.put(key, value)
+        time.sleep(0.5)  # the members see it (no event to wait on: nothing happens)
+        killed = time.monotonic()
+        c.signal(signal.SIGKILL)
+        a.expect("change", end="LOST", timeout=TTL + 3)
+        assert time.monotonic() - killed <= TTL + 1.5
+        assert [r["members"] for r in start_round([a, b])] == [["a", "b"], ["a", "b"]]
+        a.wait_output(key, stream="err")  # named in the log
+        assert "Traceback" not in "\n".join(a.err + b.err)
+    finally:
+        client.close()
+
+
 def test_etcd_restart_mid_job_is_survived(
     fresh_etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:
