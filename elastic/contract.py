@@ -154,6 +154,7 @@ _OFF = {
     "heartbeat": 16,
     "step": 24,
     "flags": 32,
+    "restored": 40,
     "pause": 56,
     "abandon": 64,
     "placement": 72,
@@ -175,7 +176,9 @@ class ControlBlock:
         16      heartbeat, ns since the epoch                          worker
         24      step                                                   worker
         32      flags: USES_STATE, REPORTS, LIVE                       worker
-        40, 48  unused
+        40      restored: 0 not yet in this placement, else the step   worker
+                it resumed from + 2 (1: nothing restored)              (agent: 0)
+        48      unused
         56      pause generation ("stop at the next step, keep going   agent
                 live when the new placement comes")
         64      abandon generation ("the round is broken: leave the    agent
@@ -221,6 +224,7 @@ class ControlBlock:
 
     def publish_placement(self, env: dict[str, str]) -> None:
         """Write the next placement and bump its generation: the worker forms it."""
+        self._put(_OFF["restored"], 0)  # it says again where the new group resumed
         write_placement(self.path, env)
         self._put(_OFF["placement"], self._get(_OFF["placement"]) + 1)
 
@@ -257,6 +261,13 @@ class ControlBlock:
     def step(self) -> int:
         return self._get(_OFF["step"])
 
+    @property
+    def restored_step(self) -> int | None:
+        """The step the worker resumed from in its placement (-1: from the start); None
+        until it says."""
+        value = self._get(_OFF["restored"])
+        return None if value == 0 else value - 2
+
     # -- worker side -----------------------------------------------------------------------
     @property
     def stop_generation(self) -> int:
@@ -267,6 +278,10 @@ class ControlBlock:
 
     def unmark(self, flag: int) -> None:
         self._put(_OFF["flags"], self._get(_OFF["flags"]) & ~flag)
+
+    def restored(self, step: int) -> None:
+        """It resumed from ``step`` (-1: nothing to restore) in its current placement."""
+        self._put(_OFF["restored"], max(step, -1) + 2)
 
     def beat(self, step: int | None = None) -> None:
         if step is not None:

@@ -117,6 +117,7 @@ class FakeWorkers:
         self.hold_fails: str | None = None  # what hold() answers
         self.reformed: list[list[Placement]] = []
         self.drained = Drained.STOPPED  # how drain() ends
+        self.restores: deque[int | None] = deque()  # successive restored() results
 
     @property
     def pids(self) -> list[int]:
@@ -153,6 +154,9 @@ class FakeWorkers:
 
     def last_step(self) -> int:
         return 41
+
+    def restored(self) -> int | None:
+        return self.restores.popleft() if self.restores else None
 
     def stranded(self) -> list[WorkerFailure]:
         return self.strand.popleft() if self.strand else []
@@ -242,6 +246,25 @@ def test_a_lost_member_stops_workers_now_without_a_failure_report() -> None:
     # torchrun's count (its survivors' workers fail), though the budget was not charged
     assert [ps[0].restart_count for ps in workers.started] == [0, 1]
     assert _sample(metrics.registry, "elastic_run_world_size") == 2
+
+
+def test_a_round_that_resumes_behind_what_was_committed_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never silent: the workers committed step 41; the new round resumed from 30."""
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", cause=RoundCause.LOST)], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.restores.extend([41, None, 30])  # round 1's own answer; then round 2's
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
+        assert agent(job, workers, metrics=metrics).run() == 0
+    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 11
+    warned = [r.getMessage() for r in caplog.records if "resumes from step 30" in r.getMessage()]
+    assert warned == [
+        "round 2 resumes from step 30, 11 step(s) behind the newest this node's workers "
+        "committed (41): the newest state any member of the round held is step 30"
+    ]
 
 
 def test_a_collective_failing_under_a_lost_peer_is_the_loss_not_a_failure(

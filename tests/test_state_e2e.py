@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -189,6 +190,45 @@ def test_three_two_three_nodes_every_sample_exactly_once(
     assert d_rows and d_rows[0]["step"] == first[2] > 1
     # global rank 0 (node a throughout) wrote durable checkpoints, the newest three kept
     assert len(list((tmp_path / "ckpt-a").glob("step-*.elr"))) == 3
+
+
+def test_a_kill_right_after_a_resize_loses_nothing_it_was_sent(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Respawn path, default snapshot cadence: a trains alone, b and c join and receive
+    a's state over the process group, then a is killed. What b and c received is in
+    their nodes' shared memory: the next round resumes there, not from step 0."""
+    out = tmp_path / "steps"
+    out.mkdir()
+    args = ("--samples", "4800", "--epochs", "1", "--global-batch", "24", "--step-time", "0.05")
+
+    def node(name: str) -> Proc:
+        return start_agent(
+            procs, etcd.endpoint, run_id, name, SCRIPT, *args, nnodes="1:3",
+            extra=("--restart-mode", "respawn"), env={"RESULT_DIR": str(out)},
+        )  # fmt: skip
+
+    a = node("a")
+    wait_until(lambda: any(r["step"] >= 15 for r in rows(out)), 60, "a to train alone")
+    b = node("b")
+    node("c")
+    three = wait_world(out, 3, timeout=60)
+    first3 = min(r["step"] for r in rows(out) if r["world"] == 3)
+    wait_until(
+        lambda: any(r["world"] == 3 and r["step"] >= first3 + 2 for r in rows(out)), 30, "steps"
+    )
+    killed = time.time()
+    a.signal(signal.SIGKILL)
+    wait_world(out, 2, after=killed, timeout=40)
+    first2 = min(r["step"] for r in rows(out) if r["world"] == 2 and r["t"] > killed)
+    assert first2 >= first3 > 15, (first3, first2, three)
+    # the steps of round 2 trained again (no snapshot since) are said, never silent
+    committed = max(r["step"] for r in rows(out) if r["world"] == 3 and r["t"] < killed)
+    if first2 <= committed:  # (the last row may be of a step killed before its commit)
+        said = re.findall(r"resumes from step (\d+), \d+ step\(s\) behind the newest this "
+                          r"node's workers committed \((\d+)\)", b.transcript())  # fmt: skip
+        assert said and int(said[-1][0]) == first2 - 1, said
+        assert committed - 1 <= int(said[-1][1]) <= committed, (said, committed)
 
 
 def test_fsdp_state_is_resharded_when_a_node_joins(

@@ -10,7 +10,8 @@ round's store, the fork server) or in the workers.
     core         the decision table: (state, event) -> reaction, pure
     loop         the agent loop: gathers events, carries out reactions
     workers      the local worker processes (start, poll, drain, hold, stop)
-    placement    a worker's torchrun environment
+    placement    a worker's torchrun environment (and torchrun's restart count)
+    resumed      whether a round trains committed steps again (pure): never silent
     procs        process groups that never outlive the agent
     helper       the helper processes' common base (socket pair, session, ready)
     forkserver   --start-method forkserver (zygote: its process)

@@ -31,6 +31,7 @@ from elastic.agent.core import (
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
+from elastic.agent.resumed import redone
 from elastic.agent.workers import Drained, GroupState
 from elastic.contract import RestartMode
 from rendezvous.errors import (
@@ -93,6 +94,7 @@ class Workers(Protocol):
     def stop(self, grace: float) -> None: ...
     def release_withheld(self, show: bool) -> dict[int, Path]: ...
     def last_step(self) -> int: ...  # the newest step the workers reported, -1 for none
+    def restored(self) -> int | None: ...  # the step they resumed from, once they all said
     @property
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     def stranded(self) -> list[WorkerFailure]: ...
@@ -157,6 +159,7 @@ class Agent:
         self._began = time.monotonic()
         self._lost_total = 0.0  # seconds without workers after the first round: failures, resizes
         self._step = -1
+        self._resuming: tuple[int, int] | None = None  # (step committed before, round) to judge
         self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
         self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
@@ -275,6 +278,7 @@ class Agent:
                 return self._verdict(failures)
             if state is GroupState.STOPPED:
                 return LocalEvent.WORKERS_SAVED
+            self._judge_resume()
             if self.hang_timeout > 0:
                 hung = self.workers.hung(self.hang_timeout)
                 if hung:
@@ -291,6 +295,20 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
+
+    def _judge_resume(self) -> None:
+        """Once the workers say where the round resumed: warn if that trains committed
+        steps again (``resumed.redone``), and count them."""
+        restored = self.workers.restored() if self._resuming is not None else None
+        if restored is None or self._resuming is None:
+            return
+        committed, number = self._resuming
+        self._resuming = None
+        verdict = redone(committed, restored, number)
+        if verdict is not None:
+            log.warning("%s", verdict.reason)
+            if self.metrics is not None:
+                self.metrics.steps_redone.inc(verdict.steps)
 
     def _verdict(self, failures: list[WorkerFailure]) -> Event:
         """Workers failed. If every failure only says a peer vanished under it, find out
@@ -411,6 +429,7 @@ class Agent:
             for lr in range(nproc)
         ]
         in_place = how is Start.REFORM
+        self._resuming = (self.workers.last_step(), r.number)
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None

@@ -118,6 +118,12 @@ class AgentMetrics:
             [*base, "cause"],
             registry=r,
         )
+        self.steps_redone = Counter(
+            "elastic_run_steps_redone",
+            "Committed steps trained again: a round resumed from an older state",
+            base,
+            registry=r,
+        ).labels(job, node)
         self.training_seconds = Counter(
             "elastic_run_training_seconds",
             "Seconds with this node's workers running",

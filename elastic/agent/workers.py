@@ -195,6 +195,16 @@ class WorkerGroup:
             return self._newest_step
         return max([self._newest_step, *(w.control.step for w in self.workers)])
 
+    def restored(self) -> int | None:
+        """The step this group's workers resumed from in their placement (-1: from the
+        start); None until every worker running ``elastic.State`` said, or if none does."""
+        if self._closed or not self.use_state:
+            return None
+        steps = [w.control.restored_step for w in self.workers]
+        if any(s is None for s in steps):
+            return None
+        return min(s for s in steps if s is not None)
+
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]

@@ -243,6 +243,25 @@ class Snapshotter:
         self.stats.blocked_seconds += took
         progress.snapshot(took, packed.size)
 
+    def keep(self, step: int, blob: memoryview) -> None:
+        """Put a state this rank loaded from elsewhere (another node's, sent over the
+        process group, or a checkpoint file) in its node's slot, unless the slot holds it
+        already: if its sender is lost next, the job still has it."""
+        slots = self.slots
+        newest = slots.newest() if slots is not None else None
+        if slots is None or (newest is not None and newest[1] >= step):
+            return
+        self.wait_copy()
+        slot = slots.target()
+        try:
+            buf = slots.buffer(slot, len(blob))
+        except OSError as e:
+            log.error("could not keep the restored state in shared memory (%s)", e)
+            return
+        self._kept.pop(slot, None)
+        buf[: len(blob)] = blob
+        slots.commit(slot, step, len(blob))
+
     def due_checkpoint(self, stopping: bool) -> bool:
         """The snapshot just counted goes to disk: every ``checkpoint_every``-th, and the
         last one before a stop."""

@@ -369,6 +369,7 @@ class State:
         self._apply_batch_policy()
         if core.ctl is not None:
             core.ctl.beat(step)
+            core.ctl.restored(step)
         return step
 
     # -- snapshots ------------------------------------------------------------------------
@@ -435,11 +436,14 @@ class State:
         self._core.stats.restore_bytes = nbytes
         progress.restored(took, nbytes)
         self._apply_batch_policy()
+        ctl = self._core.ctl
+        if ctl is not None:
+            ctl.restored(step)  # the agent says if that is older than what its node committed
         if step < 0:
             return False
         self._core.stats.restored_step = step
-        if self._core.ctl is not None:
-            self._core.ctl.beat(step)
+        if ctl is not None:
+            ctl.beat(step)
         return True
 
     def _restore_snapshot(self, mine: Candidate | None = None) -> tuple[int, int]:
@@ -479,6 +483,7 @@ class State:
         load_into(self._core.objects, saved)
         self._core.values.update(saved.get("values", {}))
         self._core.values["step"] = int(saved["step"])
+        self._core.snapshotter.keep(best, blob)
         rng.restore(self._core.node_dir, rank, best)
         sent = ", sent over the process group" if not everyone else ""
         took = time.perf_counter() - started

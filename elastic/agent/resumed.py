@@ -1,0 +1,38 @@
+"""Whether a round trains again what this node's workers had committed: never silently.
+
+A new round resumes from the newest state any of its members holds; when that is older
+than the newest step this node's workers committed before (the state's holder was lost,
+or no member had a snapshot yet), steps are trained again. The rule is here; the agent
+logs its verdict as a warning and counts the steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Redone:
+    """Committed steps a round trains again, and why."""
+
+    steps: int
+    reason: str
+
+
+def redone(committed: int, restored: int, round_number: int) -> Redone | None:
+    """``committed``: the newest step this node's workers committed before the round
+    (-1: none, as on a node's first round); ``restored``: the step its workers resumed
+    from (-1: nothing restored, the job starts over). None: nothing is trained again."""
+    start = max(restored, 0)
+    if committed <= start:
+        return None
+    steps = committed - start
+    if restored < 0:
+        why = "no member of the round held a snapshot or checkpoint: training starts over"
+    else:
+        why = f"the newest state any member of the round held is step {restored}"
+    return Redone(
+        steps,
+        f"round {round_number} resumes from step {start}, {steps} step(s) behind the "
+        f"newest this node's workers committed ({committed}): {why}",
+    )
