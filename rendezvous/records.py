@@ -491,6 +491,7 @@ class RoundEnd(enum.Enum):
     JOB_SUCCEEDED = "job succeeded"  # another node closed the job as succeeded
     JOB_FAILED = "job failed"  # closed as failed (restart budget spent)
     FENCED = "fenced"  # etcd dropped this node: the job went on without it
+    LAPSED = "lapsed"  # etcd dropped this node's lease, but no round formed without it
     SUPERSEDED = "superseded"  # a newer round that includes this node formed
     LOST = "lost"  # a member vanished without a word
     PEER_FAILED = "peer failed"  # a member's workers failed

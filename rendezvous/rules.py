@@ -279,11 +279,18 @@ def _settled(
             RoundEnd.JOB_SUCCEEDED if closed.state is JobOutcome.SUCCEEDED else RoundEnd.JOB_FAILED
         )
         return True, Change(end, f"job {closed.state.value}: {closed.reason}".rstrip(": "))
+    r = view.round
+    if fenced and (mine is None or r is None or r.number <= mine.number):
+        # etcd was away longer than the lease TTL (or this node was): its lease is gone,
+        # but no round formed without it, so nothing its workers hold is stale yet
+        return True, Change(
+            RoundEnd.LAPSED,
+            "etcd dropped this node's lease, but no round has formed without it",
+        )
     if fenced:
         return True, Change(
             RoundEnd.FENCED, "etcd dropped this node's lease; the job moved on without it"
         )
-    r = view.round
     if mine is None or r is None or r.number < mine.number:
         return True, None  # no round, or our own view lags behind one we already joined
     if r.number > mine.number:

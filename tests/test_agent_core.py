@@ -69,6 +69,7 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     ),
     (R, RoundEnd.JOB_FAILED, False): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED, N),
     (R, RoundEnd.FENCED, False): (Stop.KILL, RS, C.FENCED, None, N),
+    (R, RoundEnd.LAPSED, False): (Stop.URGENT, RS, C.FENCED, None, N),
     (R, RoundEnd.SUPERSEDED, False): (Stop.URGENT, RS, C.RESIZE, None, N),
     (R, RoundEnd.LOST, False): (Stop.URGENT, RS, C.MEMBER_LOST, None, N),
     (R, RoundEnd.PEER_FAILED, False): (Stop.URGENT, RS, C.FAILURE, None, N),
@@ -78,6 +79,7 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (R, RoundEnd.WAITING, False): (Stop.DRAIN, RZ, C.RESIZE, None, N),
     # running, in place: the changes of other nodes keep the processes
     (R, RoundEnd.SUPERSEDED, True): (Stop.ABANDON, RS, C.RESIZE, None, N),
+    (R, RoundEnd.LAPSED, True): (Stop.ABANDON, RS, C.FENCED, None, N),
     (R, RoundEnd.LOST, True): (Stop.ABANDON, RS, C.MEMBER_LOST, None, N),
     (R, RoundEnd.PEER_FAILED, True): (Stop.ABANDON, RS, C.FAILURE, None, N),
     (R, RoundEnd.LEFT, True): (Stop.ABANDON, RS, C.MEMBER_LEFT, None, N),

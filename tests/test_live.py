@@ -10,6 +10,7 @@ is fixed, so the data order does not depend on the world size).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agents import start_agent, wait_world, worker_pids
+from agents import TTL, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from harness import ROOT, Proc, wait_until
 
@@ -131,6 +132,37 @@ def test_sigstop_of_a_node(
         frozen.kill_tree()
     survivors_kept(tmp_path, before - set(tree))
     check_run(tmp_path, changes=1)
+
+
+def test_etcd_frozen_past_the_lease_ttl_restarts_no_one(
+    run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """etcd SIGSTOPped for more than twice the lease TTL: training goes on meanwhile;
+    when etcd is back it drops every node's lease, but no round formed without them, so
+    each node joins again with its workers held and they re-form in place."""
+    with EtcdServer(name="frozen") as etcd:
+        assert etcd.proc is not None
+        slow = ("--step-time", "0.3")  # training outlasts the freeze
+        agents = [start(procs, etcd, run_id, tmp_path, n, *slow) for n in "ab"]
+        wait_world(tmp_path, 2, timeout=90)
+        before = pids_at(tmp_path, 2)
+        frozen = time.time()
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2 * TTL + 1)  # the fault itself: an outage longer than the TTL
+            during = [r for r in rows(tmp_path) if frozen + 0.5 < r["t"]]
+        finally:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+            thawed = time.time()
+        assert during, "training stopped while etcd was frozen"
+        for a in agents:
+            assert a.wait(120) == 0, a.transcript()
+            assert "killing stale workers" not in a.transcript()
+    assert pids_at(tmp_path, 2) == before and {r["world"] for r in rows(tmp_path)} == {2}
+    check_run(tmp_path, changes=1)
+    times = [r["t"] for r in rows(tmp_path) if r["rank"] == 0 and r["t"] > thawed - 1]
+    pause = max(b - a for a, b in itertools.pairwise(times))
+    print(f"longest pause after the thaw: {pause:.2f}s")
 
 
 def test_sigterm_leave_then_a_join(

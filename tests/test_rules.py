@@ -225,7 +225,9 @@ def test_round_end_in_order_of_urgency() -> None:
     assert end(view(a, r=r, closed=failed), r) == (RoundEnd.JOB_FAILED, ())
     done = ClosedRecord(JobOutcome.SUCCEEDED)
     assert end(view(a, b, c, r=r, closed=done), r) == (RoundEnd.JOB_SUCCEEDED, ())
-    assert end(view(a, b, c, r=r), r, fenced=True) == (RoundEnd.FENCED, ())
+    # fenced with no round formed without it (etcd was away): nothing is stale yet
+    assert end(view(a, b, c, r=r), r, fenced=True) == (RoundEnd.LAPSED, ())
+    assert end(view(a, b, r=rnd(2, a, b)), r, fenced=True) == (RoundEnd.FENCED, ())
     assert end(view(b, c, r=r), r, me="b") == (RoundEnd.LOST, ("a",))
     assert end(view(a, c, r=r, gone=(b,)), r) == (RoundEnd.LEFT, ("b",))
     fails = {
@@ -298,7 +300,7 @@ def test_lean_round_end_reads_the_notice_failures_and_the_round() -> None:
     assert lean_end(replace(own, notice=about_me)) is None
     fails = {1: {"a": FailureRecord("a", 1, 1.0, FailureReport("a"))}}
     assert lean_end(view(b, r=mine, failures=fails)) == (RoundEnd.PEER_FAILED, ("a",))
-    assert lean_end(own, fenced=True) == (RoundEnd.FENCED, ())
+    assert lean_end(own, fenced=True) == (RoundEnd.LAPSED, ())
     newer = rnd(2, a, b)
     assert lean_end(view(b, r=lean(newer, "b"))) == (RoundEnd.SUPERSEDED, ())
     assert lean_end(view(b, r=lean(rnd(2, a, c), "b"))) == (RoundEnd.FENCED, ())

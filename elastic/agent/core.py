@@ -27,6 +27,7 @@ live``), the input ``decide`` takes besides the state and the event.
 | RUNNING    | JOB_SUCCEEDED     |          | finish         | SUCCEEDED  |             |
 | RUNNING    | JOB_FAILED        |          | urgent         | FAILED     |             |
 | RUNNING    | FENCED            |          | kill           | RESTARTING | fenced      |
+| RUNNING    | LAPSED            | no/yes   | urgent/abandon | RESTARTING | fenced      |
 | RUNNING    | SUPERSEDED        | no/yes   | urgent/abandon | RESTARTING | resize      |
 | RUNNING    | LOST              | no/yes   | urgent/abandon | RESTARTING | member_lost |
 | RUNNING    | PEER_FAILED       | no/yes   | urgent/abandon | RESTARTING | failure     |
@@ -203,6 +204,7 @@ _END = {
 # RUNNING, a change in the job: (stop, next state, restart cause)
 _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
     RoundEnd.FENCED: (Stop.KILL, AgentState.RESTARTING, RestartCause.FENCED),
+    RoundEnd.LAPSED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.FENCED),
     RoundEnd.SUPERSEDED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.RESIZE),
     RoundEnd.LOST: (Stop.URGENT, AgentState.RESTARTING, RestartCause.MEMBER_LOST),
     RoundEnd.PEER_FAILED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.FAILURE),

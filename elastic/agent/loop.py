@@ -511,6 +511,10 @@ class Agent:
             case RoundEnd.FENCED if change is not None:
                 log.warning("fenced: %s; killing stale workers and joining again", change.detail)
                 self._change_why = change.detail
+            case RoundEnd.LAPSED if change is not None:
+                kept = "workers held" if r.stop.keeps_workers else "stopping workers"
+                log.warning("fenced: %s; joining again, %s", change.detail, kept)
+                self._change_why = change.detail
             case RoundEnd() if change is not None and r.stop is Stop.URGENT:
                 log.warning("%s: stopping workers now", change.detail)
                 self._change_why = change.detail
