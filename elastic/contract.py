@@ -185,7 +185,7 @@ class ControlBlock:
                 process group now")
         72      placement generation (the placement file is new)       agent
         80      phase: RUNNING, WAITING or LEAVING                     worker
-        88      the placement generation it formed last                worker
+        88      the placement generation it formed (or tried) last     worker
     """
 
     def __init__(self, path: str | Path, create: bool = False) -> None:
@@ -300,8 +300,10 @@ class ControlBlock:
     def placement_generation(self) -> int:
         return self._get(_OFF["placement"])
 
-    def waiting(self) -> None:
-        """It let go of its process group and waits for a placement."""
+    def waiting(self, consumed: int) -> None:
+        """It let go of its process group and waits for a placement newer than
+        ``consumed`` (the last it formed, or tried to: a round given up while forming)."""
+        self._put(_OFF["formed"], consumed)
         self._put(_OFF["phase"], Phase.WAITING)
 
     def leaving(self) -> None:

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +154,45 @@ def test_reform_forms_again_when_the_group_breaks_while_forming(
     step = group.reform(lambda: prepared.append(1), lambda: 42, lambda: False)
     assert step == 42 and len(calls) == 2 and calls[0] != calls[1] and len(prepared) == 2
     assert group.reformations == 1 and dist.is_initialized()
+
+
+@pytest.mark.parametrize("host", ["absent", "alive"])
+def test_an_abandon_ends_forming_while_a_peer_never_comes(
+    group: Group, agent_side: ControlBlock, monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    """A member lost while the round forms: its store's host gone (nothing listens), or
+    the host alive and a peer that never writes its key. torch's own rendezvous waits out
+    its timeout in either; the abandon ends the wait at once."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    if host == "absent":
+        del master
+        port = free_port()
+    agent_side.publish_placement({**placement(port), "WORLD_SIZE": "2"})
+    got = group.wait_placement(lambda: False)
+    assert got is not None
+    raised: list[BaseException] = []
+
+    def form() -> None:
+        try:
+            group.form(got)
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=form)
+    t.start()
+    time.sleep(0.5)  # forming, stuck
+    assert t.is_alive() and not raised
+    asked = time.monotonic()
+    agent_side.request_abandon()
+    t.join(timeout=5.0)
+    assert not t.is_alive() and raised, "forming did not end"
+    assert time.monotonic() - asked < 1.0
+    assert group.breaks(raised[0]), raised[0]  # the round broke: form the next one
+    group.leave()  # as reform() does next: the given-up placement is not tried again
+    assert agent_side.stranded and group.wait_placement(lambda: True) is None
+    assert dist.get_pg_count() == 0  # the next group is named as a fresh worker's first
 
 
 def test_reform_says_when_the_worker_is_to_stop_instead(group: Group) -> None:

@@ -205,6 +205,30 @@ def test_a_loss_then_a_join_in_quick_succession(
     check_run(tmp_path, changes=2)
 
 
+def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """c joins; as the round of three forms (b waits in it for c's fresh worker), a, its
+    rank 0 and store host, is SIGKILLed. b leaves the dead round at once and re-forms
+    with c in its own process, where it waited out --shutdown-timeout and respawned."""
+    slow = ("--slow-below-world", "4")  # training outlasts all of it, however slow
+    a, b = (start(procs, etcd, run_id, tmp_path, n, *slow) for n in "ab")
+    wait_world(tmp_path, 2, timeout=90)
+    kept = worker_pids(b)
+    c = start(procs, etcd, run_id, tmp_path, "c", *slow)
+    b.wait_output("joined c", timeout=60)  # the round of three has formed
+    killed = time.time()
+    a.kill_tree()
+    back = wait_world(tmp_path, 2, after=killed, timeout=90)
+    print(f"training at world 2 {back - killed:.2f}s after the kill")
+    assert back - killed < 20, b.transcript()  # not --shutdown-timeout (30 s), then more
+    assert worker_pids(b) == kept
+    for n in (b, c):
+        assert n.wait(120) == 0, n.transcript()
+        assert "no live re-formation" not in n.transcript()
+    check_run(tmp_path, changes=2)
+
+
 def test_a_worker_crash_on_one_node(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:

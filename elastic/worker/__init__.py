@@ -5,6 +5,7 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
 
     state        elastic.State: the facade a script uses (commit, restore, run)
     group        the process group a live worker re-forms in place (its one owner)
+    roundstore   the round's store as a re-forming worker uses it: waits an abandon ends
     comm         the few collectives State itself needs, on its own gloo group
     snapshotter  snapshots into the node's shared memory, copied in the background
     snapshot     the snapshot format (tensors plus a skeleton)

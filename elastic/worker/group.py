@@ -174,6 +174,7 @@ class Group:
         self.reformations = 0
         self.backend = ""
         self.timeout: datetime.timedelta | None = None  # the script's group's, if known
+        self._store: Any = None  # the round's store, while its group lives
         self._lock = threading.Lock()
         self._closed = threading.Event()
         block.running(self.generation)
@@ -230,13 +231,18 @@ class Group:
     # -- the steps of a re-formation ----------------------------------------------------------
     def leave(self) -> None:
         """Leave the process group and tell the agent this worker waits for a placement."""
-        self.block.waiting()
+        self.block.waiting(self.generation)
         self.abort()
         comm.control().forget()  # it holds the old group, its threads and sockets
         dist = _dist()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group may complain; it goes
                 dist.destroy_process_group()
+        else:  # a round given up while forming: torch counted the group it did not form
+            # and names groups by that count; fresh workers name their first group "0",
+            # and only groups of one name share their keys in the store
+            dist.distributed_c10d._world.group_count = 0
+        self._store = None
 
     def wait_placement(self, stopping: Callable[[], bool]) -> Placement | None:
         """The agent's next placement: its generation and the torchrun variables of the
@@ -253,17 +259,48 @@ class Group:
         """Take the placement into ``os.environ`` and form the new default group (a
         collective that fails here breaks the group again: see ``reform``)."""
         generation, env = placement
+        self.generation = generation  # consumed, formed or not: a given-up round is not retried
         os.environ.update(env)
         with self._lock:  # asks made before this placement are answered by it
             self._seen_abandon = self.block.abandon_generation
             self._seen_pause = self.block.pause_generation
             self.abandoned.clear()
         with self.sockets.forming():
-            _dist().init_process_group(backend=self.backend or None, timeout=self.timeout)
-        self.generation = generation
+            store, rank, world = self._meet()
+            _dist().init_process_group(
+                backend=self.backend or None,
+                timeout=self.timeout,
+                store=store,
+                rank=rank,
+                world_size=world,
+            )
         self.reformations += 1
         self.block.running(generation)
         progress.relabel()
+
+    def _meet(self) -> tuple[Any, int, int]:
+        """The round's store (see ``roundstore``), its waits ended by an abandon: (store,
+        rank, world size). It is kept as long as the group: the group's store calls
+        reach back into it."""
+        from elastic.worker import roundstore
+
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+        def check_abandoned() -> None:
+            if self.abandoned.is_set():
+                raise roundstore.Abandoned("the round was given up while it formed")
+
+        self._store = roundstore.connect(
+            addr,
+            port,
+            rank,
+            world,
+            hosted_by_agent=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            check_abandoned=check_abandoned,
+            timeout=self.timeout or datetime.timedelta(minutes=30),  # torch's gloo default
+        )
+        return _dist().PrefixStore("default_pg", self._store), rank, world
 
     def reform(
         self,

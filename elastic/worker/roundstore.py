@@ -1,0 +1,121 @@
+"""The round's store as a re-forming worker uses it: every wait in short polls that an
+abandon ends.
+
+torch's own rendezvous waits inside C++ until the store's timeout (30 minutes for gloo
+by default): for a peer's key that a lost member never writes, and, while the store's
+host is gone, in a connect loop of its own. No socket cut wakes either. So a live worker
+connects itself, quietly and in short tries, and forms its group over this store, whose
+waits look for an abandon between polls. Its keys are those torch's env:// rendezvous
+uses (``PrefixStore("default_pg", ...)``), so fresh workers that form the same round
+through the script's ``init_process_group()`` meet the re-forming ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+POLL = 0.002  # the first pause between polls; it doubles up to LONGEST
+LONGEST = 0.05
+
+
+class Abandoned(RuntimeError):
+    """The round was given up while this worker waited in its store."""
+
+
+class AbortableStore(dist.Store):
+    """A store whose waits end when ``check_abandoned()`` raises (pybind's trampoline
+    names: ``getNumKeys``, ``deleteKey``; the instance must outlive the group)."""
+
+    def __init__(
+        self,
+        inner: dist.TCPStore,
+        check_abandoned: Callable[[], None],
+        limit: datetime.timedelta,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.check_abandoned = check_abandoned
+        self.limit = limit  # the longest wait (the group's timeout)
+
+    def _until(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (timeout or self.limit).total_seconds()
+        deadline, pause = time.monotonic() + limit, POLL
+        while True:
+            self.check_abandoned()
+            try:
+                if self.inner.check(keys):
+                    return
+            except RuntimeError:  # the store's host went: the agent will say what follows
+                pass
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"timed out after {limit:.0f}s waiting for {keys}")
+            time.sleep(pause)
+            pause = min(pause * 2, LONGEST)
+
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._until([key])
+        return self.inner.get(key)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._until(keys, timeout)
+
+    def getNumKeys(self) -> int:  # the trampoline's name
+        return self.inner.num_keys()
+
+    def deleteKey(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def clone(self) -> AbortableStore:
+        return self
+
+
+def connect(
+    addr: str,
+    port: int,
+    rank: int,
+    world: int,
+    hosted_by_agent: bool,
+    check_abandoned: Callable[[], None],
+    timeout: datetime.timedelta,
+) -> AbortableStore:
+    """The round's store, in tries of ``LONGEST`` seconds with a look for an abandon
+    between them (torch logs every refused connect of its own loop: a plain socket
+    tries first)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        check_abandoned()
+        try:
+            if hosted_by_agent:
+                socket.create_connection((addr, port), timeout=1.0).close()
+            inner = dist.TCPStore(
+                addr,
+                port,
+                world,
+                is_master=rank == 0 and not hosted_by_agent,
+                timeout=datetime.timedelta(seconds=1),
+                wait_for_workers=False,
+            )
+            inner.set_timeout(timeout)
+            return AbortableStore(inner, check_abandoned, timeout)
+        except (OSError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(LONGEST)
