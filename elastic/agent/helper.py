@@ -57,10 +57,12 @@ class Helper:
     def exit_code(self) -> int | None:
         return self.proc.poll()
 
-    def close(self, wait: float = 5.0) -> None:
+    def close(self, wait: float = 0.2) -> None:
         """Close our end (the helper ends: it reads the end of the stream), then reap it,
-        killing it after ``wait`` seconds. A shutdown, not just a close: a thread of ours
-        blocked in ``recv`` on this socket keeps it open until something wakes it."""
+        killing it after ``wait`` seconds: it holds nothing to save, and a torch
+        interpreter's own exit takes about a second, which a Ctrl-C should not wait for.
+        A shutdown, not just a close: a thread of ours blocked in ``recv`` on this socket
+        keeps it open until something wakes it."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()

@@ -35,6 +35,8 @@ from elastic.contract import (
     control_path,
 )
 
+EXIT_GRACE = 0.5  # seconds a leaving node's saved workers get to end before a SIGKILL
+
 
 class GroupState(enum.Enum):
     IDLE = "idle"
@@ -313,9 +315,10 @@ class WorkerGroup:
         """Stop without losing a step: State users save at their next step and exit
         EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. ``let_go``
         runs as soon as every one has exited or saved and is exiting (the job need not
-        wait for their interpreters to end). A State user that exits 0 instead had
-        left its training loop before the ask: it finished (only for State users: a
-        script may well exit 0 on a SIGTERM)."""
+        wait for their interpreters to end; this node leaves, so they get ``EXIT_GRACE``
+        to end before a SIGKILL, which loses nothing: they saved). A State user that
+        exits 0 instead had left its training loop before the ask: it finished (only for
+        State users: a script may well exit 0 on a SIGTERM)."""
         use_state = self.use_state
         if use_state:
             for w in self.workers:
@@ -323,16 +326,19 @@ class WorkerGroup:
         else:
             self.signal(sig)
         deadline = time.monotonic() + timeout
+        saved = False
         while let_go is not None and time.monotonic() < deadline:
             if all(
                 w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in self.workers
             ):
                 let_go()
+                saved = True  # this node leaves: the interpreters' own ends are not awaited
+                deadline = min(deadline, time.monotonic() + EXIT_GRACE)
                 break
             time.sleep(0.005)
         done = self.wait(max(deadline - time.monotonic(), 0.0))
         self.stop(0)
-        if not done:
+        if not done and not saved:
             return Drained.KILLED
         finished = all(w.proc.poll() == 0 for w in self.workers)
         return Drained.FINISHED if use_state and finished else Drained.STOPPED
