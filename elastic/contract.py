@@ -40,6 +40,7 @@ class RestartMode(enum.Enum):
 
 
 # -- exit codes -----------------------------------------------------------------------------
+ALIVE_EVERY = 0.1  # seconds between a State worker's signs of life (ControlBlock.alive)
 EXIT_RESIZE = 75  # a worker that saved and stopped because it was asked to: not a failure
 
 
@@ -155,6 +156,7 @@ _OFF = {
     "step": 24,
     "flags": 32,
     "restored": 40,
+    "alive": 48,
     "pause": 56,
     "abandon": 64,
     "placement": 72,
@@ -178,7 +180,9 @@ class ControlBlock:
         32      flags: USES_STATE, REPORTS, LIVE                       worker
         40      restored: 0 not yet in this placement, else the step   worker
                 it resumed from + 2 (1: nothing restored)              (agent: 0)
-        48      unused
+        48      alive: ns since the epoch, every ALIVE_EVERY s by a    worker
+                thread of its own (a frozen process stops it; a main
+                thread blocked in a collective does not)
         56      pause generation ("stop at the next step, keep going   agent
                 live when the new placement comes")
         64      abandon generation ("the round is broken: leave the    agent
@@ -262,6 +266,12 @@ class ControlBlock:
         return self._get(_OFF["step"])
 
     @property
+    def alive(self) -> float:
+        """Seconds since the epoch of the worker process's last sign of life; 0 if it
+        gives none (a script without ``elastic.State``)."""
+        return self._get(_OFF["alive"]) / 1e9
+
+    @property
     def restored_step(self) -> int | None:
         """The step the worker resumed from in its placement (-1: from the start); None
         until it says."""
@@ -278,6 +288,10 @@ class ControlBlock:
 
     def unmark(self, flag: int) -> None:
         self._put(_OFF["flags"], self._get(_OFF["flags"]) & ~flag)
+
+    def tick(self) -> None:
+        """The process lives (see ``alive``)."""
+        self._put(_OFF["alive"], time.time_ns())
 
     def restored(self, step: int) -> None:
         """It resumed from ``step`` (-1: nothing to restore) in its current placement."""

@@ -135,6 +135,9 @@ class FakeWorkers:
     def hung(self, timeout: float) -> list[WorkerFailure]:
         return self.hangs
 
+    def frozen(self) -> list[WorkerFailure]:
+        return self.hangs
+
     def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> Drained:
         self.actions.append(f"drain {signal.Signals(sig).name}")
         if let_go is not None:

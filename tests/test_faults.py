@@ -193,9 +193,13 @@ def test_etcd_cluster_member_down_goes_unnoticed(
 
 
 # -- hung workers -----------------------------------------------------------------------------
-def test_hung_worker_is_detected_and_the_job_resumes(
+def test_a_frozen_worker_is_found_without_a_flag_and_blamed_alone(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
+    """A worker SIGSTOPped while its agent lives, torch's default process-group timeout,
+    no --worker-hang-timeout: its agent finds it hung by the allowance learned from the
+    steps (0.15 s here: the 2 s floor); the other rank, blocked in a collective on it, is
+    alive and not blamed; the job resumes with the restart charged to the frozen node."""
     agents = [
         start_agent(
             procs,
@@ -206,7 +210,7 @@ def test_hung_worker_is_detected_and_the_job_resumes(
             *TRAIN_ARGS,
             nnodes="2",
             env={"RESULT_DIR": str(tmp_path)},
-            extra=("--worker-hang-timeout", "4", "--max-restarts", "1"),
+            extra=("--max-restarts", "1"),
         )
         for n in ("a", "b")
     ]
@@ -221,16 +225,17 @@ def test_hung_worker_is_detected_and_the_job_resumes(
         "the hang to be detected",
     )
     detected = time.time()
-    # the timeout runs from the last progress report, at most a step before the SIGSTOP
-    assert 3.5 <= detected - stopped <= 8, f"detected after {detected - stopped:.1f}s: {line}"
-    assert "process stopped" in line or "process sleeping" in line, line
+    # the allowance runs from the last progress report, at most a step before the SIGSTOP
+    assert detected - stopped <= 6, f"detected after {detected - stopped:.1f}s: {line}"
+    assert "process stopped" in line, line
+    assert not any("hung:" in ln for ln in agents[0].err), "the blocked rank was blamed"
     resumed = wait_world(tmp_path, 2, after=detected, timeout=30)
     finish(*agents)
     history = steps(tmp_path)
     assert any("restart 1 after a worker failure" in ln for ln in agents[0].err)
     samples_once(history, SAMPLES, EPOCHS)
     record(
-        "a worker frozen (SIGSTOP), --worker-hang-timeout 4",
+        "a worker frozen (SIGSTOP), no flag: the learned allowance (2 s floor)",
         detect_s=round(detected - stopped, 1),
         recover_s=round(resumed - stopped, 1),
         steps_redone=redone(history, stopped),

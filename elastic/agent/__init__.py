@@ -18,6 +18,7 @@ round's store, the fork server) or in the workers.
     storehost    the round's TCPStore (store_server: its process)
     logs         worker output: console, files, attempts
     failures     worker failures and the root-cause report
+    hangs        when a silent worker is hung, learned from its own steps (pure)
     filetimer    torch's file timer (TORCHELASTIC_ENABLE_FILE_TIMER)
     breakdown    the node's newest snapshot saved when the job or the node ends
     etcd_plan    which etcd the job uses, decided (pure); job_etcd: its I/O

@@ -87,6 +87,7 @@ class Workers(Protocol):
     def start(self, placements: list[Placement]) -> None: ...
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]: ...
     def hung(self, timeout: float) -> list[WorkerFailure]: ...
+    def frozen(self) -> list[WorkerFailure]: ...
     def drain(
         self, sig: int, timeout: float, let_go: Callable[[], None] | None = None
     ) -> Drained: ...
@@ -279,11 +280,14 @@ class Agent:
             if state is GroupState.STOPPED:
                 return LocalEvent.WORKERS_SAVED
             self._judge_resume()
-            if self.hang_timeout > 0:
-                hung = self.workers.hung(self.hang_timeout)
-                if hung:
-                    self._failures = tuple(hung)
-                    return LocalEvent.WORKERS_HUNG
+            hung = (
+                self.workers.hung(self.hang_timeout)
+                if self.hang_timeout > 0
+                else self.workers.frozen()  # learned from the run (hangs.py)
+            )
+            if hung:
+                self._failures = tuple(hung)
+                return LocalEvent.WORKERS_HUNG
             self.rdzv.upkeep()
             change = self.rdzv.check()
             if change is not None:

@@ -12,13 +12,14 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import IO
 
 import psutil
 
+from elastic.agent import hangs
 from elastic.agent.collectors import WorkerProc
 from elastic.agent.failures import WorkerFailure, collect
 from elastic.agent.filetimer import FILE_ENV, FileTimerServer
@@ -71,6 +72,8 @@ class Worker:
     streams: WorkerStreams
     control: ControlBlock
     exited_at: float | None = None
+    beats: list[float] = field(default_factory=list)  # seconds between progress reports
+    last_beat: float = 0.0
 
     @property
     def local_rank(self) -> int:
@@ -304,6 +307,7 @@ class WorkerGroup:
         for w in self.workers:
             w.placement = by_local[w.local_rank]
             w.exited_at = None
+            w.beats.clear()  # a new world size: its steps take their own time
             w.control.publish_placement(round_env(w.placement))
 
     @property
@@ -368,6 +372,26 @@ class WorkerGroup:
                         f"{timeout:g}) after step {w.control.step}; {_why_still(w.proc.pid)}",
                     )
                 )
+        return out
+
+    def frozen(self) -> list[WorkerFailure]:
+        """Running workers hung by the rule learned from their own steps
+        (``hangs``): silent past the allowance, and no sign of life either."""
+        now, out = time.time(), []
+        for w in self.workers:
+            beat = w.control.heartbeat
+            if beat != w.last_beat:
+                if w.last_beat:
+                    w.beats.append(beat - w.last_beat)
+                    del w.beats[: -hangs.KEEP]
+                w.last_beat = beat
+            if w.proc.poll() is not None or not w.control.uses_state:
+                continue
+            why = hangs.hung(now, beat, w.control.alive, hangs.allowance(w.beats))
+            if why is not None:
+                why += f" after step {w.control.step}; {_why_still(w.proc.pid)}"
+                p = w.placement
+                out.append(WorkerFailure(p.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now, why))
         return out
 
     def processes(self) -> list[WorkerProc]:

@@ -15,4 +15,5 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     sharded      FSDP2/DTensor state through torch.distributed.checkpoint
     sampler      ElasticSampler and BatchPolicy
     progress     training progress for the agent's /metrics
+    alive        the process's sign of life apart from progress (frozen vs blocked)
 """

@@ -42,7 +42,7 @@ import torch
 from elastic import contract
 from elastic.contract import NODE_DIR_ENV, ControlBlock, SnapshotPolicy
 from elastic.stored import SnapshotError
-from elastic.worker import comm, group, progress, rng, sharded, snapshot
+from elastic.worker import alive, comm, group, progress, rng, sharded, snapshot
 from elastic.worker.cadence import Cadence
 from elastic.worker.group import Group, Reformation
 from elastic.worker.restore import (
@@ -133,6 +133,7 @@ class State:
         ctl = contract.worker_block()
         if ctl is not None:
             ctl.mark(contract.USES_STATE)
+            alive.start(ctl)  # the agent tells a frozen process from a blocked one
         is_sharded = sharded.is_sharded(objects)
         if is_sharded and not policy.checkpoint_dir:
             raise ValueError(

@@ -1,0 +1,36 @@
+"""The hang rule learned from the run: a multiple of the recent steps, and a process that
+gives no sign of life either (a rank blocked on a frozen peer is not blamed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.agent.hangs import FLOOR, LEARN, allowance, hung
+
+
+def test_the_allowance_is_learned_from_the_recent_steps() -> None:
+    assert allowance([0.5] * (LEARN - 1)) is None  # start-up: too few steps to judge
+    assert allowance([0.5, 0.5, 2.0]) == pytest.approx(3 * 2.0 + 1)  # the longest counts
+    assert allowance([0.01] * 10) == FLOOR  # tiny steps: never below the floor
+    assert allowance([30.0] + [0.5] * 16) == pytest.approx(3 * 0.5 + 1)  # only recent ones
+
+
+@pytest.mark.parametrize(
+    ("progress_ago", "alive_ago", "allowed", "blamed"),
+    [
+        (10.0, 10.0, 4.0, True),  # frozen: silent, and no sign of life
+        (10.0, 0.1, 4.0, False),  # blocked in a collective, waiting for a frozen peer
+        (3.0, 3.0, 4.0, False),  # within the allowance
+        (10.0, 10.0, None, False),  # too few steps seen to judge
+        (10.0, None, 4.0, False),  # no sign of life given at all: another script
+    ],
+)
+def test_who_is_hung(
+    progress_ago: float, alive_ago: float | None, allowed: float | None, blamed: bool
+) -> None:
+    now = 1000.0
+    alive_at = 0.0 if alive_ago is None else now - alive_ago
+    why = hung(now, now - progress_ago, alive_at, allowed)
+    assert (why is not None) is blamed
+    if why:
+        assert why.startswith("hung: no progress for 10.0s and no sign of life for 10.0s")
