@@ -293,6 +293,10 @@ class ControlBlock:
         """The process lives (see ``alive``)."""
         self._put(_OFF["alive"], time.time_ns())
 
+    def quiet(self) -> None:
+        """It gives no signs of life any more (done with State): never judged by them."""
+        self._put(_OFF["alive"], 0)
+
     def restored(self, step: int) -> None:
         """It resumed from ``step`` (-1: nothing to restore) in its current placement."""
         self._put(_OFF["restored"], max(step, -1) + 2)

@@ -3,9 +3,17 @@ gives no sign of life either (a rank blocked on a frozen peer is not blamed)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+from harness import ROOT, wait_until
 
 from elastic.agent.hangs import FLOOR, LEARN, allowance, hung
+from elastic.contract import ControlBlock
 
 
 def test_the_allowance_is_learned_from_the_recent_steps() -> None:
@@ -34,3 +42,38 @@ def test_who_is_hung(
     assert (why is not None) is blamed
     if why:
         assert why.startswith("hung: no progress for 10.0s and no sign of life for 10.0s")
+
+
+def test_a_worker_ticks_until_it_is_done_with_state(tmp_path: Path) -> None:
+    """The sign of life comes from a thread of the worker's own, and ends with the State
+    (or the interpreter): a process tearing down torch is never judged frozen."""
+    block = ControlBlock(tmp_path / "control-0", create=True)
+    script = (
+        "import time, sys\n"
+        "from elastic.contract import ControlBlock\n"
+        "from elastic.worker import alive\n"
+        "alive.start(ControlBlock(sys.argv[1]))\n"
+        "time.sleep(float(sys.argv[2]))\n"
+    )
+    try:
+        for seconds in ("0.5", "30"):
+            p = subprocess.Popen([sys.executable, "-c", script, block.path, seconds], cwd=ROOT)
+            try:
+                wait_until(lambda: block.alive > 0, 30, "a first sign of life")
+                first = block.alive
+                wait_until(lambda first=first: block.alive > first, 2, "the next one")
+                if seconds == "30":  # frozen: the signs stop
+                    p.send_signal(signal.SIGSTOP)
+                    time.sleep(0.3)
+                    frozen = block.alive
+                    time.sleep(0.5)
+                    assert block.alive == frozen
+                    p.send_signal(signal.SIGCONT)
+                else:  # it exits: the last word is silence, not a stale tick
+                    assert p.wait(30) == 0
+                    assert block.alive == 0
+            finally:
+                p.kill()
+                p.wait()
+    finally:
+        block.close()

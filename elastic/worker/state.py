@@ -528,6 +528,7 @@ class State:
         self.flush()
         for h in self._core.hooks:
             h.remove()
+        alive.stop()  # training is over: what follows is not judged for hangs
 
 
 # names a value cannot take: what State itself answers to (its step counter included)
