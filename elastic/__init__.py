@@ -44,6 +44,25 @@ def heartbeat(step: int | None = None) -> None:
     report(step)
 
 
+def _watch_the_first_group() -> None:
+    """In a worker that re-forms in place (under elastic-run, ``--restart-mode live``),
+    see the script's first process group form, whenever it does: a re-formation then
+    cuts that group's connections only (``worker.group.watch_first_group``). Nowhere
+    else is torch imported here."""
+    import os
+
+    from elastic.contract import CONTROL_ENV, RESTART_MODE_ENV, RestartMode
+
+    live = os.environ.get(RESTART_MODE_ENV, RestartMode.LIVE.value) == RestartMode.LIVE.value
+    if os.environ.get(CONTROL_ENV) and live:
+        from elastic.worker import group
+
+        group.watch_first_group()
+
+
+_watch_the_first_group()
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

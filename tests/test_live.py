@@ -13,7 +13,9 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -355,11 +357,32 @@ class Node:
             w.kill_tree()
 
 
+def echo_server() -> int:
+    """A service of the script's own on loopback: it echoes each byte back."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(64):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(server.getsockname()[1])
+
+
 def test_fifty_live_re_formations_leak_nothing(procs: list[Proc], tmp_path: Path) -> None:
-    node = Node(procs, tmp_path)
+    """... and never touch a connection of the script's own, opened after its first
+    process group formed and before State.run (25 of the 50 re-formations abandon)."""
+    node = Node(procs, tmp_path, env={"ECHO_PORT": str(echo_server())})
     node.run(50)
     for pid, entries in node.entries().items():
         assert [e["entry"] for e in entries] == list(range(1, 52)), f"{pid} re-entered each time"
+        assert all(e["own_connection"] for e in entries), f"{pid}: its own connection was cut"
         assert entries[-1]["rank"] == (entries[0]["rank"] + 50) % 2
         warm, last = entries[5], entries[-1]  # after the first rounds' one-time allocations
         grew = (last["rss"] - warm["rss"]) / 2**20

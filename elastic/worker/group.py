@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -90,11 +91,12 @@ class GroupSockets:
                 before, self._before = self._before, None
                 self._conns = _connections() - (before or set())
 
-    def adopt(self) -> None:
-        """Take every TCP connection of the process as the group's (a group formed before
-        this object watched: the script's own before ``State.run``)."""
+    def adopt(self, formed: set[Conn] | None) -> None:
+        """Take over a group formed before this object watched (the script's own, before
+        ``State.run``): the connections it was seen to make (``formed``; see
+        ``watch_first_group``), else every TCP connection of the process."""
         with self._lock:
-            self._conns = _connections()
+            self._conns = _connections() if formed is None else set(formed)
 
     def cut(self) -> int:
         """Shut the reading side of the group's connections; how many were cut. Every
@@ -117,6 +119,36 @@ def _dist() -> Any:
     import torch.distributed as dist
 
     return dist
+
+
+_first_formed: set[Conn] | None = None  # what the script's own first group connected
+
+
+def watch_first_group() -> None:
+    """See the script's own ``init_process_group`` form the first group, so that a later
+    abandon cuts that group's connections and no connection of the script's own (a
+    logging client, a data service): ``torch.distributed.init_process_group`` is wrapped,
+    once, to note the connections that appear while it runs. A script that took the
+    function before importing elastic is not seen: all its connections count as the
+    group's then."""
+    dist = _dist()
+    original = dist.init_process_group
+    if getattr(original, "elastic_watched", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        global _first_formed
+        first = _group is None and _first_formed is None
+        before = _connections() if first else set()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if first:
+                _first_formed = _connections() - before
+
+    init_process_group.elastic_watched = True  # type: ignore[attr-defined]
+    dist.init_process_group = init_process_group
 
 
 # -- aborting: policies per backend ------------------------------------------------------------
@@ -190,13 +222,12 @@ class Group:
 
     def adopt(self) -> None:
         """Take over the default group the script formed before ``State.run``: its backend,
-        and as its connections every TCP connection the process has now (a connection the
-        script opened itself before ``State.run`` is cut along with them on an abandon)."""
+        and its connections (``watch_first_group``)."""
         dist = _dist()
         self.backend = str(dist.get_backend())
         with contextlib.suppress(Exception):  # private in torch: without it, the default
             self.timeout = dist.distributed_c10d._get_default_store().timeout
-        self.sockets.adopt()
+        self.sockets.adopt(_first_formed)
 
     # -- asks from the agent ------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import elastic
 
 entries = 0
+own: socket.socket | None = None
 
 
 def train(
@@ -56,6 +58,9 @@ def train(
                 row.update(world=dist.get_world_size(), rss=me.memory_info().rss)
                 row.update(fds=me.num_fds(), threads=threading.active_count())
                 row.update(os_threads=me.num_threads())
+                if own is not None:  # the script's own connection, opened before State.run
+                    own.sendall(b"x")
+                    row.update(own_connection=own.recv(1) == b"x")
                 with open(
                     os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a"
                 ) as f:
@@ -71,6 +76,10 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
+    global own
+    if os.environ.get("ECHO_PORT"):  # a logging or data service of the script's own
+        own = socket.create_connection(("127.0.0.1", int(os.environ["ECHO_PORT"])))
+        own.settimeout(5.0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
     model = model.to(device)
     opt = torch.optim.Adam(model.parameters())
