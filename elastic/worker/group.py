@@ -6,8 +6,8 @@ reconfigures, ``Group`` is the one object that ``State.run`` reconfigures. The a
 through the control block (``pause``: stop at the next step; ``abandon``: the round is
 broken, leave now) and then publishes the next placement; the steps of a re-formation
 are ``leave`` (abort, destroy, forget the control group), ``wait_placement``, ``form``
-(the torchrun variables into ``os.environ``, then ``init_process_group``, so
-``dist.init_process_group()`` with no arguments in a script sees the new round) and the
+(the torchrun variables into ``os.environ``, then ``init_process_group`` over the round's
+store as ``roundstore`` connects it, so that an abandon ends the forming too) and the
 caller's resync; ``reform`` runs them, again while the group breaks under it. When to
 re-form is the agent's decision, never the worker's.
 
@@ -19,7 +19,8 @@ fails every operation pending on the connection (not the writing side too: gloo'
 asynchronous writes ignore EPIPE and leave the operation queued, so an operation posted
 just then would wait for its timeout; measured as a hang in about 1 of 10 abandons).
 NCCL has its own abort (``_abort_process_group``), and its store connection is cut the
-same way.
+same way. Only the group's connections are cut: those that appeared while it formed (the
+script's own first group is seen forming through ``watch_first_group``).
 """
 
 from __future__ import annotations
