@@ -56,22 +56,16 @@ def _reach(cfg: RunConfig) -> str:
 def serve_metrics(cfg: RunConfig, server: MetricsServer) -> int:
     """Start /metrics; returns the port. The default port, if another agent on this
     machine has it, falls back to a free one (logged); an explicit one must be free."""
+    taken = ""
     if cfg.metrics_port is None:
         try:
             port = server.start(cfg.metrics_addr, DEFAULT_METRICS_PORT)
         except MetricsError:
             port = server.start(cfg.metrics_addr, 0)
-            log.info(
-                "metrics on http://%s:%d/metrics (port %d is taken)%s",
-                cfg.metrics_addr,
-                port,
-                DEFAULT_METRICS_PORT,
-                _reach(cfg),
-            )
-            return port
+            taken = f" (port {DEFAULT_METRICS_PORT} is taken)"
     else:
         port = server.start(cfg.metrics_addr, cfg.metrics_port)
-    log.info("metrics on http://%s:%d/metrics%s", cfg.metrics_addr, port, _reach(cfg))
+    log.info("metrics on http://%s:%d/metrics%s%s", cfg.metrics_addr, port, taken, _reach(cfg))
     return port
 
 
@@ -181,8 +175,8 @@ def launch(cfg: RunConfig) -> int:
             restart_mode=cfg.restart_mode,
         )
         job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
-        nodes = str(cfg.min_nodes) if cfg.min_nodes == cfg.max_nodes else f"{cfg.min_nodes}:"
-        nodes += "" if cfg.min_nodes == cfg.max_nodes else str(cfg.max_nodes)
+        mn, mx = cfg.min_nodes, cfg.max_nodes
+        nodes = str(mn) if mn == mx else f"{mn}:{mx}"
         per = "1 worker" if cfg.nproc_per_node == 1 else f"{cfg.nproc_per_node} workers"
         log.info("node %s joining%s (%s node(s), %s per node)", cfg.node_id, job, nodes, per)
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent

@@ -303,8 +303,10 @@ class Agent:
     def _judge_resume(self) -> None:
         """Once the workers say where the round resumed: warn if that trains committed
         steps again (``resumed.redone``), and count them."""
-        restored = self.workers.restored() if self._resuming is not None else None
-        if restored is None or self._resuming is None:
+        if self._resuming is None:
+            return
+        restored = self.workers.restored()
+        if restored is None:
             return
         committed, number = self._resuming
         self._resuming = None

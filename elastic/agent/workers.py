@@ -361,17 +361,8 @@ class WorkerGroup:
         for w in self.workers:
             beat = w.control.heartbeat
             if w.proc.poll() is None and w.control.reports and beat and now - beat > timeout:
-                out.append(
-                    WorkerFailure(
-                        w.placement.rank,
-                        w.local_rank,
-                        w.proc.pid,
-                        -int(SIGKILL),
-                        now,
-                        f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout "
-                        f"{timeout:g}) after step {w.control.step}; {_why_still(w.proc.pid)}",
-                    )
-                )
+                why = f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout {timeout:g})"
+                out.append(_hung(w, now, why))
         return out
 
     def frozen(self) -> list[WorkerFailure]:
@@ -389,9 +380,7 @@ class WorkerGroup:
                 continue
             why = hangs.hung(now, beat, w.control.alive, hangs.allowance(w.beats))
             if why is not None:
-                why += f" after step {w.control.step}; {_why_still(w.proc.pid)}"
-                p = w.placement
-                out.append(WorkerFailure(p.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now, why))
+                out.append(_hung(w, now, why))
         return out
 
     def processes(self) -> list[WorkerProc]:
@@ -440,6 +429,13 @@ def _dup_or_null(fd: int, flags: int) -> int:
         return os.dup(fd)
     except OSError:
         return os.open(os.devnull, flags)
+
+
+def _hung(w: Worker, now: float, why: str) -> WorkerFailure:
+    """A hung worker as the failure its agent reports (it is killed): ``why``, its last
+    step and what its process is doing."""
+    message = f"{why} after step {w.control.step}; {_why_still(w.proc.pid)}"
+    return WorkerFailure(w.placement.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now, message)
 
 
 def _why_still(pid: int) -> str:

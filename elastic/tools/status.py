@@ -19,6 +19,13 @@ from rendezvous.records import JobOutcome
 from rendezvous.rules import MemberState, member_state
 from rendezvous.view import JobView
 
+# flag, its dest, the variable a job's pods have, what it is, whether a job needs it
+JOB_FLAGS = (
+    ("--rdzv-endpoint", "endpoint", "PET_RDZV_ENDPOINT", "the job's etcd, host[:port][,...]", True),
+    ("--rdzv-id", "run_id", "PET_RDZV_ID", "the job's id", True),
+    ("--rdzv-conf", "conf", "PET_RDZV_CONF", "TLS, auth and prefix keys, as for the job", False),
+)
+
 
 def parser() -> argparse.ArgumentParser:
     p = Parser(
@@ -28,28 +35,12 @@ def parser() -> argparse.ArgumentParser:
         "own PET_RDZV_* variables are used.",
         formatter_class=HelpFormatter,
     )
-    env = os.environ
-    p.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        dest="endpoint",
-        default=env.get("PET_RDZV_ENDPOINT", ""),
-        help="the job's etcd, host[:port][,...] (default: $PET_RDZV_ENDPOINT)",
-    )
-    p.add_argument(
-        "--rdzv-id",
-        "--rdzv_id",
-        dest="run_id",
-        default=env.get("PET_RDZV_ID", ""),
-        help="the job's id (default: $PET_RDZV_ID)",
-    )
-    p.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default=env.get("PET_RDZV_CONF", ""),
-        dest="conf",
-        help="TLS, auth and prefix keys, as for the job (default: $PET_RDZV_CONF)",
-    )
+    for flag, dest, var, what, _ in JOB_FLAGS:
+        underscored = "--" + flag[2:].replace("-", "_")
+        default = os.environ.get(var, "")
+        p.add_argument(
+            flag, underscored, dest=dest, default=default, help=f"{what} (default: ${var})"
+        )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -221,9 +212,8 @@ def _unless_joining(s: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> int:
     try:
         a = parser().parse_args(list(argv))
-        for value, flag, var in ((a.endpoint, "--rdzv-endpoint", "PET_RDZV_ENDPOINT"),
-                                 (a.run_id, "--rdzv-id", "PET_RDZV_ID")):  # fmt: skip
-            if not value:
+        for flag, dest, var, _, needed in JOB_FLAGS:
+            if needed and not getattr(a, dest):
                 raise UsageError(f"which job? give {flag}, or set {var} (a job's pods have it)")
         etcd, opts = build_options(a.endpoint, a.run_id, 1, 1, RdzvConf.parse(a.conf))
     except (UsageError, ConfigError) as e:

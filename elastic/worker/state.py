@@ -437,15 +437,14 @@ class State:
         self._core.stats.restore_bytes = nbytes
         progress.restored(took, nbytes)
         self._apply_batch_policy()
+        if step >= 0:
+            self._core.stats.restored_step = step
         ctl = self._core.ctl
         if ctl is not None:
+            if step >= 0:
+                ctl.beat(step)
             ctl.restored(step)  # the agent says if that is older than what its node committed
-        if step < 0:
-            return False
-        self._core.stats.restored_step = step
-        if ctl is not None:
-            ctl.beat(step)
-        return True
+        return step >= 0
 
     def _restore_snapshot(self, mine: Candidate | None = None) -> tuple[int, int]:
         """(step restored or -1, bytes loaded). ``mine``: what this rank offers (default:
