@@ -1,9 +1,12 @@
 """The benchmarks' training script: a small gloo DDP loop logging every step.
 
-Each worker appends ``{"t", "step", "rank", "world"}`` lines to ``$RESULT_DIR/w<pid>.jsonl``.
-Plain (the default), it never resumes from a checkpoint: the benchmarks time recovery, not
-training. With ``--live`` it runs the loop in ``elastic.State.run``, so under elastic-run
-its workers keep their processes through membership changes.
+Each worker appends ``{"t", "step", "rank", "world", "pid"}`` lines to
+``$RESULT_DIR/w<pid>.jsonl``. Plain (the default), it never resumes from a checkpoint: the
+benchmarks time recovery, not training, and ``step`` counts this process's steps. With
+``--live`` it runs the loop in ``elastic.State.run``, so under elastic-run its workers keep
+their processes through membership changes (or, with ``--restart-mode respawn``, new ones
+resume from the snapshots), and ``step`` is the job's committed step it trains: a step
+logged twice was trained again.
 
     python benchmarks/ddp_steps.py [step seconds] [--live]
 """
@@ -26,12 +29,16 @@ STEPS = 10**9
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], pause: float) -> None:
     ddp = DDP(model)  # on the process group of this round
     rank, world = dist.get_rank(), dist.get_world_size()
+    pid = os.getpid()
     for step in range(STEPS):
         loss = ddp(torch.randn(16, 32)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        out.write(json.dumps({"t": time.time(), "step": step, "rank": rank, "world": world}))
+        if state is not None:
+            step = state.step + 1  # the job's step, once committed
+        row = {"t": time.time(), "step": step, "rank": rank, "world": world, "pid": pid}
+        out.write(json.dumps(row))
         out.write("\n")
         out.flush()
         if state is not None:

@@ -82,6 +82,7 @@ class ControlGroup:
     def __init__(self) -> None:
         self._group: Any = None
         self._for: Any = None  # the default group it was made for
+        self._generation = 0  # counts the groups made
 
     def group(self) -> Any:
         d = dist()
@@ -92,7 +93,15 @@ class ControlGroup:
             gloo = d.get_backend() == "gloo"
             self._group = world_group if gloo else d.new_group(backend="gloo")
             self._for = world_group
+            self._generation += 1
         return self._group
+
+    @property
+    def generation(self) -> int:
+        """Changes with the group (a new default group after a re-formation): what
+        ``agreement.Agreement`` starts its schedule over on."""
+        self.group()
+        return self._generation
 
     def forget(self) -> None:
         """Drop the group (a re-formation): holding it would keep the old process group,

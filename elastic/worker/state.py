@@ -10,8 +10,8 @@
             state.commit()           # one optimizer step done
 
 ``commit()`` counts the step, advances the ElasticSampler, reports progress to the agent,
-and (the ranks agreeing through one tiny all-reduce) snapshots by policy or stops to let
-the job resize.
+and (the ranks agreeing every few steps through one tiny all-reduce, ``agreement``)
+snapshots by policy or stops to let the job resize.
 
 To keep the process through membership changes, put the training in a function (build
 DDP inside it: DDP holds the process group) and hand it to ``run``:
@@ -43,6 +43,7 @@ from elastic import contract
 from elastic.contract import NODE_DIR_ENV, ControlBlock, SnapshotPolicy
 from elastic.stored import SnapshotError
 from elastic.worker import alive, comm, group, progress, rng, sharded, snapshot
+from elastic.worker.agreement import Agreement
 from elastic.worker.cadence import Cadence
 from elastic.worker.group import Group, Reformation
 from elastic.worker.restore import (
@@ -82,11 +83,13 @@ class _Core:
     node_dir: str | None
     sharded: bool
     snapshotter: Snapshotter
+    agreement: Agreement = field(default_factory=Agreement)
+    due: bool = False  # a snapshot fell due since the ranks last agreed
     stop_seen: int = 0  # the control block's stop generation already answered
     hooks: list[Any] = field(default_factory=list)
     last_commit: float | None = None  # the cadence's clock at the end of commit()
     disturbed: bool = False  # a snapshot ran into the step now in progress
-    logged_interval: int = 0
+    logged: tuple[int, int] | None = None  # (interval, gap) last logged
     stepped: bool = False  # an optimizer stepped since the last commit()
     group: Group | None = None  # while run() keeps this process through changes
     restored: bool = False
@@ -224,12 +227,23 @@ class State:
         now = cadence.clock()
         if core.last_commit is not None:
             cadence.observe(now - core.last_commit, core.disturbed)
+        core.due = core.due or cadence.due(step)
+        agreement = core.agreement
+        if not agreement.due(step, core.comm.generation):
+            core.disturbed = core.snapshotter.copying
+            core.last_commit = cadence.clock()
+            return
         g = core.group
         asked = g is not None and g.pause_asked
-        stop, due, interval, pause = core.comm.all_reduce(
-            [core.stopping(), cadence.due(step), cadence.proposal, asked], "MAX"
+        gap = agreement.proposal(cadence.step_s)
+        began = cadence.clock()
+        stop, due, interval, pause, least = core.comm.all_reduce(
+            [core.stopping(), core.due, cadence.proposal, asked, -gap], "MAX"
         )
-        if cadence.agree(interval):
+        agreement.timed(cadence.clock() - began)
+        core.due = False
+        moved = agreement.agreed(step, -least)  # MAX of the negated: the least gap
+        if cadence.agree(interval) or moved:
             self._tell_cadence()
         # the ranks stop together; a live one that was not asked to leave pauses instead
         leave = bool(stop or pause) if g is None else bool(stop) and core.stopping()
@@ -243,19 +257,23 @@ class State:
         core.last_commit = cadence.clock()
 
     def _tell_cadence(self) -> None:
-        """The ranks agreed on a new interval: logged (rank 0) and exported, with the
-        steps a crash can cost."""
+        """The ranks agreed on a new interval or gap: logged (rank 0) and exported, with
+        the steps a crash can cost (a due snapshot waits for the next agreement)."""
         core = self._core
-        cadence = core.cadence
-        risk = cadence.at_risk
+        cadence, gap = core.cadence, core.agreement.gap
+        risk = cadence.at_risk + gap - 1 if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
-        logged = core.logged_interval
-        if comm.rank() != 0 or (logged and logged / 2 < cadence.interval < logged * 2):
+        logged = core.logged
+        if comm.rank() != 0 or (logged and all(a / 2 < b < a * 2 for a, b in zip(
+            logged, (cadence.interval, gap), strict=True
+        ))):  # fmt: skip
             return  # the log shows the first choice and moves of 2x; the metrics all
-        core.logged_interval = cadence.interval
+        core.logged = (cadence.interval, gap)
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
         if cadence.choice and cadence.choice.interval != cadence.interval:
             why += f" here; another rank's figures asked for every {cadence.interval}"
+        if gap > 1:
+            why += f"; the ranks agree every {gap} steps: {core.agreement.choice.reason}"
         log.info(
             "snapshot every %d step(s), at most %d step(s) lost to a crash: %s",
             cadence.interval,

@@ -1,0 +1,297 @@
+"""Each fault the runner promises to absorb, timed: to the first step at the new size.
+
+"Nodes" (an elastic-run agent and its one worker, each a process tree) on this machine
+train ``ddp_steps.py --live`` (the loop in ``State.run``, ``commit()`` every step, the
+job's step counter logged) on one etcd. For each fault, under ``--restart-mode live``
+and ``respawn``, printed: the seconds from the fault to the first step at the new size
+(for the frozen worker: to the first step of its replacement; for a join: the
+survivors' pause; for Ctrl-C: to the agent's exit; for etcd frozen: the longest pause
+of training), the committed steps trained again (the step in flight, whose commit the
+fault cut short, is counted: at most 1 is the promise), and the restarts charged to the
+job's budget, with the nodes whose own failure they were.
+
+    kill          SIGKILL of node c (agent and worker), a and b train on
+    kill forming  c joins; as the round of three forms, a (rank 0, the store host) is
+                  SIGKILLed
+    two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
+    kill resized  c joins; two steps at three, then a is SIGKILLed
+    hung worker   c's worker SIGSTOPped, its agent alive: found by the learned bound
+    join          c joins a and b
+    Ctrl-C        SIGINT to the agent of a one-node job
+    etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
+
+    python benchmarks/faults.py [--repeat 1] [--only kill,join] [--modes live,respawn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._nodes import Node, first_step, steps
+from elastic.agent.etcd_server import EtcdServer
+
+SCRIPT = str(Path(__file__).resolve().parent / "ddp_steps.py")
+TTL = 3
+CONF = f"lease_ttl={TTL},last_call_timeout=1"
+STEP_S = "0.02"  # the script's pause between steps: ~25 ms steps
+TIMEOUT = 90.0
+
+
+@dataclass
+class Outcome:
+    seconds: float | None  # None: not within TIMEOUT
+    redone: int
+    charged: str  # "0", or "1 (c)"
+
+
+class Job:
+    """Nodes named a, b, c... of one job, their logs and their steps."""
+
+    def __init__(self, etcd: str, work: Path, mode: str, nnodes: str = "1:3") -> None:
+        self.etcd, self.work, self.mode, self.nnodes = etcd, work, mode, nnodes
+        self.results = work / "steps"
+        self.results.mkdir(parents=True)
+        self.nodes: dict[str, Node] = {}
+
+    def start(self, name: str) -> Node:
+        cmd = [sys.executable, "-m", "elastic", "--nnodes", self.nnodes, "--nproc-per-node",
+               "1", "--rdzv-endpoint", self.etcd, "--rdzv-id", self.work.name, "--rdzv-conf",
+               CONF, "--node-id", name, "--local-addr", "127.0.0.1", "--restart-mode",
+               self.mode, SCRIPT, STEP_S, "--live"]  # fmt: skip
+        node = Node(cmd, {"RESULT_DIR": str(self.results)}, self.work / f"{name}.log")
+        self.nodes[name] = node
+        return node
+
+    def log(self, name: str) -> str:
+        return (self.work / f"{name}.log").read_text(errors="replace")
+
+    def wait_log(self, name: str, text: str, timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log(name):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} never logged {text!r}; see {self.work}")
+            time.sleep(0.02)
+
+    def training(self, world: int, after: float = 0.0) -> float:
+        t = first_step(self.results, world, after, TIMEOUT)
+        if t is None:
+            raise RuntimeError(f"the job never trained at world size {world}; see {self.work}")
+        return t
+
+    def steps_at(self, world: int, after: float, count: int) -> None:
+        """Wait until ``count`` steps were trained at ``world`` after ``after``."""
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            at = {s["step"] for s in steps(self.results) if s["world"] == world and s["t"] > after}
+            if len(at) >= count:
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"no {count} steps at world size {world}; see {self.work}")
+
+    def worker(self, name: str) -> psutil.Process:
+        return next(p for p in self.nodes[name].tree()[1:] if "ddp_steps" in " ".join(p.cmdline()))
+
+    def outcome(self, fault: float, seconds: float | None) -> Outcome:
+        rows = steps(self.results)
+        before = [s["step"] for s in rows if s["t"] <= fault]
+        after = [s["step"] for s in rows if s["t"] > fault + (seconds or 0)]
+        redone = max(0, max(before) - (after[0] - 1)) if before and after else 0
+        restarts = 0
+        charged: set[str] = set()
+        for name in self.nodes:
+            text = self.log(name)
+            for n in re.findall(r"restart (\d+) after a worker failure", text):
+                restarts = max(restarts, int(n))
+            if "workers failed: " in text:  # its own failure, reported
+                charged.add(name)
+        who = f" ({','.join(sorted(charged))})" if charged else ""
+        return Outcome(seconds, redone, f"{restarts}{who}")
+
+    def stop(self) -> None:
+        for n in self.nodes.values():
+            n.stop()
+
+
+def three(job: Job) -> None:
+    for name in "abc":
+        job.start(name)
+        time.sleep(0.3)  # a registers first: it leads and hosts the first round's store
+    job.steps_at(3, job.training(3), 5)
+
+
+def two(job: Job) -> None:
+    for name in "ab":
+        job.start(name)
+        time.sleep(0.3)
+    job.steps_at(2, job.training(2), 5)
+
+
+def kill(job: Job) -> Outcome:
+    three(job)
+    at = time.time()
+    job.nodes["c"].kill()
+    return job.outcome(at, _since(job, 2, at))
+
+
+def kill_forming(job: Job) -> Outcome:
+    two(job)
+    job.start("c")
+    job.wait_log("b", "joined c")
+    at = time.time()
+    job.nodes["a"].kill()
+    return job.outcome(at, _since(job, 2, at))
+
+
+def two_kills(job: Job) -> Outcome:
+    three(job)
+    at = time.time()
+    job.nodes["c"].kill()
+    time.sleep(0.45)
+    job.nodes["a"].kill()
+    return job.outcome(at, _since(job, 1, at + 0.45))
+
+
+def kill_resized(job: Job) -> Outcome:
+    two(job)
+    job.start("c")
+    job.steps_at(3, job.training(3), 2)
+    at = time.time()
+    job.nodes["a"].kill()
+    return job.outcome(at, _since(job, 2, at))
+
+
+def hung_worker(job: Job) -> Outcome:
+    three(job)
+    worker = job.worker("c")
+    at = time.time()
+    worker.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        new = [s for s in steps(job.results) if s["t"] > at and s["pid"] != worker.pid]
+        fresh = [s for s in new if s["rank"] == 2 or s["world"] == 2]
+        if fresh:
+            return job.outcome(at, fresh[0]["t"] - at)
+        time.sleep(0.05)
+    return job.outcome(at, None)
+
+
+def join(job: Job) -> Outcome:
+    two(job)
+    at = time.time()
+    job.start("c")
+    resumed = first_step(job.results, 3, at, TIMEOUT)
+    if resumed is None:
+        return job.outcome(at, None)
+    last = max(s["t"] for s in steps(job.results) if s["world"] == 2 and s["t"] < resumed)
+    return job.outcome(last, resumed - last)
+
+
+def ctrl_c(job: Job) -> Outcome:
+    job.nnodes = "1"
+    node = job.start("a")
+    job.steps_at(1, job.training(1), 5)
+    at = time.time()
+    node.proc.send_signal(signal.SIGINT)
+    try:
+        node.proc.wait(TIMEOUT)
+    except Exception:
+        return Outcome(None, 0, "-")
+    return Outcome(time.time() - at, 0, "-")
+
+
+def etcd_frozen(job: Job, etcd: EtcdServer) -> Outcome:
+    three(job)
+    pids = {s["pid"] for s in steps(job.results)}
+    assert etcd.proc is not None
+    server = psutil.Process(etcd.proc.pid)
+    at = time.time()
+    server.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(2 * TTL + 1)
+    finally:
+        server.send_signal(signal.SIGCONT)
+    job.steps_at(3, time.time(), 10)
+    rows = [s for s in steps(job.results) if s["t"] > at - 1 and s["rank"] == 0]
+    pause = max(b["t"] - a["t"] for a, b in itertools.pairwise(rows))
+    out = job.outcome(at, None)
+    new = {s["pid"] for s in steps(job.results)} - pids
+    out.seconds = pause
+    out.charged += f", {len(new)} new worker(s)" if new else ""
+    return out
+
+
+def _since(job: Job, world: int, at: float) -> float | None:
+    t = first_step(job.results, world, at, TIMEOUT)
+    return None if t is None else t - at
+
+
+FAULTS: dict[str, Callable[..., Outcome]] = {
+    "kill": kill,
+    "kill forming": kill_forming,
+    "two kills": two_kills,
+    "kill resized": kill_resized,
+    "hung worker": hung_worker,
+    "join": join,
+    "Ctrl-C": ctrl_c,
+    "etcd frozen": etcd_frozen,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--only", default=",".join(FAULTS), help="faults, comma-separated")
+    ap.add_argument("--modes", default="live,respawn")
+    a = ap.parse_args()
+    faults = [f.strip() for f in a.only.split(",")]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
+    modes = a.modes.split(",")
+    base = Path(tempfile.mkdtemp(prefix="elastic-run-faults-"))
+    results: dict[tuple[str, str], list[Outcome]] = {}
+    for i in range(a.repeat):
+        for fault in faults:
+            for mode in modes:
+                with EtcdServer(name="faults") as etcd:
+                    slug = fault.replace(" ", "-").replace("Ctrl-C", "ctrl-c")
+                    job = Job(etcd.endpoint, base / f"{slug}-{mode}-{i}", mode)
+                    try:
+                        run = FAULTS[fault]
+                        out = run(job, etcd) if run is etcd_frozen else run(job)
+                    except RuntimeError as e:
+                        print(f"{fault} ({mode}): {e}", flush=True)
+                        out = Outcome(None, 0, "?")
+                    finally:
+                        job.stop()
+                results.setdefault((fault, mode), []).append(out)
+                s = f"{out.seconds:.2f}s" if out.seconds is not None else f">{TIMEOUT:.0f}s"
+                print(f"run {i + 1} {fault} ({mode}): {s}, redone {out.redone}, "
+                      f"charged {out.charged}", flush=True)  # fmt: skip
+    print(f"\n{'fault':<14}{'mode':<9}{'median':>9}   {'redone':>6}   charged   runs (s)")
+    for (fault, mode), outs in results.items():
+        secs = [o.seconds if o.seconds is not None else TIMEOUT for o in outs]
+        runs = " ".join(f"{x:.2f}" for x in secs)
+        print(
+            f"{fault:<14}{mode:<9}{statistics.median(secs):>8.2f}s   "
+            f"{max(o.redone for o in outs):>6}   {outs[-1].charged:<9} {runs}"
+        )
+    print(f"(logs under {base})")
+
+
+if __name__ == "__main__":
+    main()

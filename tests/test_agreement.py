@@ -1,0 +1,111 @@
+"""When the ranks of a State agree (elastic/worker/agreement.py): the rule on synthetic
+figures, and two real ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT
+
+from elastic.worker.agreement import LATENCY, LIMIT, SHARE, Agreement, choose
+from rendezvous.net import free_port
+
+
+@pytest.mark.parametrize(
+    ("step_s", "cost_s", "gap"),
+    [
+        (None, 0.001, 1),  # the step not measured yet
+        (0.002, None, 1),  # no agreement timed yet
+        (0.100, 0.001, 1),  # 1% of a long step: every step
+        (0.002, 0.001, 25),  # 1 ms beside 2 ms: 2% of step time every 25 steps
+        (0.010, 0.001, 5),  # 1 ms beside 10 ms: every 5
+        (0.004, 0.004, 12),  # wants 50, but 12 steps are 48 ms: the latency bound
+        (0.0001, 0.001, LIMIT),  # wants 500, the bound says 500: the limit
+        (0.2, 0.5, 1),  # a step longer than the latency bound: every step, whatever it costs
+    ],
+)
+def test_the_smallest_gap_within_the_share_and_the_latency_bound(
+    step_s: float | None, cost_s: float | None, gap: int
+) -> None:
+    assert choose(step_s, cost_s).steps == gap
+
+
+def test_the_gap_keeps_agreements_within_their_share() -> None:
+    for step_ms in (0.5, 1, 2, 3, 7, 20):
+        for cost_ms in (0.05, 0.3, 1, 2.5):
+            step, cost = step_ms / 1e3, cost_ms / 1e3
+            g = choose(step, cost).steps
+            assert g * step <= LATENCY + 1e-12 or g == 1
+            if g < min(LIMIT, int(LATENCY / step)):  # not cut by a bound: within the share
+                assert cost / (g * step) <= SHARE + 1e-12
+                assert g == 1 or cost / ((g - 1) * step) > SHARE  # and the smallest such
+
+
+def test_the_reason_names_the_figures_and_the_bound() -> None:
+    assert "2.0% of step time every 25 step(s)" in choose(0.002, 0.001).reason
+    assert "at most 50 ms of steps" in choose(0.004, 0.004).reason
+
+
+def test_agreements_come_every_agreed_gap_and_start_over_on_a_new_group() -> None:
+    a = Agreement()
+    assert a.due(1, group=1)  # the first commit on a group: always
+    assert not a.agreed(1, 1)
+    assert a.due(2, group=1)
+    assert a.agreed(2, 4)  # the gap moved
+    assert [s for s in range(3, 12) if a.due(s, group=1)] == [6, 7, 8, 9, 10, 11]
+    a.agreed(6, 4)
+    assert [s for s in range(7, 15) if a.due(s, group=1)] == [10, 11, 12, 13, 14]
+    # a re-formation: the new group's ranks (a newcomer among them) agree at once, at 1
+    assert a.due(7, group=2)
+    assert a.gap == 1
+    assert a.agreed(7, 3) and a.gap == 3
+
+
+def test_a_gap_below_one_is_one() -> None:
+    a = Agreement()
+    a.due(5, group=1)
+    a.agreed(5, 0)
+    assert a.gap == 1 and a.due(6, group=1)
+
+
+def test_the_proposal_uses_the_median_agreement_cost() -> None:
+    a = Agreement()
+    assert a.proposal(0.002) == 1  # nothing timed
+    for seconds in (0.001, 0.001, 0.5, 0.001, 0.001):  # one stray slow agreement
+        a.timed(seconds)
+    assert a.proposal(0.002) == 25
+    assert a.proposal(None) == 1
+
+
+def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
+    """Real ranks (two processes, gloo) committing steps that take no time: they agree
+    every LIMIT steps, not every step, and a stop asked of one rank only (at step 1500)
+    stops both at the same step, at most a gap later."""
+    port = free_port()
+    script = str(ROOT / "tests" / "scripts" / "commit_pair.py")
+
+    def env(rank: int) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+    procs = [
+        subprocess.Popen([sys.executable, script], env=env(r), stdout=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=60)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    # "rank R stopped S gap G agreements N", the same on both ranks but for R
+    assert all(o[2:] == outs[0][2:] and len(o) == 8 for o in outs), outs
+    stopped, gap, agreements = (int(outs[0][i]) for i in (3, 5, 7))
+    assert gap == LIMIT, outs
+    assert 1500 <= stopped < 1500 + gap, outs
+    assert agreements < stopped / 20, outs
