@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 from harness import ROOT, wait_until
 
-from elastic.agent.hangs import FLOOR, LEARN, allowance, hung
+from elastic.agent.hangs import FLOOR, LEARN, START, Allowance, allowance, hung
 from elastic.contract import ControlBlock
 
 
 def test_the_allowance_is_learned_from_the_recent_steps() -> None:
-    assert allowance([0.5] * (LEARN - 1)) is None  # start-up: too few steps to judge
-    assert allowance([0.5, 0.5, 2.0]) == pytest.approx(3 * 2.0 + 1)  # the longest counts
-    assert allowance([0.01] * 10) == FLOOR  # tiny steps: never below the floor
-    assert allowance([30.0] + [0.5] * 16) == pytest.approx(3 * 0.5 + 1)  # only recent ones
+    assert allowance([0.5] * (LEARN - 1)).seconds == START  # start-up: too few to learn from
+    assert allowance([]).seconds == START
+    assert allowance([0.5, 0.5, 2.0]).seconds == pytest.approx(3 * 2.0 + 1)  # the longest counts
+    assert allowance([0.01] * 10).seconds == FLOOR  # tiny steps: never below the floor
+    assert allowance([30.0] + [0.5] * 16).seconds == pytest.approx(3 * 0.5 + 1)  # recent ones
+    assert "3x its recent step time + 1s" in allowance([0.5] * 3).why
+    assert "only 2 step(s) timed yet" in allowance([0.5] * 2).why
 
 
 @pytest.mark.parametrize(
@@ -29,19 +32,23 @@ def test_the_allowance_is_learned_from_the_recent_steps() -> None:
         (10.0, 10.0, 4.0, True),  # frozen: silent, and no sign of life
         (10.0, 0.1, 4.0, False),  # blocked in a collective, waiting for a frozen peer
         (3.0, 3.0, 4.0, False),  # within the allowance
-        (10.0, 10.0, None, False),  # too few steps seen to judge
+        (10.0, 10.0, START, False),  # too few steps seen to learn from: START allowed
+        (START + 1, START + 1, START, True),  # frozen in its first steps: found after START
         (10.0, None, 4.0, False),  # no sign of life given at all: another script
     ],
 )
 def test_who_is_hung(
-    progress_ago: float, alive_ago: float | None, allowed: float | None, blamed: bool
+    progress_ago: float, alive_ago: float | None, allowed: float, blamed: bool
 ) -> None:
-    now = 1000.0
+    now = 10000.0
     alive_at = 0.0 if alive_ago is None else now - alive_ago
-    why = hung(now, now - progress_ago, alive_at, allowed)
+    why = hung(now, now - progress_ago, alive_at, Allowance(allowed, "why"))
     assert (why is not None) is blamed
     if why:
-        assert why.startswith("hung: no progress for 10.0s and no sign of life for 10.0s")
+        assert why == (
+            f"hung: no progress for {progress_ago:.1f}s and no sign of life for "
+            f"{alive_ago:.1f}s (allowed {allowed:.1f}s: why)"
+        )
 
 
 def test_a_worker_ticks_until_it_is_done_with_state(tmp_path: Path) -> None:

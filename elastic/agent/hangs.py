@@ -1,8 +1,10 @@
 """When a silent worker is hung: learned from the run itself, without a flag.
 
 As NVIDIA Resiliency Extension learns its timeouts, the allowance is a multiple of the
-recent step times (3x the longest of the last 16, plus 1 s), judged only once a few steps
-were seen (start-up, compilation and the first steps take what they take). A worker is
+recent step times (3x the longest of the last 16, plus 1 s), learned once a few steps
+were seen; until then (start-up, compilation and the first steps take what they take)
+a worker that reported progress once gets a generous ``START`` (10 minutes, NCCL's own
+default timeout), so one frozen in its first steps is still found. A worker is
 hung when it has made no progress for longer than that *and* its process gave no sign
 of life for as long (``elastic.worker.alive``): a rank blocked in a collective, waiting
 for a frozen peer, keeps its sign of life and is not blamed. ``--worker-hang-timeout``
@@ -12,31 +14,44 @@ overrides all of it with a fixed time for any script that reports progress.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 FACTOR = 3.0  # the allowance: FACTOR x the longest recent step ...
 MARGIN = 1.0  # ... plus MARGIN seconds
 FLOOR = 2.0  # and never less than FLOOR seconds
-LEARN = 3  # step intervals seen before any judgement
+LEARN = 3  # step intervals seen before the allowance is learned
+START = 600.0  # the allowance until then
 KEEP = 16  # the recent intervals that count
 
 
-def allowance(intervals: Sequence[float]) -> float | None:
-    """Seconds of silence allowed after these intervals between progress reports (oldest
-    first); None while too few were seen to judge."""
+@dataclass(frozen=True)
+class Allowance:
+    """Seconds of silence allowed, and where the figure comes from (for the report)."""
+
+    seconds: float
+    why: str
+
+
+def allowance(intervals: Sequence[float]) -> Allowance:
+    """The silence allowed after these intervals between progress reports (oldest first):
+    ``START`` while too few were seen to learn from."""
     if len(intervals) < LEARN:
-        return None
-    return max(FACTOR * max(intervals[-KEEP:]) + MARGIN, FLOOR)
+        return Allowance(START, f"only {len(intervals)} step(s) timed yet, {LEARN} to learn from")
+    seconds = FACTOR * max(intervals[-KEEP:]) + MARGIN
+    if seconds < FLOOR:
+        return Allowance(FLOOR, "the floor, above its recent step times")
+    return Allowance(seconds, f"{FACTOR:g}x its recent step time + {MARGIN:g}s")
 
 
-def hung(now: float, progress_at: float, alive_at: float, allowed: float | None) -> str | None:
+def hung(now: float, progress_at: float, alive_at: float, allowed: Allowance) -> str | None:
     """Why a worker silent since ``progress_at`` (alive at ``alive_at``, 0: it gives no
     sign of life) is hung at ``now``; None if it is not, or cannot be told."""
-    if allowed is None or not progress_at or not alive_at:
+    if not progress_at or not alive_at:
         return None
     silent, still = now - progress_at, now - alive_at
-    if silent <= allowed or still <= allowed:
+    if silent <= allowed.seconds or still <= allowed.seconds:
         return None
     return (
         f"hung: no progress for {silent:.1f}s and no sign of life for {still:.1f}s "
-        f"(allowed {allowed:.1f}s: {FACTOR:g}x its recent step time + {MARGIN:g}s)"
+        f"(allowed {allowed.seconds:.1f}s: {allowed.why})"
     )
