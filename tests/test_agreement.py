@@ -3,13 +3,19 @@ figures, and two real ranks."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from harness import ROOT
 
+from elastic import State
+from elastic.contract import NODE_DIR_ENV, SnapshotPolicy
+from elastic.worker import comm
 from elastic.worker.agreement import LATENCY, LIMIT, SHARE, Agreement, choose
 from rendezvous.net import free_port
 
@@ -71,13 +77,15 @@ def test_a_gap_below_one_is_one() -> None:
     assert a.gap == 1 and a.due(6, group=1)
 
 
-def test_the_proposal_uses_the_median_agreement_cost() -> None:
+def test_the_proposal_uses_the_median_step_and_agreement_times() -> None:
     a = Agreement()
-    assert a.proposal(0.002) == 1  # nothing timed
+    assert a.proposal() == 1  # nothing timed
     for seconds in (0.001, 0.001, 0.5, 0.001, 0.001):  # one stray slow agreement
         a.timed(seconds)
-    assert a.proposal(0.002) == 25
-    assert a.proposal(None) == 1
+    assert a.proposal() == 1  # no step timed
+    for seconds in (0.002, 0.002, 3.0, 0.002):  # and one stray slow step
+        a.stepped(seconds)
+    assert a.proposal() == 25
 
 
 def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
@@ -109,3 +117,44 @@ def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
     assert gap == LIMIT, outs
     assert 1500 <= stopped < 1500 + gap, outs
     assert agreements < stopped / 20, outs
+
+
+def test_a_snapshot_due_between_agreements_is_taken_at_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real State (one rank) with ``--snapshot-every 3``, timed by an injected clock:
+    10 ms steps, 5 ms agreements, so the ranks agree every 5 steps (the latency bound).
+    Each snapshot due at a multiple of 3 is taken at the next agreement, none is skipped,
+    and the steps at risk count the wait."""
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = State(snapshot_policy=SnapshotPolicy(every=3), model=model, optimizer=opt)
+    now = [0.0]
+    state._core.cadence.clock = lambda: now[0]
+    control = comm.control()
+    real = control.all_reduce
+
+    def agree(values: list[int], op: str) -> list[int]:
+        now[0] += 0.005
+        agreements.append(state.step)
+        return real(values, op)
+
+    agreements: list[int] = []
+    monkeypatch.setattr(control, "all_reduce", agree)
+    snapshots = []
+    for _ in range(60):
+        now[0] += 0.010
+        opt.step()
+        state.commit()
+        if state._core.cadence.last == state.step:
+            snapshots.append(state.step)
+    state.flush()
+    state.close()
+    assert state._core.agreement.gap == 5
+    tail = [s for s in agreements if s > 20]
+    assert all(b - a == 5 for a, b in itertools.pairwise(tail)), agreements
+    assert set(snapshots) <= set(agreements)  # only when the ranks agree
+    # every multiple of 3 is covered by the first agreement at or after it
+    assert all(any(0 <= t - m < 5 for t in snapshots) for m in range(3, 56, 3)), snapshots
+    assert state._core.cadence.at_risk + 5 - 1 == 7

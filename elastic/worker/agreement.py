@@ -23,7 +23,7 @@ from dataclasses import dataclass
 SHARE = 0.02  # of step time the agreements may cost
 LATENCY = 0.05  # seconds of steps a stop, pause or due snapshot may wait, at most
 LIMIT = 100  # the longest gap, whatever the figures say
-COSTS_KEPT = 9  # agreements timed: their median is an agreement's cost
+KEPT = 9  # steps and agreements timed: their medians are a step's and an agreement's cost
 
 
 @dataclass(frozen=True)
@@ -56,25 +56,32 @@ def choose(step_s: float | None, cost_s: float | None) -> Gap:
 class Agreement:
     """The steps at which the ranks agree. ``due(step, group)`` says whether this is one
     (always the first step on a new ``group``: the ranks' schedules start together);
-    ``timed`` feeds an agreement's cost; ``agreed`` takes the gap the ranks reduced."""
+    ``stepped`` and ``timed`` feed a step's and an agreement's time (its own: a fixed
+    snapshot interval measures no steps); ``agreed`` takes the gap the ranks reduced."""
 
     def __init__(self) -> None:
         self.gap = 1
         self.choice = choose(None, None)
         self._next: int | None = None  # None: at the next commit
         self._group: int | None = None  # the control group generation agreed in
-        self._costs: deque[float] = deque(maxlen=COSTS_KEPT)
+        self._steps: deque[float] = deque(maxlen=KEPT)
+        self._costs: deque[float] = deque(maxlen=KEPT)
 
     def due(self, step: int, group: int) -> bool:
         if group != self._group:
             self._group, self._next, self.gap = group, None, 1
         return self._next is None or step >= self._next
 
+    def stepped(self, seconds: float) -> None:
+        """A step took ``seconds``, commit to commit, agreement and snapshot left out."""
+        self._steps.append(seconds)
+
     def timed(self, seconds: float) -> None:
         self._costs.append(seconds)
 
-    def proposal(self, step_s: float | None) -> int:
+    def proposal(self) -> int:
         """This rank's gap, from its figures."""
+        step_s = statistics.median(self._steps) if self._steps else None
         cost_s = statistics.median(self._costs) if self._costs else None
         self.choice = choose(step_s, cost_s)
         return self.choice.steps

@@ -225,17 +225,18 @@ class State:
         progress.report(step, loss, (after - before) // max(comm.world(), 1))
         cadence = core.cadence
         now = cadence.clock()
+        agreement = core.agreement
         if core.last_commit is not None:
             cadence.observe(now - core.last_commit, core.disturbed)
+            agreement.stepped(now - core.last_commit)
         core.due = core.due or cadence.due(step)
-        agreement = core.agreement
         if not agreement.due(step, core.comm.generation):
             core.disturbed = core.snapshotter.copying
             core.last_commit = cadence.clock()
             return
         g = core.group
         asked = g is not None and g.pause_asked
-        gap = agreement.proposal(cadence.step_s)
+        gap = agreement.proposal()
         began = cadence.clock()
         stop, due, interval, pause, least = core.comm.all_reduce(
             [core.stopping(), core.due, cadence.proposal, asked, -gap], "MAX"
@@ -263,12 +264,13 @@ class State:
         cadence, gap = core.cadence, core.agreement.gap
         risk = cadence.at_risk + gap - 1 if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
-        logged = core.logged
-        if comm.rank() != 0 or (logged and all(a / 2 < b < a * 2 for a, b in zip(
-            logged, (cadence.interval, gap), strict=True
-        ))):  # fmt: skip
+        figures, logged = (cadence.interval, gap), core.logged
+        near = logged is not None and all(
+            a / 2 < b < a * 2 for a, b in zip(logged, figures, strict=True)
+        )
+        if comm.rank() != 0 or near:
             return  # the log shows the first choice and moves of 2x; the metrics all
-        core.logged = (cadence.interval, gap)
+        core.logged = figures
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
         if cadence.choice and cadence.choice.interval != cadence.interval:
             why += f" here; another rank's figures asked for every {cadence.interval}"
