@@ -10,6 +10,7 @@ is fixed, so the data order does not depend on the world size).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -23,6 +24,7 @@ import pytest
 import torch
 from agents import TTL, start_agent, wait_world, worker_pids
 from agents import steps as rows
+from etcd_servers import EtcdCluster
 from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
@@ -35,10 +37,16 @@ SAMPLES, EPOCHS, GLOBAL = 240, 3, 24
 def start(
     procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, node: str, *args: str
 ) -> Proc:
+    return start_on(procs, etcd.endpoint, run_id, out, node, *args)
+
+
+def start_on(
+    procs: list[Proc], endpoint: str, run_id: str, out: Path, node: str, *args: str
+) -> Proc:
     out.mkdir(exist_ok=True)
     return start_agent(
         procs,
-        etcd.endpoint,
+        endpoint,
         run_id,
         node,
         SCRIPT,
@@ -136,27 +144,38 @@ def test_sigstop_of_a_node(
     check_run(tmp_path, changes=1)
 
 
-def test_etcd_frozen_past_the_lease_ttl_restarts_no_one(
-    run_id: str, procs: list[Proc], tmp_path: Path
+@pytest.mark.parametrize("outage", ["frozen", "quorum-lost"])
+def test_etcd_away_past_the_lease_ttl_restarts_no_one(
+    run_id: str, procs: list[Proc], tmp_path: Path, outage: str
 ) -> None:
-    """etcd SIGSTOPped for more than twice the lease TTL: training goes on meanwhile;
-    when etcd is back it drops every node's lease, but no round formed without them, so
-    each node joins again with its workers held and they re-form in place."""
-    with EtcdServer(name="frozen") as etcd:
-        assert etcd.proc is not None
-        slow = ("--step-time", "0.3")  # training outlasts the freeze
-        agents = [start(procs, etcd, run_id, tmp_path, n, *slow) for n in "ab"]
+    """etcd SIGSTOPped, or two of a three-member cluster (quorum lost: the leader left
+    alone revokes the leases once quorum is back), for more than twice the lease TTL:
+    training goes on meanwhile; when etcd answers again the nodes' leases are gone (or
+    not, if a new leader renewed them), but no round formed without them, so each node
+    joins again with its workers held and they re-form in place: no worker restarted."""
+    with contextlib.ExitStack() as stack:
+        if outage == "frozen":
+            server = stack.enter_context(EtcdServer(name="frozen"))
+            endpoint, members = server.endpoint, [server]
+        else:
+            cluster = stack.enter_context(EtcdCluster(3))
+            endpoint, members = cluster.endpoints, cluster.members[1:]
+        slow = ("--step-time", "0.3")  # training outlasts the outage
+        agents = [start_on(procs, endpoint, run_id, tmp_path, n, *slow) for n in "ab"]
         wait_world(tmp_path, 2, timeout=90)
         before = pids_at(tmp_path, 2)
+        pids = [m.proc.pid for m in members if m.proc is not None]
         frozen = time.time()
-        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(2 * TTL + 1)  # the fault itself: an outage longer than the TTL
             during = [r for r in rows(tmp_path) if frozen + 0.5 < r["t"]]
         finally:
-            os.kill(etcd.proc.pid, signal.SIGCONT)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
             thawed = time.time()
-        assert during, "training stopped while etcd was frozen"
+        assert during, "training stopped while etcd was away"
         for a in agents:
             assert a.wait(120) == 0, a.transcript()
             assert "killing stale workers" not in a.transcript()
@@ -164,7 +183,7 @@ def test_etcd_frozen_past_the_lease_ttl_restarts_no_one(
     check_run(tmp_path, changes=1)
     times = [r["t"] for r in rows(tmp_path) if r["rank"] == 0 and r["t"] > thawed - 1]
     pause = max(b - a for a, b in itertools.pairwise(times))
-    print(f"longest pause after the thaw: {pause:.2f}s")
+    print(f"longest pause after etcd answered again: {pause:.2f}s")
 
 
 def test_sigterm_leave_then_a_join(
