@@ -23,9 +23,12 @@ acts):
   has passed since the latest node registered.
 - The writer is the first candidate, that is the new rank 0: it can pick a free port on
   its own host for MASTER_PORT.
-- A restart is charged only when the round ends because workers failed and no member
-  was lost; past the budget the writer closes the job as failed, naming as root cause
-  the earliest failure that is not a consequence of another (see ``earliest_failure``).
+- A restart is charged when the round ends because workers failed: with no member lost,
+  for any failure report; with one lost, only for a worker failure that is no
+  consequence of a vanished peer (a worker that hung or crashed on its own while a node
+  was lost is still charged; the survivors' broken collectives are not). Past the
+  budget the writer closes the job as failed, naming as root cause the earliest failure
+  that is not a consequence of another (see ``earliest_failure``).
 """
 
 from __future__ import annotations
@@ -160,6 +163,11 @@ def earliest_failure(failures: dict[str, FailureRecord]) -> FailureReport | None
     return min(failures.values(), key=key).root_cause()
 
 
+def _own(failures: dict[str, FailureRecord]) -> bool:
+    """Whether a report names a worker failure that is no consequence of a vanished peer."""
+    return any(not w.consequence for f in failures.values() for w in f.report.failures)
+
+
 def plan(
     view: JobView,
     min_nodes: int,
@@ -240,7 +248,8 @@ def plan(
         cause = RoundCause.LEFT
     else:
         cause = RoundCause.RESIZE
-    restarts = (current.restarts if current else 0) + (cause is RoundCause.FAILURE)
+    charged = cause is RoundCause.FAILURE or (cause is RoundCause.LOST and _own(failures))
+    restarts = (current.restarts if current else 0) + charged
     before = {(m.id, m.rev) for m in previous}
     return Plan(
         True,
@@ -253,7 +262,7 @@ def plan(
         left=left,
         lost=lost,
         root_cause=earliest_failure(failures),
-        budget_spent=cause is RoundCause.FAILURE and restarts > max_restarts,
+        budget_spent=charged and restarts > max_restarts,
         present=count,
     )
 

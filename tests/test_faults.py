@@ -243,6 +243,53 @@ def test_a_frozen_worker_is_found_without_a_flag_and_blamed_alone(
     )
 
 
+def test_a_node_lost_while_a_hung_worker_is_replaced(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """A fault during the recovery from another: c's worker is frozen, its agent finds it
+    hung, and as c replaces it, b is SIGKILLed. The job trains on at world size 2 (a and
+    c's new worker), every sample once; the one restart charged is c's, not b's loss."""
+    agents = [
+        start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            n,
+            TRAIN,
+            *TRAIN_ARGS,
+            nnodes="2:3",
+            env={"RESULT_DIR": str(tmp_path)},
+            extra=("--max-restarts", "1"),
+        )
+        for n in "abc"
+    ]
+    a, b, c = agents
+    wait_world(tmp_path, 3, timeout=60)
+    time.sleep(1)
+    victim = psutil.Process(wait_workers(c, 1)[0])
+    victim.send_signal(signal.SIGSTOP)
+    c.wait_output("hung:", timeout=20)
+    killed = time.time()
+    b.kill_tree()
+    resumed = wait_world(tmp_path, 2, after=killed, timeout=60)
+    finish(a, c)
+    history = steps(tmp_path)
+    samples_once(history, SAMPLES, EPOCHS)
+    assert victim.pid not in {r["pid"] for r in history if r["t"] > killed}
+    # c's hang is charged once, whether b's loss lands in the same round or the next
+    rounds = [ln for ln in a.err if re.search(r"round \d+:", ln)]
+    assert any("lost b" in ln for ln in rounds), rounds
+    charged = {int(n) for ln in rounds for n in re.findall(r"restart (\d+) after a worker", ln)}
+    assert charged == {1}, rounds
+    assert not any("workers failed: " in ln for ln in a.err), "a was blamed"
+    record(
+        "a node SIGKILLed while a hung worker is replaced",
+        recover_s=round(resumed - killed, 1),
+        steps_redone=redone(history, killed),
+        samples_lost=0,
+    )
+
+
 def test_a_silent_worker_is_described_by_its_process_state() -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:

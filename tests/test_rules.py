@@ -196,9 +196,25 @@ def test_root_cause_is_the_first_failure_that_is_no_consequence() -> None:
 
 def test_a_loss_is_never_charged_even_with_cascading_failures() -> None:
     a, b = node("a", 1), node("b", 2, done=1)
-    fails = {1: {"b": FailureRecord("b", 1, 50.0, FailureReport(""))}}
-    p = plan(view(b, r=rnd(1, a, b), failures=fails), 1, 2, 0.1, 0, now=100)
-    assert p.form and p.cause is RoundCause.LOST and p.restarts == 0 and not p.budget_spent
+    cascade = WorkerFailure(0, 0, 1, 1, 50.0, consequence=True)
+    for report in (FailureReport(""), FailureReport("b", "h", (cascade,))):
+        fails = {1: {"b": FailureRecord("b", 1, 50.0, report)}}
+        p = plan(view(b, r=rnd(1, a, b), failures=fails), 1, 2, 0.1, 0, now=100)
+        assert p.form and p.cause is RoundCause.LOST and p.restarts == 0 and not p.budget_spent
+
+
+def test_a_failure_of_its_own_is_charged_though_a_member_was_lost() -> None:
+    """c's worker hung (no consequence of anything) while b was lost: the round is
+    formed for the loss, and c's failure still costs the job one restart."""
+    a, b, c = node("a", 1, done=1), node("b", 2), node("c", 3, done=1)
+    hung = WorkerFailure(2, 0, 1, 1, 50.0, consequence=False)
+    fails = {1: {"c": FailureRecord("c", 1, 50.0, FailureReport("c", "h", (hung,)))}}
+    p = plan(view(a, c, r=rnd(1, a, b, c), failures=fails), 1, 3, 0.1, 1, now=100)
+    assert p.form and p.cause is RoundCause.LOST and p.lost == ("b",)
+    assert p.restarts == 1 and not p.budget_spent
+    assert p.root_cause is not None and p.root_cause.node == "c"
+    p = plan(view(a, c, r=rnd(1, a, b, c, restarts=1), failures=fails), 1, 3, 0.1, 1, now=100)
+    assert p.budget_spent
 
 
 def test_scale_up_once_members_drained() -> None:

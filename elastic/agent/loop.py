@@ -669,8 +669,8 @@ def membership_line(r: RoundRecord, previous: RoundRecord | None, took: float, w
         parts.append(f"left {_names(r.left, left)}")
     if previous is not None and joined:
         parts.append(f"joined {_names(r.joined, joined)}")
-    if r.cause is RoundCause.FAILURE:
-        parts.append(f"restart {r.restarts} after a worker failure")
+    if r.cause is RoundCause.FAILURE or (previous is not None and r.restarts > previous.restarts):
+        parts.append(f"restart {r.restarts} after a worker failure")  # a loss's round too
     parts.append(f"{took:.2f}s after {why}")
     return "; ".join(parts)
 
