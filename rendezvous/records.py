@@ -161,6 +161,9 @@ def _plain(value: object) -> object:
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
+HUNG = "hung: "  # begins the message of a worker its agent found hung (and killed)
+
+
 @dataclass(frozen=True)
 class WorkerFailure:
     """One worker that failed, as its agent saw it."""
@@ -174,6 +177,11 @@ class WorkerFailure:
     traceback: str = ""
     error_file: str = ""  # "" when the script has no @record (no file was written)
     consequence: bool = False  # it failed because a peer vanished (a collective's error)
+
+    @property
+    def hung(self) -> bool:
+        """Its agent found it hung: a failure of its own, whatever the signal."""
+        return self.message.startswith(HUNG)
 
     @property
     def how(self) -> str:

@@ -24,9 +24,9 @@ acts):
 - The writer is the first candidate, that is the new rank 0: it can pick a free port on
   its own host for MASTER_PORT.
 - A restart is charged when the round ends because workers failed: with no member lost,
-  for any failure report; with one lost, only for a worker failure that is no
-  consequence of a vanished peer (a worker that hung or crashed on its own while a node
-  was lost is still charged; the survivors' broken collectives are not). Past the
+  for any failure report; with one lost, only for a failure of a worker's own (a hang
+  its agent found, or an error exit that does not read as a vanished peer: see ``_own``),
+  never for the survivors' broken collectives. Past the
   budget the writer closes the job as failed, naming as root cause the earliest failure
   that is not a consequence of another (see ``earliest_failure``).
 """
@@ -164,8 +164,14 @@ def earliest_failure(failures: dict[str, FailureRecord]) -> FailureReport | None
 
 
 def _own(failures: dict[str, FailureRecord]) -> bool:
-    """Whether a report names a worker failure that is no consequence of a vanished peer."""
-    return any(not w.consequence for f in failures.values() for w in f.report.failures)
+    """Whether a report names a worker failure of its own beside a loss: a hang its agent
+    found, or an exit with an error that does not read as a vanished peer. A death by a
+    signal is not counted: NCCL's watchdog aborts a process whose peer died."""
+    return any(
+        w.hung or (w.exitcode > 0 and not w.consequence)
+        for f in failures.values()
+        for w in f.report.failures
+    )
 
 
 def plan(

@@ -215,6 +215,14 @@ def test_a_failure_of_its_own_is_charged_though_a_member_was_lost() -> None:
     assert p.root_cause is not None and p.root_cause.node == "c"
     p = plan(view(a, c, r=rnd(1, a, b, c, restarts=1), failures=fails), 1, 3, 0.1, 1, now=100)
     assert p.budget_spent
+    # a hang its agent found (SIGKILLed by it) counts too; a death by a signal of its own
+    # does not: NCCL's watchdog aborts (SIGABRT) a process whose peer died
+    found = WorkerFailure(2, 0, 1, -9, 50.0, message="hung: no progress for 3.1s")
+    aborted = WorkerFailure(2, 0, 1, -6, 50.0, message="")
+    for row, charged in ((found, 1), (aborted, 0)):
+        fails = {1: {"c": FailureRecord("c", 1, 50.0, FailureReport("c", "h", (row,)))}}
+        p = plan(view(a, c, r=rnd(1, a, b, c), failures=fails), 1, 3, 0.1, 1, now=100)
+        assert p.cause is RoundCause.LOST and p.restarts == charged, row
 
 
 def test_scale_up_once_members_drained() -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rendezvous.records import HUNG
+
 FACTOR = 3.0  # the allowance: FACTOR x the longest recent step ...
 MARGIN = 1.0  # ... plus MARGIN seconds
 FLOOR = 2.0  # and never less than FLOOR seconds
@@ -52,6 +54,6 @@ def hung(now: float, progress_at: float, alive_at: float, allowed: Allowance) ->
     if silent <= allowed.seconds or still <= allowed.seconds:
         return None
     return (
-        f"hung: no progress for {silent:.1f}s and no sign of life for {still:.1f}s "
+        f"{HUNG}no progress for {silent:.1f}s and no sign of life for {still:.1f}s "
         f"(allowed {allowed.seconds:.1f}s: {allowed.why})"
     )

@@ -361,7 +361,8 @@ class WorkerGroup:
         for w in self.workers:
             beat = w.control.heartbeat
             if w.proc.poll() is None and w.control.reports and beat and now - beat > timeout:
-                why = f"hung: no progress for {now - beat:.0f}s (--worker-hang-timeout {timeout:g})"
+                silent = f"no progress for {now - beat:.0f}s"
+                why = f"{hangs.HUNG}{silent} (--worker-hang-timeout {timeout:g})"
                 out.append(_hung(w, now, why))
         return out
 
