@@ -3,7 +3,6 @@ figures, and two real ranks."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -60,10 +59,12 @@ def test_agreements_come_every_agreed_gap_and_start_over_on_a_new_group() -> Non
     assert a.due(1, group=1)  # the first commit on a group: always
     assert not a.agreed(1, 1)
     assert a.due(2, group=1)
-    assert a.agreed(2, 4)  # the gap moved
-    assert [s for s in range(3, 12) if a.due(s, group=1)] == [6, 7, 8, 9, 10, 11]
-    a.agreed(6, 4)
-    assert [s for s in range(7, 15) if a.due(s, group=1)] == [10, 11, 12, 13, 14]
+    assert a.agreed(2, 4)  # the gap moved: the next agreement is at the next multiple
+    assert [s for s in range(3, 12) if a.due(s, group=1)] == [4, 5, 6, 7, 8, 9, 10, 11]
+    a.agreed(4, 4)
+    assert [s for s in range(5, 15) if a.due(s, group=1)] == [8, 9, 10, 11, 12, 13, 14]
+    a.agreed(9, 4)  # late (a step skipped): back on the multiples
+    assert [s for s in range(10, 15) if a.due(s, group=1)] == [12, 13, 14]
     # a re-formation: the new group's ranks (a newcomer among them) agree at once, at 1
     assert a.due(7, group=2)
     assert a.gap == 1
@@ -86,6 +87,8 @@ def test_the_proposal_uses_the_median_step_and_agreement_times() -> None:
     for seconds in (0.002, 0.002, 3.0, 0.002):  # and one stray slow step
         a.stepped(seconds)
     assert a.proposal() == 25
+    # a fixed snapshot interval: the largest divisor of it up to 25
+    assert [a.proposal(every) for every in (3, 7, 10, 100, 1000)] == [3, 7, 10, 25, 25]
 
 
 def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
@@ -119,13 +122,13 @@ def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
     assert agreements < stopped / 20, outs
 
 
-def test_a_snapshot_due_between_agreements_is_taken_at_the_next_one(
+def test_with_a_fixed_interval_snapshots_land_exactly_on_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real State (one rank) with ``--snapshot-every 3``, timed by an injected clock:
-    10 ms steps, 5 ms agreements, so the ranks agree every 5 steps (the latency bound).
-    Each snapshot due at a multiple of 3 is taken at the next agreement, none is skipped,
-    and the steps at risk count the wait."""
+    10 ms steps and 5 ms agreements would make the gap 5 (the latency bound); with the
+    fixed interval it is 3, a divisor, so every third step is an agreement and each
+    snapshot is taken exactly on it, none skipped, none late."""
     monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -151,10 +154,6 @@ def test_a_snapshot_due_between_agreements_is_taken_at_the_next_one(
             snapshots.append(state.step)
     state.flush()
     state.close()
-    assert state._core.agreement.gap == 5
-    tail = [s for s in agreements if s > 20]
-    assert all(b - a == 5 for a, b in itertools.pairwise(tail)), agreements
-    assert set(snapshots) <= set(agreements)  # only when the ranks agree
-    # every multiple of 3 is covered by the first agreement at or after it
-    assert all(any(0 <= t - m < 5 for t in snapshots) for m in range(3, 56, 3)), snapshots
-    assert state._core.cadence.at_risk + 5 - 1 == 7
+    assert state._core.agreement.gap == 3
+    assert [s for s in agreements if s > 20] == list(range(21, 61, 3))  # not every step
+    assert snapshots == list(range(3, 61, 3)), snapshots

@@ -7,8 +7,10 @@ step is a real cost whatever the step. So the ranks agree every ``gap`` steps: t
 smallest gap whose agreements cost at most ``SHARE`` of the time of the steps they
 cover, and never more than ``LATENCY`` seconds of steps, so a stop, a pause or a due
 snapshot waits at most that long (plus a step). A gap is only ever used once every rank
-agreed on it (the MIN of their proposals), so all ranks agree at the same steps; a new
-process group starts again at a gap of 1.
+agreed on it (the MIN of their proposals), so all ranks agree at the same steps: the
+multiples of the gap. With ``--snapshot-every N`` the gap divides N, so every N-th step
+is an agreement and snapshots land exactly there. A new process group starts again at a
+gap of 1.
 
 Torch-free and clock-free: fed measured seconds, tested on synthetic ones.
 """
@@ -79,17 +81,21 @@ class Agreement:
     def timed(self, seconds: float) -> None:
         self._costs.append(seconds)
 
-    def proposal(self) -> int:
-        """This rank's gap, from its figures."""
+    def proposal(self, every: int | None = None) -> int:
+        """This rank's gap, from its figures; with a fixed snapshot interval ``every``,
+        the largest divisor of it that is no longer (the least of such proposals is one)."""
         step_s = statistics.median(self._steps) if self._steps else None
         cost_s = statistics.median(self._costs) if self._costs else None
         self.choice = choose(step_s, cost_s)
-        return self.choice.steps
+        gap = self.choice.steps
+        if every:
+            gap = max(d for d in range(1, min(gap, every) + 1) if every % d == 0)
+        return gap
 
     def agreed(self, step: int, gap: int) -> bool:
-        """The ranks agreed at ``step`` on ``gap``: the next agreement is ``gap`` steps
-        on. True if the gap changed."""
+        """The ranks agreed at ``step`` on ``gap``: the next agreement is at the next
+        multiple of ``gap``. True if the gap changed."""
         gap = max(1, gap)
         changed = gap != self.gap
-        self.gap, self._next = gap, step + gap
+        self.gap, self._next = gap, (step // gap + 1) * gap
         return changed

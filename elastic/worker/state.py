@@ -236,7 +236,7 @@ class State:
             return
         g = core.group
         asked = g is not None and g.pause_asked
-        gap = agreement.proposal()
+        gap = agreement.proposal(cadence.fixed)
         began = cadence.clock()
         stop, due, interval, pause, least = core.comm.all_reduce(
             [core.stopping(), core.due, cadence.proposal, asked, -gap], "MAX"
@@ -262,7 +262,8 @@ class State:
         the steps a crash can cost (a due snapshot waits for the next agreement)."""
         core = self._core
         cadence, gap = core.cadence, core.agreement.gap
-        risk = cadence.at_risk + gap - 1 if cadence.at_risk else 0
+        late = 0 if cadence.fixed else gap - 1  # a fixed interval's gap divides it
+        risk = cadence.at_risk + late if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
         figures, logged = (cadence.interval, gap), core.logged
         near = logged is not None and all(
