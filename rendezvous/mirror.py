@@ -270,6 +270,8 @@ class JobMirror:
             and header is not None
             and self._bucket_key(header) != self._watched_bucket
         )
+        if moved:  # not shown with the old bucket (this node would be missing from it):
+            return True  # the read again brings the round and its new bucket together
         with self._cond:
             if epoch != self._epoch:
                 return False  # watched in the mode before
