@@ -30,11 +30,12 @@ import itertools
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -61,7 +62,7 @@ class Outcome:
 class Job:
     """Nodes named a, b, c... of one job, their logs and their steps."""
 
-    def __init__(self, etcd: str, work: Path, mode: str, nnodes: str = "1:3") -> None:
+    def __init__(self, etcd: EtcdServer, work: Path, mode: str, nnodes: str = "1:3") -> None:
         self.etcd, self.work, self.mode, self.nnodes = etcd, work, mode, nnodes
         self.results = work / "steps"
         self.results.mkdir(parents=True)
@@ -69,9 +70,10 @@ class Job:
 
     def start(self, name: str) -> Node:
         cmd = [sys.executable, "-m", "elastic", "--nnodes", self.nnodes, "--nproc-per-node",
-               "1", "--rdzv-endpoint", self.etcd, "--rdzv-id", self.work.name, "--rdzv-conf",
-               CONF, "--node-id", name, "--local-addr", "127.0.0.1", "--restart-mode",
-               self.mode, "--max-restarts", "3", SCRIPT, STEP_S, "--live"]  # fmt: skip
+               "1", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.work.name,
+               "--rdzv-conf", CONF, "--node-id", name, "--local-addr", "127.0.0.1",
+               "--restart-mode", self.mode, "--max-restarts", "3", SCRIPT, STEP_S,
+               "--live"]  # fmt: skip
         node = Node(cmd, {"RESULT_DIR": str(self.results)}, self.work / f"{name}.log")
         self.nodes[name] = node
         return node
@@ -86,11 +88,16 @@ class Job:
                 raise RuntimeError(f"{name} never logged {text!r}; see {self.work}")
             time.sleep(0.02)
 
+    def since(self, world: int, at: float) -> float | None:
+        """Seconds from ``at`` to the first step at ``world`` (None: not within TIMEOUT)."""
+        t = first_step(self.results, world, at, TIMEOUT)
+        return None if t is None else t - at
+
     def training(self, world: int, after: float = 0.0) -> float:
-        t = first_step(self.results, world, after, TIMEOUT)
-        if t is None:
+        waited = self.since(world, after)
+        if waited is None:
             raise RuntimeError(f"the job never trained at world size {world}; see {self.work}")
-        return t
+        return after + waited
 
     def steps_at(self, world: int, after: float, count: int) -> None:
         """Wait until ``count`` steps were trained at ``world`` after ``after``."""
@@ -126,57 +133,51 @@ class Job:
             n.stop()
 
 
-def three(job: Job) -> None:
-    for name in "abc":
+def start_training(job: Job, names: str) -> None:
+    """Nodes ``names`` started in order, trained 5 steps together."""
+    for name in names:
         job.start(name)
         time.sleep(0.3)  # a registers first: it leads and hosts the first round's store
-    job.steps_at(3, job.training(3), 5)
-
-
-def two(job: Job) -> None:
-    for name in "ab":
-        job.start(name)
-        time.sleep(0.3)
-    job.steps_at(2, job.training(2), 5)
+    job.steps_at(len(names), job.training(len(names)), 5)
 
 
 def kill(job: Job) -> Outcome:
-    three(job)
+    start_training(job, "abc")
     at = time.time()
     job.nodes["c"].kill()
-    return job.outcome(at, _since(job, 2, at))
+    return job.outcome(at, job.since(2, at))
 
 
 def kill_forming(job: Job) -> Outcome:
-    two(job)
+    start_training(job, "ab")
     job.start("c")
     job.wait_log("b", "joined c")
     at = time.time()
     job.nodes["a"].kill()
-    return job.outcome(at, _since(job, 2, at))
+    return job.outcome(at, job.since(2, at))
 
 
 def two_kills(job: Job) -> Outcome:
-    three(job)
+    start_training(job, "abc")
     at = time.time()
     job.nodes["c"].kill()
     time.sleep(0.45)
     job.nodes["a"].kill()
-    second = _since(job, 1, at + 0.45)  # from the first kill: both are the fault
+    second = job.since(1, at + 0.45)  # from the first kill: both are the fault
     return job.outcome(at, None if second is None else second + 0.45)
 
 
 def kill_resized(job: Job) -> Outcome:
-    two(job)
+    start_training(job, "ab")
     job.start("c")
     job.steps_at(3, job.training(3), 2)
     at = time.time()
     job.nodes["a"].kill()
-    return job.outcome(at, _since(job, 2, at))
+    return job.outcome(at, job.since(2, at))
 
 
 def hung_worker(job: Job) -> Outcome:
-    three(job)
+    start_training(job, "abc")
     job.steps_at(3, job.training(3), 40)  # c's agent has timed its steps: the bound is learned
     worker = job.worker("c")
     at = time.time()
@@ -192,7 +193,7 @@ def hung_worker(job: Job) -> Outcome:
 
 
 def join(job: Job) -> Outcome:
-    two(job)
+    start_training(job, "ab")
     at = time.time()
     job.start("c")
     resumed = first_step(job.results, 3, at, TIMEOUT)
@@ -210,16 +211,16 @@ def ctrl_c(job: Job) -> Outcome:
     node.proc.send_signal(signal.SIGINT)
     try:
         node.proc.wait(TIMEOUT)
-    except Exception:
+    except subprocess.TimeoutExpired:
         return Outcome(None, 0, "-")
     return Outcome(time.time() - at, 0, "-")
 
 
-def etcd_frozen(job: Job, etcd: EtcdServer) -> Outcome:
-    three(job)
+def etcd_frozen(job: Job) -> Outcome:
+    start_training(job, "abc")
     pids = {s["pid"] for s in steps(job.results)}
-    assert etcd.proc is not None
-    server = psutil.Process(etcd.proc.pid)
+    assert job.etcd.proc is not None
+    server = psutil.Process(job.etcd.proc.pid)
     at = time.time()
     server.send_signal(signal.SIGSTOP)
     try:
@@ -229,19 +230,13 @@ def etcd_frozen(job: Job, etcd: EtcdServer) -> Outcome:
     job.steps_at(3, time.time(), 10)
     rows = [s for s in steps(job.results) if s["t"] > at - 1 and s["rank"] == 0]
     pause = max(b["t"] - a["t"] for a, b in itertools.pairwise(rows))
-    out = job.outcome(at, None)
+    out = job.outcome(at, None)  # redone: counted from the freeze on
     new = {s["pid"] for s in steps(job.results)} - pids
-    out.seconds = pause
-    out.charged += f", {len(new)} new worker(s)" if new else ""
-    return out
+    more = f", {len(new)} new worker(s)" if new else ""
+    return replace(out, seconds=pause, charged=out.charged + more)
 
 
-def _since(job: Job, world: int, at: float) -> float | None:
-    t = first_step(job.results, world, at, TIMEOUT)
-    return None if t is None else t - at
-
-
-FAULTS: dict[str, Callable[..., Outcome]] = {
+FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill": kill,
     "kill forming": kill_forming,
     "two kills": two_kills,
@@ -271,10 +266,9 @@ def main() -> None:
             for mode in modes:
                 with EtcdServer(name="faults") as etcd:
                     slug = fault.replace(" ", "-").replace("Ctrl-C", "ctrl-c")
-                    job = Job(etcd.endpoint, base / f"{slug}-{mode}-{i}", mode)
+                    job = Job(etcd, base / f"{slug}-{mode}-{i}", mode)
                     try:
-                        run = FAULTS[fault]
-                        out = run(job, etcd) if run is etcd_frozen else run(job)
+                        out = FAULTS[fault](job)
                     except RuntimeError as e:
                         print(f"{fault} ({mode}): {e}", flush=True)
                         out = Outcome(None, 0, "?")

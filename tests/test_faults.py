@@ -193,13 +193,10 @@ def test_etcd_cluster_member_down_goes_unnoticed(
 
 
 # -- hung workers -----------------------------------------------------------------------------
-def test_a_frozen_worker_is_found_without_a_flag_and_blamed_alone(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
-) -> None:
-    """A worker SIGSTOPped while its agent lives, torch's default process-group timeout,
-    no --worker-hang-timeout: its agent finds it hung by the allowance learned from the
-    steps (0.15 s here: the 2 s floor); the other rank, blocked in a collective on it, is
-    alive and not blamed; the job resumes with the restart charged to the frozen node."""
+def _one_restart(
+    procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, names: str, nnodes: str
+) -> list[Proc]:
+    """Nodes ``names`` training with a budget of one restart, once they all train."""
     agents = [
         start_agent(
             procs,
@@ -208,13 +205,24 @@ def test_a_frozen_worker_is_found_without_a_flag_and_blamed_alone(
             n,
             TRAIN,
             *TRAIN_ARGS,
-            nnodes="2",
-            env={"RESULT_DIR": str(tmp_path)},
+            nnodes=nnodes,
+            env={"RESULT_DIR": str(out)},
             extra=("--max-restarts", "1"),
         )
-        for n in ("a", "b")
+        for n in names
     ]
-    wait_world(tmp_path, 2, timeout=60)
+    wait_world(out, len(names), timeout=60)
+    return agents
+
+
+def test_a_frozen_worker_is_found_without_a_flag_and_blamed_alone(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """A worker SIGSTOPped while its agent lives, torch's default process-group timeout,
+    no --worker-hang-timeout: its agent finds it hung by the allowance learned from the
+    steps (0.15 s here: the 2 s floor); the other rank, blocked in a collective on it, is
+    alive and not blamed; the job resumes with the restart charged to the frozen node."""
+    agents = _one_restart(procs, etcd, run_id, tmp_path, "ab", nnodes="2")
     time.sleep(1)
     victim = psutil.Process(wait_workers(agents[1], 1)[0])
     stopped = time.time()
@@ -249,22 +257,7 @@ def test_a_node_lost_while_a_hung_worker_is_replaced(
     """A fault during the recovery from another: c's worker is frozen, its agent finds it
     hung, and as c replaces it, b is SIGKILLed. The job trains on at world size 2 (a and
     c's new worker), every sample once; the one restart charged is c's, not b's loss."""
-    agents = [
-        start_agent(
-            procs,
-            etcd.endpoint,
-            run_id,
-            n,
-            TRAIN,
-            *TRAIN_ARGS,
-            nnodes="2:3",
-            env={"RESULT_DIR": str(tmp_path)},
-            extra=("--max-restarts", "1"),
-        )
-        for n in "abc"
-    ]
-    a, b, c = agents
-    wait_world(tmp_path, 3, timeout=60)
+    a, b, c = _one_restart(procs, etcd, run_id, tmp_path, "abc", nnodes="2:3")
     time.sleep(1)
     victim = psutil.Process(wait_workers(c, 1)[0])
     victim.send_signal(signal.SIGSTOP)
