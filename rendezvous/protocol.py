@@ -38,7 +38,7 @@ from rendezvous.records import (
 )
 from rendezvous.rules import Change, Plan, lean_round_end, plan, round_end
 from rendezvous.session import NodeSpec, Session, closed_error
-from rendezvous.view import JobView
+from rendezvous.view import KV, JobView
 
 __all__ = ["NodeSpec", "Rendezvous"]
 
@@ -309,9 +309,11 @@ class Rendezvous:
         rec = FailureRecord(
             node=self.me.id, round=self.round.number, time=time.time(), report=report
         )
-        self.client.put(
-            self.key(f"{records.FAILURES}{self.round.number}/{self.me.id}"), rec.encode()
-        )
+        key, value = self.key(f"{records.FAILURES}{self.round.number}/{self.me.id}"), rec.encode()
+        revision = self.client.put(key, value)
+        # shown at once, like the record's "done" below: a view with the done and without
+        # the report (still on its way through the watch) plans a restart nobody pays for
+        self.mirror.record_own(KV(key, value, revision, revision, 0))
         self.finish_round()
 
     def announce_leaving(self) -> None:

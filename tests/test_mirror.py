@@ -3,6 +3,7 @@ following a lean node's bucket, and the lead claimed at registration."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from harness import wait_until
@@ -15,13 +16,16 @@ from rendezvous.mirror import JobMirror
 from rendezvous.protocol import NodeSpec, Rendezvous
 from rendezvous.records import (
     MAX_BUCKETS,
+    FailureReport,
     LeaderRecord,
     Member,
     NodeRecord,
+    RoundCause,
     RoundRecord,
     bucket_of,
     buckets_for,
 )
+from rendezvous.rules import plan
 
 
 def until(what: Callable[[], object], timeout: float = 10.0) -> None:
@@ -132,3 +136,25 @@ def test_the_first_node_claims_the_lead_as_it_registers(
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def test_a_failure_is_in_the_own_view_as_soon_as_the_done_is(
+    etcd: EtcdServer, client: EtcdClient, run_id: str
+) -> None:
+    """A node's failure report and its 'done' are two writes; its own view shows the done
+    at once, so it must show the report at once too: planned between the two, the next
+    round read as a resize and charged no restart (CI saw a third attempt under
+    --max-restarts 1)."""
+    _, opts = build_options(etcd.endpoint, run_id, 1, 1)
+    node = Rendezvous(client, opts, NodeSpec(id="a", addr="127.0.0.1", nproc=1), max_restarts=1)
+    try:
+        node.start()
+        assert node.next_round(timeout=10).number == 1
+        node.mirror.stop()  # no watch event comes now: the view holds only what is shown
+        node.report_failure(FailureReport("worker failed on a"))
+        view = node.mirror.view()
+        assert view.nodes["a"].record.done == 1 and "a" in view.failures.get(1, {})
+        p = plan(view, 1, 1, 0.0, max_restarts=1, now=time.monotonic())
+        assert (p.form, p.cause, p.restarts) == (True, RoundCause.FAILURE, 1), p.reason
+    finally:
+        node.shutdown()
