@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,23 +36,28 @@ def agent(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     )
 
 
-def leftovers() -> set[str]:
-    tmp = tempfile.gettempdir()
-    return set(glob.glob(f"{tmp}/elastic-run-etcd-*")) | set(glob.glob("/dev/shm/elastic-run*"))
+def leftovers(tmp: Path, pid: int) -> list[str]:
+    """What agent ``pid``, given TMPDIR ``tmp``, left: its embedded etcd's data, its node
+    folder (named after its pid) in shared memory or under TMPDIR. Nothing else: other
+    agents on this machine may be running."""
+    node_dirs = (f"/dev/shm/elastic-run-{os.getuid()}", f"{tmp}/elastic-run-{os.getuid()}")
+    return glob.glob(f"{tmp}/elastic-run-etcd-*") + [
+        d for base in node_dirs for d in glob.glob(f"{base}/*.{pid}")
+    ]
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_ctrl_c_exits_promptly_with_nothing_left(start_method: str) -> None:
+def test_ctrl_c_exits_promptly_with_nothing_left(start_method: str, tmp_path: Path) -> None:
     """The terminal's SIGINT reaches the whole foreground process group: the agent must
     still leave through its embedded etcd and stop every helper, within a bound."""
-    before = leftovers()
     p = agent("--start-method", start_method, "--nproc-per-node", "2", TRAIN, "--epochs", "100",
-              "--step-time", "0.02")  # fmt: skip
+              "--step-time", "0.02", env={"TMPDIR": str(tmp_path)})  # fmt: skip
     try:
         assert p.stdout is not None
         wait_until(lambda: "epoch" in p.stdout.readline(), 90, "training")
         family = [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]
         assert len(family) >= 4  # workers, the embedded etcd, the store helper (, zygote)
+        assert leftovers(tmp_path, p.pid)  # the check can see them
         sent = time.monotonic()
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=30)
@@ -66,7 +70,7 @@ def test_ctrl_c_exits_promptly_with_nothing_left(start_method: str) -> None:
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert " W " not in err.split("received SIGINT")[-1], err  # no warnings on the way out
     wait_until(lambda: not any(psutil.pid_exists(pid) for pid in family), 5, "no orphans")
-    assert leftovers() <= before
+    assert not leftovers(tmp_path, p.pid)
 
 
 def test_waiting_for_nodes_says_so(etcd: EtcdServer, run_id: str) -> None:
