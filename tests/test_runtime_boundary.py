@@ -94,3 +94,18 @@ def test_a_running_agent_has_no_torch_mapped(
     [worker] = wait_workers(agent, 1)
     assert "libtorch" in Path(f"/proc/{worker}/maps").read_text()  # the check can see torch
     assert "libtorch" not in Path(f"/proc/{agent.pid}/maps").read_text()
+
+
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+def test_elastic_imports_no_framework() -> None:
+    """The framework adapters are optional extras: only importing one loads its framework."""
+    names = [
+        m
+        for package in ("elastic", "elastic.worker", "elastic.agent", "elastic.tools")
+        for m in modules(package)
+    ]
+    loaded = imported_by(["elastic", *names])
+    assert "elastic.integrations.lightning" not in loaded
+    assert not {m for m in loaded if m.split(".")[0] in FRAMEWORKS}

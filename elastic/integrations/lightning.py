@@ -1,0 +1,274 @@
+"""Lightning on ``elastic.State``: one callback, and a restart resumes at the last step.
+
+    trainer = L.Trainer(strategy="ddp", callbacks=[ElasticLightning()], ...)
+
+Lightning already knows how to save and restore everything a run holds: its own
+checkpoint (``dump_checkpoint``) has the model, optimizers, schedulers, precision,
+callbacks and the loops' progress, and its loops resume mid-epoch from it. So the
+callback does not collect state itself. After each optimizer step it hands ``State`` the
+checkpoint as one object, and ``State`` snapshots it into the node's shared memory
+when its cost policy says (``--snapshot-every``). On a restart it finds the newest
+snapshot anywhere in the job and gives it to Lightning as the checkpoint to resume from
+(a ``ckpt_path`` the script passes is read too, and wins only when it is newer).
+
+The data position is what Lightning cannot resume by itself: a plain ``DataLoader``
+starts its epoch over (Lightning warns), and after a resize the ``DistributedSampler``
+it injects would split the epoch differently. The callback swaps that sampler for
+``ResumableSampler``: the same order and the same split as long as the world size stays
+(a run without faults is unchanged), and after a restart it splits only the part of the
+epoch not yet trained on over the new world. Its position is in Lightning's checkpoint
+too (as a stateful loader's), so Lightning's own checkpoint files resume exactly as well.
+
+Respawn only for now: a membership change restarts the workers (``State.run`` keeps
+processes in hand-written loops; Lightning's strategy holds the process group itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import RunningStage
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+
+from elastic.contract import SnapshotPolicy
+from elastic.worker import rng
+from elastic.worker.state import State
+
+log = logging.getLogger("elastic.lightning")
+
+__all__ = ["ElasticLightning", "ResumableSampler"]
+
+_KEY = "elastic_position"  # marks this sampler's state among a checkpoint's loader states
+
+
+class ResumableSampler(Sampler[int]):
+    """``DistributedSampler``'s order and split, resumable after any number of samples
+    and over a different world size.
+
+    The epoch's order is the same permutation ``DistributedSampler`` draws; ``start`` of
+    its positions were trained on before this iteration (all ranks together), and the
+    rest is padded or cut to a multiple of the world size and dealt out rank by rank, as
+    ``DistributedSampler`` deals the whole. ``len`` is always a whole epoch's at this
+    world size, so Lightning, which counts an epoch's batches once, counts every epoch
+    right; a resumed iteration yields the last ``len`` - ``offset`` batches of it.
+    """
+
+    def __init__(self, base: DistributedSampler, batch_size: int, drop_batch: bool) -> None:
+        self.n = len(base.dataset)  # type: ignore[arg-type]
+        self.num_replicas, self.rank = base.num_replicas, base.rank
+        self.shuffle, self.seed, self.drop_last = base.shuffle, base.seed, base.drop_last
+        self.batch_size, self.drop_batch = batch_size, drop_batch  # the DataLoader's
+        self.epoch = base.epoch
+        self.start = 0
+        self.offset = 0  # the batches of the epoch this iteration does not yield
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.start, self.offset = epoch, 0, 0
+
+    def _share(self, start: int) -> int:
+        """Samples per rank when the epoch's positions from ``start`` on are dealt out."""
+        left = max(self.n - start, 0)
+        return left // self.num_replicas if self.drop_last else -(-left // self.num_replicas)
+
+    def _batches(self, samples: int) -> int:
+        return samples // self.batch_size if self.drop_batch else -(-samples // self.batch_size)
+
+    def _rest(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order: list[int] = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        rest = order[self.start :]
+        world = self.num_replicas
+        if self.drop_last:
+            return rest[: len(rest) // world * world]
+        pad = -len(rest) % world
+        if pad and rest:
+            rest += (rest * math.ceil(pad / len(rest)))[:pad]
+        return rest
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rest()[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return self._share(0)
+
+    def state(self, batches: int) -> dict[str, int]:
+        """The position once the loop has counted ``batches`` batches of this epoch."""
+        trained = (batches - self.offset) * self.batch_size * self.num_replicas
+        return {
+            _KEY: 1,
+            "epoch": self.epoch,
+            "consumed": min(self.start + max(trained, 0), self.n),
+            "batches": batches,
+        }
+
+    def load(self, state: dict[str, int]) -> None:
+        """Go to ``state``'s position: ``offset`` becomes the batches of a whole epoch at
+        this world size less those left, which the loop's count must then say."""
+        self.epoch, self.start = state["epoch"], state["consumed"]
+        self.offset = self._batches(self._share(0)) - self._batches(self._share(self.start))
+
+
+class _Checkpoint:
+    """Lightning's whole checkpoint as the one object ``State`` saves and loads."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        # what a restart reads back is loaded without running code (weights_only): the
+        # hyperparameters serve load_from_checkpoint, not a resume, and may be any object
+        for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters"):
+            ckpt.pop(key, None)
+        return ckpt
+
+    def load_state_dict(self, ckpt: dict[str, Any]) -> None:
+        self.loaded = ckpt
+
+
+def _loader_state(ckpt: dict[str, Any]) -> dict[str, int] | None:
+    fit = ckpt.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    for state in fit.get("combined_loader", []):
+        if isinstance(state, dict) and state.get(_KEY):
+            return state
+    return None
+
+
+class ElasticLightning(Callback):
+    """Snapshots Lightning's checkpoint through ``elastic.State`` after optimizer steps
+    and resumes from the newest one (see the module doc). Under torchrun or plain python
+    it changes nothing but the sampler (same order) and its saved position."""
+
+    def __init__(self, snapshot_policy: SnapshotPolicy | None = None) -> None:
+        self._policy = snapshot_policy
+        self._state: State | None = None
+        self._checkpoint: _Checkpoint | None = None
+        self._position: dict[str, int] | None = None  # to resume the train loader at
+        self._committed = 0  # the global step last committed
+        self._rng: dict[str, Any] | None = None  # the restored RNG states, until training
+
+    # -- start: restore --------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._checkpoint = _Checkpoint(trainer)
+        self._state = State(self._policy, lightning=self._checkpoint)
+        self._wrap_loaders(trainer)
+        if self._state.restore():
+            self._resume_from(trainer, self._checkpoint.loaded or {})
+            # Lightning draws from the RNG before the first step (a DataLoader iterator's
+            # seed): the restored states go back right before it, as they were saved
+            self._rng = rng.capture()
+
+    def _resume_from(self, trainer: pl.Trainer, ckpt: dict[str, Any]) -> None:
+        """Hand the snapshot to Lightning as the checkpoint to resume from: it restores
+        everything from it as from a file (a file passed as ``ckpt_path`` is read as well,
+        and used instead when it is newer)."""
+        connector = trainer._checkpoint_connector
+        connector._loaded_checkpoint = ckpt  # kept by resume_start when no path is given
+        strategy = trainer.strategy
+        read_file = strategy.load_checkpoint
+        step = int(ckpt.get("global_step", 0))
+
+        def load_checkpoint(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+            strategy.load_checkpoint = read_file  # type: ignore[method-assign]
+            file = read_file(path, weights_only)
+            if int(file.get("global_step", -1)) > step:
+                log.info("%s (step %s) is newer than the snapshot", path, file["global_step"])
+                return file
+            log.info("resuming from the snapshot of step %d, not %s", step, path)
+            return ckpt
+
+        strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign, assignment]
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # before the loaders are made: their length must count the batches trained
+        self._position = _loader_state(checkpoint)
+
+    def _wrap_loaders(self, trainer: pl.Trainer) -> None:
+        """Lightning passes every loader through ``strategy.process_dataloader`` after
+        injecting its sampler: the train loader's ``DistributedSampler`` is swapped there."""
+        strategy = trainer.strategy
+        process = strategy.process_dataloader
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = process(dataloader)
+            if trainer.state.stage is RunningStage.TRAINING and isinstance(dataloader, DataLoader):
+                self._make_resumable(trainer, dataloader)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+    def _make_resumable(self, trainer: pl.Trainer, loader: DataLoader) -> None:
+        batches = loader.batch_sampler
+        base: Any = getattr(batches, "sampler", None)
+        if (
+            not isinstance(batches, BatchSampler)
+            or type(base) is not DistributedSampler
+            or loader.batch_size is None
+        ):
+            log.warning(
+                "the train loader's sampler is %s, not the DistributedSampler Lightning "
+                "injects: a restart starts its epoch over",
+                type(base).__name__,
+            )
+            return
+        sampler = ResumableSampler(base, loader.batch_size, loader.drop_last)
+        if self._position is not None:
+            sampler.load(self._position)
+            # the loop restored its count of the epoch's batches at the old world size:
+            # it counts in this world's now, where the loader's length is (Lightning ends
+            # the epoch and schedules validation by it)
+            shift = self._position["batches"] - sampler.offset
+            count: Any = trainer.fit_loop.epoch_loop.batch_progress.current
+            count.ready, count.started = count.ready - shift, count.started - shift
+            count.processed, count.completed = count.processed - shift, count.completed - shift
+            self._position = None  # once: a loader made again later starts its epoch
+        batches.sampler = sampler
+        loop = trainer.fit_loop.epoch_loop
+        # a stateful loader: Lightning saves its position with its loops, and reads it back
+        loader.state_dict = lambda: sampler.state(loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+        loader.load_state_dict = sampler.load
+
+    # -- training: commit ------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rng is not None:
+            rng.apply(self._rng)
+            self._rng = None
+        if self._state is not None:
+            self._state.step = trainer.global_step  # a resume from a file starts there too
+            self._committed = trainer.global_step
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._state is None or trainer.global_step == self._committed:
+            return  # no optimizer step (gradient accumulation)
+        self._state.step = trainer.global_step - 1
+        self._committed = trainer.global_step
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self._state.commit(float(loss) if isinstance(loss, torch.Tensor) else None)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._state is not None:
+            self._state.close()  # the snapshot copy in flight, if any, completes
+            self._state = None

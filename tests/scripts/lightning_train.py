@@ -1,0 +1,137 @@
+"""A Lightning DDP script as torchrun users write it, for the adapter's tests.
+
+Logs, per optimizer step and rank, the sample indices it trained on to
+``$RESULT_DIR/w<pid>.jsonl`` (the rows ``agents.samples_once`` reads); rank 0 saves the
+final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
+``ElasticLightning``; ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the
+end of that step, on the first attempt only. Lightning's own ModelCheckpoint writes every
+``--checkpoint-every`` steps to ``$RESULT_DIR/ckpt`` and the script resumes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Indexed(Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        idx, x, y = batch
+        return {"loss": nn.functional.mse_loss(self.net(x), y), "idx": idx}
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)]
+
+
+class Record(Callback):
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
+        self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        row = {
+            "t": time.time(),
+            "pid": os.getpid(),
+            "epoch": trainer.current_epoch,
+            "step": trainer.global_step,
+            "rank": trainer.global_rank,
+            "world": trainer.world_size,
+            "port": int(os.environ["MASTER_PORT"]),
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "indices": outputs["idx"].tolist(),
+            "loss": float(outputs["loss"]),
+        }
+        self.out.write(json.dumps(row) + "\n")
+        self.out.flush()
+        a = self.a
+        if (
+            self.first_attempt
+            and trainer.global_rank == a.kill_rank
+            and trainer.global_step == a.kill_step
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(a.step_time)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--checkpoint-every", type=int, default=1000)
+    ap.add_argument("--adapter", action="store_true")
+    a = ap.parse_args()
+    L.seed_everything(0, verbose=False)
+    result = os.environ["RESULT_DIR"]
+    callbacks: list[Callback] = [
+        Record(a),
+        ModelCheckpoint(
+            os.path.join(result, "ckpt"), every_n_train_steps=a.checkpoint_every, save_last=True
+        ),
+    ]
+    if a.adapter:
+        from elastic.integrations.lightning import ElasticLightning
+
+        callbacks.append(ElasticLightning())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=local,
+        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,
+        max_epochs=a.epochs,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    module = Net()
+    loader = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
+    last = os.path.join(result, "ckpt", "last.ckpt")
+    trainer.fit(module, loader, ckpt_path=last if os.path.exists(last) else None)
+    if trainer.global_rank == 0:
+        opt = trainer.optimizers[0]
+        final = {
+            "model": module.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": trainer.global_step,
+        }
+        torch.save(final, os.path.join(result, "final.pt"))
+
+
+if __name__ == "__main__":
+    main()

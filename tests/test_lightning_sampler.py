@@ -1,0 +1,83 @@
+"""ResumableSampler, the Lightning adapter's sampler: DistributedSampler's order and split
+when nothing happens, and the rest of the epoch, once, over any new world size."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import need
+from torch.utils.data import DistributedSampler
+
+try:
+    from elastic.integrations.lightning import ResumableSampler
+except ImportError:
+    ResumableSampler = None  # type: ignore[assignment,misc]
+
+
+@pytest.fixture(autouse=True)
+def _lightning() -> None:
+    need(ResumableSampler is not None, "lightning is not installed (pip install -e '.[test]')")
+
+
+def samplers(n: int, world: int, **kw: object) -> list[ResumableSampler]:
+    data = list(range(n))
+    return [
+        ResumableSampler(DistributedSampler(data, world, r, **kw), 4, drop_batch=False)  # type: ignore[arg-type]
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("n", [96, 97, 5])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_unresumed_it_is_distributed_samplers_order(
+    n: int, world: int, shuffle: bool, drop_last: bool
+) -> None:
+    """A run without faults trains exactly the samples it would without the adapter."""
+    for epoch in (0, 1):
+        for r, mine in enumerate(samplers(n, world, shuffle=shuffle, drop_last=drop_last)):
+            theirs = DistributedSampler(
+                list(range(n)), world, r, shuffle=shuffle, drop_last=drop_last
+            )  # type: ignore[arg-type]
+            theirs.set_epoch(epoch)
+            mine.set_epoch(epoch)
+            assert list(mine) == list(theirs) and len(mine) == len(theirs)
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (2, 3), (3, 2), (1, 2)])
+@pytest.mark.parametrize("n", [96, 101])
+def test_resumed_over_a_new_world_every_sample_once(before: int, after: int, n: int) -> None:
+    """k batches trained at one world size, the rest at another: the epoch holds every
+    sample once (a tail shorter than the world is padded, as DistributedSampler pads);
+    the length stays a whole epoch's at the new size, and ``offset`` says how many of
+    its batches the resumed iteration does not yield."""
+    old = samplers(n, before)
+    for s in old:
+        s.set_epoch(3)
+    k = 5
+    trained = [i for s in old for i in list(s)[: k * 4]]
+    state = old[0].state(batches=k)
+    assert state["consumed"] == k * 4 * before and state["epoch"] == 3
+    new = samplers(n, after)
+    for s in new:
+        s.load(state)
+        s.set_epoch(3)  # Lightning sets the epoch again: the position stays
+    rest = [i for s in new for i in s]
+    assert sorted(set(trained + rest)) == list(range(n))
+    assert len(trained + rest) - n == -(n - k * 4 * before) % after  # the padding only
+    whole = -(-n // after)  # DistributedSampler's samples per rank
+    yielded = -(-(n - k * 4 * before) // after)
+    for s in new:
+        assert len(s) == whole and len(list(s)) == yielded
+        assert s.offset == -(-whole // 4) - -(-yielded // 4)
+    # trained on after the resume: the position moves on from where it was
+    again = new[0].state(batches=new[0].offset + 2)
+    assert again["consumed"] == k * 4 * before + 2 * 4 * after
+
+
+def test_a_new_epoch_starts_from_its_beginning() -> None:
+    [s] = samplers(96, 1)
+    s.load({"elastic_position": 1, "epoch": 0, "consumed": 40, "batches": 10})
+    assert (len(list(s)), len(s), s.offset) == (56, 96, 10)
+    s.set_epoch(1)
+    assert (s.start, s.offset, len(list(s))) == (0, 0, 96)
