@@ -67,16 +67,19 @@ def run(
 def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
-    """Mid-epoch, at the same world size: the adapter's run, killed at step 7 and resumed
-    from the snapshot of step 6, trains exactly the samples and ends with exactly the
-    weights of the same script without the adapter and without a fault."""
-    plain = run(procs, etcd, run_id + "-plain", tmp_path / "plain", "a")
+    """Mid-epoch, at the same world size, with gradient accumulation: the adapter's run,
+    killed at step 7 and resumed from the snapshot of step 6, trains exactly the samples
+    and ends with exactly the weights of the same script without the adapter and without
+    a fault."""
+    args = ("--samples", "192", "--accumulate", "2")  # 12 optimizer steps an epoch
+    plain = run(procs, etcd, run_id + "-plain", tmp_path / "plain", "a", *args)
     killed = run(
         procs,
         etcd,
         run_id + "-kill",
         tmp_path / "kill",
         "b",
+        *args,
         "--adapter",
         "--kill-rank",
         "1",
@@ -88,12 +91,10 @@ def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
         assert agent.wait(240) == 0, agent.transcript()
     assert any("signal SIGKILL" in line for line in killed.err)
     assert any("resumes from step 6" in line for line in killed.err), killed.transcript()
-    ref = {(r["step"], r["rank"]): r for r in rows(tmp_path / "plain")}
+    ref = {(r["epoch"], r["batch"], r["rank"]): r for r in rows(tmp_path / "plain")}
     for r in rows(tmp_path / "kill"):  # the redone step 7 included
-        assert (r["indices"], r["loss"]) == (
-            ref[r["step"], r["rank"]]["indices"],
-            ref[r["step"], r["rank"]]["loss"],
-        ), r
+        same = ref[r["epoch"], r["batch"], r["rank"]]
+        assert (r["step"], r["indices"], r["loss"]) == (same["step"], same["indices"], same["loss"])
     want, got = (torch.load(tmp_path / d / "final.pt") for d in ("plain", "kill"))
     assert want["step"] == got["step"] == 24
     for k, v in want["model"].items():

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,7 @@ class ElasticLightning(Callback):
         self._position: dict[str, int] | None = None  # to resume the train loader at
         self._committed = 0  # the global step last committed
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until training
+        self._unwrap: list[Callable[[], None]] = []  # puts the strategy's methods back
 
     # -- start: restore --------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -192,6 +193,7 @@ class ElasticLightning(Callback):
             return ckpt
 
         strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign, assignment]
+        self._unwrap.append(lambda: setattr(strategy, "load_checkpoint", read_file))
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -212,6 +214,7 @@ class ElasticLightning(Callback):
             return dataloader
 
         strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        self._unwrap.append(lambda: setattr(strategy, "process_dataloader", process))
 
     def _make_resumable(self, trainer: pl.Trainer, loader: DataLoader) -> None:
         batches = loader.batch_sampler
@@ -269,6 +272,8 @@ class ElasticLightning(Callback):
         self._state.commit(float(loss) if isinstance(loss, torch.Tensor) else None)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        while self._unwrap:  # a later fit() starts as the first did
+            self._unwrap.pop()()
         if self._state is not None:
             self._state.close()  # the snapshot copy in flight, if any, completes
             self._state = None

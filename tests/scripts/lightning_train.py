@@ -65,6 +65,7 @@ class Record(Callback):
             "pid": os.getpid(),
             "epoch": trainer.current_epoch,
             "step": trainer.global_step,
+            "batch": i,
             "rank": trainer.global_rank,
             "world": trainer.world_size,
             "port": int(os.environ["MASTER_PORT"]),
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--checkpoint-every", type=int, default=1000)
+    ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
     a = ap.parse_args()
     L.seed_everything(0, verbose=False)
@@ -114,6 +116,7 @@ def main() -> None:
         devices=local,
         num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,
         max_epochs=a.epochs,
+        accumulate_grad_batches=a.accumulate,
         callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
