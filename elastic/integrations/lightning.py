@@ -167,7 +167,7 @@ class ElasticLightning(Callback):
         self._checkpoint = _Checkpoint(trainer)
         self._state = State(self._policy, lightning=self._checkpoint)
         self._wrap_loaders(trainer)
-        if self._state.restore():
+        if self._state.restore(tell=False):  # Lightning may resume from a file instead
             self._resume_from(trainer, self._checkpoint.loaded or {})
             # Lightning draws from the RNG before the first step (a DataLoader iterator's
             # seed): the restored states go back right before it, as they were saved
@@ -252,8 +252,8 @@ class ElasticLightning(Callback):
         if self._rng is not None:
             rng.apply(self._rng)
             self._rng = None
-        if self._state is not None:
-            self._state.step = trainer.global_step  # a resume from a file starts there too
+        if self._state is not None:  # from the snapshot, a file, or the start
+            self._state.resumed_from(trainer.global_step or -1)
             self._committed = trainer.global_step
 
     def on_train_batch_end(

@@ -443,9 +443,11 @@ class State:
         self._core.stats.snapshot_seconds = self._core.stats.checkpoint_seconds = took
 
     # -- restore --------------------------------------------------------------------------
-    def restore(self) -> bool:
+    def restore(self, tell: bool = True) -> bool:
         """Load the newest state in the job; False (nothing loaded) on a fresh start.
-        Every rank must call it, at the same point of the script."""
+        Every rank must call it, at the same point of the script. ``tell=False``: the
+        agent learns the step resumed from later, from ``resumed_from`` (a framework
+        that may resume from a file of its own instead)."""
         started = time.perf_counter()
         nbytes = 0
         if self._core.sharded:
@@ -460,12 +462,20 @@ class State:
         self._apply_batch_policy()
         if step >= 0:
             self._core.stats.restored_step = step
+        if tell:
+            self.resumed_from(step)
+        return step >= 0
+
+    def resumed_from(self, step: int) -> None:
+        """Training goes on from ``step`` (-1: from the start): the step counter and the
+        agent learn it (the agent says when that is older than what its node committed)."""
+        if step >= 0:
+            self._core.values["step"] = step
         ctl = self._core.ctl
         if ctl is not None:
             if step >= 0:
                 ctl.beat(step)
-            ctl.restored(step)  # the agent says if that is older than what its node committed
-        return step >= 0
+            ctl.restored(step)
 
     def _restore_snapshot(self, mine: Candidate | None = None) -> tuple[int, int]:
         """(step restored or -1, bytes loaded). ``mine``: what this rank offers (default:
