@@ -1,6 +1,6 @@
 """PyTorch Lightning with DDP, resumed from elastic-run's in-memory snapshots.
 
-    pip install 'elastic-run[lightning]'
+    pip install -e '.[lightning]'
     elastic-run --nproc-per-node 2 examples/lightning_ddp.py --epochs 3
 
 A Lightning script as it runs under torchrun (a LightningModule, a DataLoader, its own
