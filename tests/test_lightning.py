@@ -4,7 +4,6 @@ happened, and across a resize without losing or repeating a sample."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agents import samples_once, start_agent, wait_world
+from agents import samples_once, start_agent, steps, wait_world
 from conftest import need
 from harness import ROOT, Proc
 
@@ -29,13 +28,6 @@ def _lightning() -> None:
         import lightning  # noqa: F401
     except ImportError:
         need(False, "lightning is not installed (pip install -e '.[test]')")
-
-
-def rows(result_dir: Path) -> list[dict]:
-    out = []
-    for f in result_dir.glob("w*.jsonl"):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return sorted(out, key=lambda r: r["t"])
 
 
 def run(
@@ -91,8 +83,8 @@ def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
         assert agent.wait(240) == 0, agent.transcript()
     assert any("signal SIGKILL" in line for line in killed.err)
     assert any("resumes from step 6" in line for line in killed.err), killed.transcript()
-    ref = {(r["epoch"], r["batch"], r["rank"]): r for r in rows(tmp_path / "plain")}
-    for r in rows(tmp_path / "kill"):  # the redone step 7 included
+    ref = {(r["epoch"], r["batch"], r["rank"]): r for r in steps(tmp_path / "plain")}
+    for r in steps(tmp_path / "kill"):  # the redone step 7 included
         same = ref[r["epoch"], r["batch"], r["rank"]]
         assert (r["step"], r["indices"], r["loss"]) == (same["step"], same["indices"], same["loss"])
     want, got = (torch.load(tmp_path / d / "final.pt") for d in ("plain", "kill"))
@@ -122,7 +114,7 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     b.signal(signal.SIGKILL)
     wait_world(out, 1, after=killed, timeout=60)
     assert a.wait(180) == 0, a.transcript()
-    history = rows(out)
+    history = steps(out)
     assert sorted({r["world"] for r in history}) == [1, 2]
     samples_once(history, 96, 2)
     before = max(r["step"] for r in history if r["world"] == 2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from agents import samples_once, start_agent, wait_world
+from agents import samples_once, start_agent, steps, wait_world
 from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
@@ -19,13 +18,6 @@ from elastic.stored import CheckpointDir
 
 pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "tests" / "scripts" / "elastic_train.py"
-
-
-def rows(result_dir: Path) -> list[dict]:
-    out = []
-    for f in result_dir.glob("w*.jsonl"):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return sorted(out, key=lambda r: r["t"])
 
 
 def start(
@@ -90,7 +82,7 @@ def test_sigkill_of_a_worker_resumes_bitwise_equal(
         extra=extra,
     )
     assert any("signal SIGKILL" in line for a in agents for line in a.err)
-    resumed = [r for r in rows(tmp_path / "kill") if r["step"] == 7]
+    resumed = [r for r in steps(tmp_path / "kill") if r["step"] == 7]
     assert len({r["pid"] for r in resumed}) == 4, "step 7 ran twice: snapshot at 6, redone"
     ref = torch.load(tmp_path / "ref" / "final.pt")
     got = torch.load(tmp_path / "kill" / "final.pt")
@@ -165,7 +157,7 @@ def test_three_two_three_nodes_every_sample_exactly_once(
     for n in (a, b, d):
         assert n.wait(120) == 0, n.transcript()
 
-    history = rows(out)
+    history = steps(out)
     rounds = sorted(
         {r["port"] for r in history}, key=lambda p: min(r["t"] for r in history if r["port"] == p)
     )
@@ -210,24 +202,24 @@ def test_a_kill_right_after_a_resize_loses_nothing_it_was_sent(
         )  # fmt: skip
 
     a = node("a")
-    wait_until(lambda: any(r["step"] >= 15 for r in rows(out)), 60, "a to train alone")
+    wait_until(lambda: any(r["step"] >= 15 for r in steps(out)), 60, "a to train alone")
     b = node("b")
     node("c")
     three = wait_world(out, 3, timeout=60)
-    first3 = min(r["step"] for r in rows(out) if r["world"] == 3)
+    first3 = min(r["step"] for r in steps(out) if r["world"] == 3)
     wait_until(
-        lambda: any(r["world"] == 3 and r["step"] >= first3 + 2 for r in rows(out)), 30, "steps"
+        lambda: any(r["world"] == 3 and r["step"] >= first3 + 2 for r in steps(out)), 30, "steps"
     )
     b_workers = {c.pid for c in psutil.Process(b.pid).children(recursive=True)}
     killed = time.time()
     a.signal(signal.SIGKILL)
     wait_world(out, 2, after=killed, timeout=40)
-    first2 = min(r["step"] for r in rows(out) if r["world"] == 2 and r["t"] > killed)
+    first2 = min(r["step"] for r in steps(out) if r["world"] == 2 and r["t"] > killed)
     assert first2 >= first3 > 15, (first3, first2, three)
     # the steps of round 2 trained again (no snapshot since) are said, never silent: b's
     # workers committed each step they wrote a row for (a's loss can cut a step short on
     # b, so b's own rows count, not the others')
-    committed = max(r["step"] for r in rows(out) if r["world"] == 3 and r["pid"] in b_workers)
+    committed = max(r["step"] for r in steps(out) if r["world"] == 3 and r["pid"] in b_workers)
     if first2 <= committed:
         pattern = (r"resumes from step (\d+), \d+ step\(s\) behind the newest this "
                    r"node's workers committed \((\d+)\)")  # fmt: skip
@@ -264,7 +256,7 @@ def test_fsdp_state_is_resharded_when_a_node_joins(
     wait_world(out, 3, after=joined, timeout=60)
     for n in first:
         assert n.wait(120) == 0, n.transcript()
-    history = rows(out)
+    history = steps(out)
     steps2 = [r for r in history if r["event"] == "step" and r["world"] == 2]
     restored = [r for r in history if r["event"] == "restored" and r["world"] == 3]
     assert restored and {r["rank"] for r in restored} == {0, 1, 2}
@@ -306,7 +298,7 @@ def test_save_at_breakdown_and_resume_on_fresh_nodes(
     assert not list(ckpt.glob("*.tmp"))
     again = tmp_path / "run2"
     train(procs, etcd, run_id + "-again", again, "cd", *args, extra=("--checkpoint-dir", str(ckpt)))
-    assert min(r["step"] for r in rows(again)) == saved + 1
+    assert min(r["step"] for r in steps(again)) == saved + 1
 
 
 def test_sigterm_of_the_whole_job_saves_the_newest_state(
@@ -319,7 +311,7 @@ def test_sigterm_of_the_whole_job_saves_the_newest_state(
     args = ("--samples", "100000", "--epochs", "1", "--step-time", "0.05")
     nodes = start(procs, etcd, run_id, out, "ab", *args, extra=extra)
     wait_world(out, 2, timeout=60)
-    wait_until(lambda: max(r["step"] for r in rows(out)) >= 8, 60, "some steps")
+    wait_until(lambda: max(r["step"] for r in steps(out)) >= 8, 60, "some steps")
     for n in nodes:
         n.signal(signal.SIGTERM)
     for n in nodes:
@@ -333,5 +325,5 @@ def test_sigterm_of_the_whole_job_saves_the_newest_state(
         if "saved the newest state" in line or "is already in" in line
     ]
     assert said, [n.transcript() for n in nodes]
-    last = max(r["step"] for r in rows(out))
+    last = max(r["step"] for r in steps(out))
     assert CheckpointDir(ckpt).newest_valid()[0] == last  # the step committed last
