@@ -1,0 +1,413 @@
+"""The Hugging Face ``Trainer`` on ``elastic.State``: a restart resumes at the last step.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    ElasticCallback.attach(trainer)
+    trainer.train()
+
+The Trainer resumes only from a checkpoint folder (``train(resume_from_checkpoint=...)``,
+read inside ``train()`` before any callback runs), so a callback alone cannot hand it a
+snapshot: ``attach`` also wraps ``train``. After each optimizer step the callback hands
+``State`` what a checkpoint folder holds (model, optimizer, scheduler, scaler,
+``TrainerState``) and the epoch's data position, and ``State`` snapshots it into the
+node's shared memory when its cost policy says (``--snapshot-every``). On a restart the
+wrapped ``train`` finds the newest snapshot in the job and resumes the Trainer from it
+as from a folder: its ``_load_*`` steps read the snapshot, and only ``trainer_state.json``
+(a few hundred bytes) is written, to a private temporary folder, since the Trainer reads
+that file itself. A folder the script passes is used instead when it is newer.
+
+The data position: the Trainer's loader (prepared by accelerate) deals the batches of one
+seeded permutation round-robin over the ranks, so what an epoch trained on is always a
+prefix of that permutation, and the Trainer resumes by skipping the batches each rank
+trained on. That holds only at the same world size: after a resize the Trainer would
+skip the wrong number of samples. So the resumed epoch's sampler puts ahead of the rest
+of the permutation as many filler samples as make a whole number of the new world's
+batches, the Trainer is told to skip exactly those, and its epoch and step counts are
+set to match (``max_steps`` too, when the run is given in epochs). At the same world
+size the filler is the trained prefix itself: the epoch is the one an undisturbed run
+sees, sample for sample.
+
+Respawn only: the Trainer's accelerator holds the process group, so a membership change
+restarts the workers. FSDP and DeepSpeed keep their own sharded checkpoints: with them
+the callback stands aside (it says so once) and the Trainer's own resume is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sized
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import BatchSampler, Sampler
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import get_last_checkpoint
+
+from elastic.contract import SnapshotPolicy
+from elastic.worker import rng
+from elastic.worker.state import State
+
+log = logging.getLogger("elastic.transformers")
+
+__all__ = ["ElasticCallback", "Position"]
+
+_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where an epoch stands: ``consumed`` samples of its permutation trained on (all
+    ranks together), ``batches`` per rank counted by the loop, ``lead`` of them filler."""
+
+    epoch: int = 0
+    consumed: int = 0
+    batches: int = 0
+    lead: int = 0
+
+    def after(self, batches: int, world: int, batch_size: int, samples: int) -> Position:
+        """The position once the loop counted ``batches`` of this epoch; a finished epoch
+        is the start of the next."""
+        consumed = self.consumed + max(batches - self.lead, 0) * world * batch_size
+        if consumed >= samples:
+            return Position(self.epoch + 1)
+        return dataclasses.replace(self, consumed=consumed, batches=batches)
+
+
+def per_rank(samples: int, batch_size: int, drop_last: bool, world: int, even: bool) -> int:
+    """Batches a rank gets from ``samples`` samples: accelerate's own arithmetic."""
+    batches = BatchSampler(range(samples), batch_size, drop_last)
+    if world == 1:
+        return len(batches)
+    from accelerate.data_loader import BatchSamplerShard
+
+    return len(BatchSamplerShard(batches, world, 0, split_batches=False, even_batches=even))
+
+
+def filler_batches(
+    samples: int, consumed: int, batch_size: int, drop_last: bool, world: int, even: bool
+) -> int:
+    """Batches per rank to put ahead of the epoch's untrained samples so that, skipped,
+    the epoch has its whole length in this world (the Trainer counts epochs by it)."""
+    whole = per_rank(samples, batch_size, drop_last, world, even)
+    return whole - per_rank(samples - consumed, batch_size, drop_last, world, even)
+
+
+class ResumedEpoch(Sampler[int]):
+    """The loader's sampler for the one resumed epoch: ``filler`` samples (skipped by the
+    Trainer, never loaded), then the permutation's samples from ``start`` on; later
+    epochs are the sampler's own."""
+
+    def __init__(self, inner: Sampler[int], start: int, filler: int) -> None:
+        self.inner, self.start, self.filler = inner, start, filler
+        self.pending = True
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.inner)  # draws the epoch's permutation (and moves the epoch on)
+        if not self.pending:
+            return iter(order)
+        self.pending = False
+        # the filler is the permutation's start: at the same world size, the trained prefix
+        filler = (order * (self.filler // max(len(order), 1) + 1))[: self.filler]
+        return iter(filler + order[self.start :])
+
+    def __len__(self) -> int:
+        inner = len(self.inner)  # type: ignore[arg-type]
+        return self.filler + inner - self.start if self.pending else inner
+
+
+def _batch_sampler(loader: Any) -> BatchSampler | None:
+    """The loader's ``BatchSampler`` over one sampler, inside accelerate's shard; None
+    for what deals samples otherwise (an iterable dataset, dispatched or split batches)."""
+    if loader is None or type(loader).__name__ == "DataLoaderDispatcher":
+        return None
+    outer = getattr(loader, "batch_sampler", None)
+    if getattr(outer, "split_batches", False):
+        return None
+    inner = getattr(outer, "batch_sampler", outer)
+    if not isinstance(inner, BatchSampler) or not isinstance(inner.sampler, Sized):
+        return None
+    return inner
+
+
+class _Snapshot:
+    """What a Trainer checkpoint folder holds, as the one object ``State`` saves."""
+
+    def __init__(self, trainer: Trainer, position: Callable[[], Position]) -> None:
+        self.trainer = trainer
+        self.position = position
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        model: Any = t.model
+        optimizer: Any = t.optimizer
+        state = dataclasses.asdict(t.state)
+        # the callbacks' own states, as the Trainer's _save_checkpoint writes them
+        everyone = [*t.callback_handler.callbacks, t.control]
+        saved: list[Any] = [c for c in everyone if isinstance(c, ExportableState)]
+        state["stateful_callbacks"] = TrainerState(stateful_callbacks=saved).stateful_callbacks
+        out = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "trainer_state": json.dumps(state),  # what a restart reads runs no code
+            "position": dataclasses.asdict(self.position()),
+        }
+        if t.lr_scheduler is not None:
+            out["scheduler"] = t.lr_scheduler.state_dict()
+        scaler = getattr(t.accelerator, "scaler", None)
+        if scaler is not None:
+            out["scaler"] = scaler.state_dict()
+        return out
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.loaded = saved
+
+
+def _folder_step(folder: str | None) -> int:
+    """The global step of a Trainer checkpoint folder, -1 when there is none."""
+    if not folder:
+        return -1
+    try:
+        return int(json.loads((Path(folder) / _STATE_FILE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+class ElasticCallback(TrainerCallback):
+    """Snapshots a Trainer's state through ``elastic.State`` after optimizer steps and
+    resumes ``train()`` from the newest one (see the module doc). Made and added by
+    ``attach``. Under torchrun or plain python it changes nothing."""
+
+    def __init__(self, snapshot_policy: SnapshotPolicy | None = None) -> None:
+        self._policy = snapshot_policy
+        self._trainer: Trainer | None = None
+        self._state: State | None = None
+        self._start = Position()  # of the epoch being trained
+        self._batches = 0  # of this epoch, per rank, as the loop counts them
+        self._epoch_begun = False
+        self._resume: Position | None = None  # of the snapshot resumed from, until its epoch
+        self._rng: dict[str, Any] | None = None  # the restored RNG states, until the loop's turn
+
+    @classmethod
+    def attach(
+        cls, trainer: Trainer, snapshot_policy: SnapshotPolicy | None = None
+    ) -> ElasticCallback:
+        """Add the callback to ``trainer`` and wrap its ``train`` (see the module doc)."""
+        cb = cls(snapshot_policy)
+        cb._trainer = trainer
+        trainer.add_callback(cb)
+        train = trainer.train
+
+        def elastic_train(resume_from_checkpoint: str | bool | None = None, **kw: Any) -> Any:
+            return cb._train(train, resume_from_checkpoint, **kw)
+
+        trainer.train = elastic_train  # type: ignore[method-assign, assignment]
+        return cb
+
+    # -- start: restore --------------------------------------------------------------------
+    def _train(self, train: Callable[..., Any], folder: str | bool | None, **kw: Any) -> Any:
+        t = self._trainer
+        assert t is not None
+        if t.is_fsdp_enabled or t.is_deepspeed_enabled:
+            log.warning(
+                "FSDP and DeepSpeed keep sharded checkpoints of their own: elastic-run's "
+                "snapshots stand aside and the Trainer resumes from its own checkpoints"
+            )
+            return train(resume_from_checkpoint=folder, **kw)
+        path = get_last_checkpoint(t.args.output_dir) if folder is True else folder or None
+        snapshot = _Snapshot(t, self._position)
+        self._state = State(self._policy, transformers=snapshot)
+        self._start, self._batches, self._epoch_begun = Position(), 0, False
+        scratch = None
+        undo: list[Callable[[], None]] = []
+        try:
+            if self._state.restore(tell=False) and snapshot.loaded is not None:
+                step = json.loads(snapshot.loaded["trainer_state"])["global_step"]
+                if _folder_step(path) > step:
+                    log.info("%s (step %d) is newer than the snapshot", path, _folder_step(path))
+                else:
+                    scratch = tempfile.mkdtemp(prefix="elastic-trainer-")
+                    Path(scratch, _STATE_FILE).write_text(snapshot.loaded["trainer_state"])
+                    self._rng = rng.capture()  # as restored: the loop applies them later
+                    undo = self._resume_from(t, snapshot.loaded, scratch)
+                    log.info("resuming from the snapshot of step %d, not %s", step, path)
+                    path = scratch
+            self._state.resumed_from(_folder_step(path))
+            # True with no folder and no snapshot: the Trainer says there is nothing
+            return train(resume_from_checkpoint=path or (folder is True or None), **kw)
+        finally:
+            for put_back in reversed(undo):
+                put_back()
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            self._state.close()  # the snapshot copy in flight, if any, completes
+            self._state, self._resume, self._rng = None, None, None
+
+    def _resume_from(
+        self, t: Trainer, saved: dict[str, Any], scratch: str
+    ) -> list[Callable[[], None]]:
+        """Make the Trainer's folder-reading steps read ``saved`` for ``scratch``; returns
+        what puts them back."""
+        self._resume = Position(**saved["position"])
+        ours = os.path.realpath(scratch)
+
+        def load_model(folder: str, model: Any = None) -> None:
+            into: Any = model or t.model
+            into.load_state_dict(saved["model"])
+
+        def load_optimizer_and_scheduler(folder: str | None) -> None:
+            optimizer: Any = t.optimizer
+            optimizer.load_state_dict(saved["optimizer"])
+            if t.lr_scheduler is not None and "scheduler" in saved:
+                t.lr_scheduler.load_state_dict(saved["scheduler"])
+
+        def load_scaler(folder: str | None) -> None:
+            scaler = getattr(t.accelerator, "scaler", None)
+            if scaler is not None and "scaler" in saved:
+                scaler.load_state_dict(saved["scaler"])
+
+        def load_rng(folder: str | None) -> None:
+            if self._rng is not None:
+                rng.apply(self._rng)
+
+        undo = []
+        for name, ours_fn in (
+            ("_load_from_checkpoint", load_model),
+            ("_load_optimizer_and_scheduler", load_optimizer_and_scheduler),
+            ("_load_scaler", load_scaler),
+            ("_load_rng_state", load_rng),
+        ):
+            undo.append(self._wrap(t, name, ours, ours_fn))
+        undo.append(self._wrap_loader(t))
+        undo.append(self._wrap_counts(t))
+        return undo
+
+    @staticmethod
+    def _wrap(t: Trainer, name: str, ours: str, fn: Callable[..., None]) -> Callable[[], None]:
+        """``t.name`` runs ``fn`` for the snapshot's folder, the Trainer's own otherwise."""
+        theirs = getattr(t, name)
+
+        def either(folder: Any = None, *args: Any) -> None:
+            if folder is not None and os.path.realpath(folder) == ours:
+                fn(folder, *args)
+            else:
+                theirs(folder, *args)
+
+        setattr(t, name, either)
+        return lambda: setattr(t, name, theirs)
+
+    def _wrap_loader(self, t: Trainer) -> Callable[[], None]:
+        """The train loader's sampler starts the resumed epoch with filler batches."""
+        theirs = t.get_train_dataloader
+
+        def get_train_dataloader() -> Any:
+            loader: Any = theirs()
+            resume, batches = self._resume, _batch_sampler(loader)
+            if resume is None or t.args.ignore_data_skip:
+                return loader
+            if batches is None:
+                log.warning(
+                    "the train loader does not deal one sampler's batches over the ranks: "
+                    "the Trainer skips the batches trained on, right only at the same world size"
+                )
+                self._resume = None
+                return loader
+            sampler: Any = batches.sampler
+            world, size = t.args.world_size, t._train_batch_size
+            even = bool(getattr(t.accelerator, "even_batches", True))
+            lead = filler_batches(
+                len(sampler), resume.consumed, size, batches.drop_last, world, even
+            )
+            self._resume = dataclasses.replace(resume, lead=lead)
+            loader.set_sampler(ResumedEpoch(sampler, resume.consumed, lead * world * size))
+            return loader
+
+        t.get_train_dataloader = get_train_dataloader  # type: ignore[method-assign]
+        return lambda: setattr(t, "get_train_dataloader", theirs)
+
+    def _wrap_counts(self, t: Trainer) -> Callable[[], None]:
+        """The Trainer's epoch and batch counts for the resumed epoch are the snapshot's
+        (it would derive them from the global step, right only at the same world size)."""
+        theirs = t._init_training_state
+
+        def init_training_state(
+            max_steps: int, per_epoch: int, epochs: int, folder: Any, trial: Any
+        ) -> tuple[int, int]:
+            counts: tuple[int, int] = theirs(max_steps, per_epoch, epochs, folder, trial)
+            resume = self._resume
+            if resume is None or t.args.ignore_data_skip:
+                return counts  # the Trainer's own (the loader has no sampler to resume)
+            if t.args.max_steps <= 0:  # given in epochs: the steps still to go, in this world
+                accumulate = t.args.gradient_accumulation_steps
+                left = per_epoch - resume.lead // accumulate
+                later = math.ceil((t.args.num_train_epochs - resume.epoch - 1) * per_epoch)
+                t.state.max_steps = t.state.global_step + left + max(later, 0)
+            return resume.epoch, resume.lead
+
+        t._init_training_state = init_training_state  # type: ignore[method-assign, assignment]
+        return lambda: setattr(t, "_init_training_state", theirs)
+
+    # -- training: count and commit --------------------------------------------------------
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self._trainer is None:
+            raise RuntimeError(
+                "ElasticCallback is added with ElasticCallback.attach(trainer), which also "
+                "lets train() resume from the snapshots, not through callbacks=[...]"
+            )
+
+    def on_epoch_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        train_dataloader: Any = None,
+        **kw: Any,
+    ) -> None:
+        resume = self._resume
+        if resume is not None:  # the resumed epoch: its position, its filler counted
+            self._start, self._batches, self._resume = resume, resume.lead, None
+        elif self._epoch_begun:
+            self._start, self._batches = Position(self._start.epoch + 1), 0
+        else:  # from the start, or the Trainer's own resume from a folder: its arithmetic
+            accumulate = args.gradient_accumulation_steps
+            per_epoch = max(math.ceil(len(train_dataloader) / accumulate), 1)
+            self._start = Position(state.global_step // per_epoch)
+            self._batches = state.global_step % per_epoch * accumulate
+        self._epoch_begun = True
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._batches += 1
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._batches += 1
+        if self._state is not None:
+            self._state.step = state.global_step - 1
+            self._state.commit()
+
+    def _position(self) -> Position:
+        """Where the epoch stands now (what a snapshot saves)."""
+        t = self._trainer
+        assert t is not None
+        batches = _batch_sampler(t.callback_handler.train_dataloader)
+        if batches is None:
+            return self._start  # nothing to resume a position on: the Trainer skips
+        sampler = batches.sampler
+        inner = sampler.inner if isinstance(sampler, ResumedEpoch) else sampler
+        samples = len(inner)  # type: ignore[arg-type]
+        return self._start.after(self._batches, t.args.world_size, t._train_batch_size, samples)
