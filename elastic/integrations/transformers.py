@@ -15,16 +15,10 @@ as from a folder: its ``_load_*`` steps read the snapshot, and only ``trainer_st
 (a few hundred bytes) is written, to a private temporary folder, since the Trainer reads
 that file itself. A folder the script passes is used instead when it is newer.
 
-The data position: the Trainer's loader (prepared by accelerate) deals the batches of one
-seeded permutation round-robin over the ranks, so what an epoch trained on is always a
-prefix of that permutation, and the Trainer resumes by skipping the batches each rank
-trained on. That holds only at the same world size: after a resize the Trainer would
-skip the wrong number of samples. So the resumed epoch's sampler puts ahead of the rest
-of the permutation as many filler samples as make a whole number of the new world's
-batches, the Trainer is told to skip exactly those, and its epoch and step counts are
-set to match (``max_steps`` too, when the run is given in epochs). At the same world
-size the filler is the trained prefix itself: the epoch is the one an undisturbed run
-sees, sample for sample.
+The data position: the Trainer skips as many batches per rank as were trained, right
+only at the same world size. The resumed epoch's sampler leads with filler batches
+instead (``_loader``), the Trainer is told to skip exactly those, and its epoch and step
+counts are set to match (``max_steps`` too, when the run is given in epochs).
 
 Respawn only: the Trainer's accelerator holds the process group, so a membership change
 restarts the workers. FSDP and DeepSpeed keep their own sharded checkpoints: with them
@@ -40,103 +34,34 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import BatchSampler, Sampler
+import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from elastic.contract import SnapshotPolicy
+from elastic.integrations._loader import Position, ResumedEpoch, batch_sampler, filler_batches
 from elastic.worker import rng
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.transformers")
 
-__all__ = ["ElasticCallback", "Position"]
+__all__ = ["ElasticCallback"]
 
 _STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
-
-
-@dataclasses.dataclass(frozen=True)
-class Position:
-    """Where an epoch stands: ``consumed`` samples of its permutation trained on (all
-    ranks together), ``batches`` per rank counted by the loop, ``lead`` of them filler."""
-
-    epoch: int = 0
-    consumed: int = 0
-    batches: int = 0
-    lead: int = 0
-
-    def after(self, batches: int, world: int, batch_size: int, samples: int) -> Position:
-        """The position once the loop counted ``batches`` of this epoch; a finished epoch
-        is the start of the next."""
-        consumed = self.consumed + max(batches - self.lead, 0) * world * batch_size
-        if consumed >= samples:
-            return Position(self.epoch + 1)
-        return dataclasses.replace(self, consumed=consumed, batches=batches)
-
-
-def per_rank(samples: int, batch_size: int, drop_last: bool, world: int, even: bool) -> int:
-    """Batches a rank gets from ``samples`` samples: accelerate's own arithmetic."""
-    batches = BatchSampler(range(samples), batch_size, drop_last)
-    if world == 1:
-        return len(batches)
-    from accelerate.data_loader import BatchSamplerShard
-
-    return len(BatchSamplerShard(batches, world, 0, split_batches=False, even_batches=even))
-
-
-def filler_batches(
-    samples: int, consumed: int, batch_size: int, drop_last: bool, world: int, even: bool
-) -> int:
-    """Batches per rank to put ahead of the epoch's untrained samples so that, skipped,
-    the epoch has its whole length in this world (the Trainer counts epochs by it)."""
-    whole = per_rank(samples, batch_size, drop_last, world, even)
-    return whole - per_rank(samples - consumed, batch_size, drop_last, world, even)
-
-
-class ResumedEpoch(Sampler[int]):
-    """The loader's sampler for the one resumed epoch: ``filler`` samples (skipped by the
-    Trainer, never loaded), then the permutation's samples from ``start`` on; later
-    epochs are the sampler's own."""
-
-    def __init__(self, inner: Sampler[int], start: int, filler: int) -> None:
-        self.inner, self.start, self.filler = inner, start, filler
-        self.pending = True
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.inner, "set_epoch"):
-            self.inner.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        order = list(self.inner)  # draws the epoch's permutation (and moves the epoch on)
-        if not self.pending:
-            return iter(order)
-        self.pending = False
-        # the filler is the permutation's start: at the same world size, the trained prefix
-        filler = (order * (self.filler // max(len(order), 1) + 1))[: self.filler]
-        return iter(filler + order[self.start :])
-
-    def __len__(self) -> int:
-        inner = len(self.inner)  # type: ignore[arg-type]
-        return self.filler + inner - self.start if self.pending else inner
-
-
-def _batch_sampler(loader: Any) -> BatchSampler | None:
-    """The loader's ``BatchSampler`` over one sampler, inside accelerate's shard; None
-    for what deals samples otherwise (an iterable dataset, dispatched or split batches)."""
-    if loader is None or type(loader).__name__ == "DataLoaderDispatcher":
-        return None
-    outer = getattr(loader, "batch_sampler", None)
-    if getattr(outer, "split_batches", False):
-        return None
-    inner = getattr(outer, "batch_sampler", outer)
-    if not isinstance(inner, BatchSampler) or not isinstance(inner.sampler, Sized):
-        return None
-    return inner
+# the Trainer's steps of a resume that the adapter redirects to a snapshot
+_RESUME_STEPS = (
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_load_rng_state",
+    "_init_training_state",
+    "get_train_dataloader",
+)
 
 
 class _Snapshot:
@@ -203,6 +128,12 @@ class ElasticCallback(TrainerCallback):
         cls, trainer: Trainer, snapshot_policy: SnapshotPolicy | None = None
     ) -> ElasticCallback:
         """Add the callback to ``trainer`` and wrap its ``train`` (see the module doc)."""
+        missing = [m for m in _RESUME_STEPS if not callable(getattr(trainer, m, None))]
+        if missing:
+            raise RuntimeError(
+                f"this Trainer (transformers {transformers.__version__}) has no "
+                f"{', '.join(missing)}: ElasticCallback needs transformers 5.3 or newer"
+            )
         cb = cls(snapshot_policy)
         cb._trainer = trainer
         trainer.add_callback(cb)
@@ -312,7 +243,7 @@ class ElasticCallback(TrainerCallback):
 
         def get_train_dataloader() -> Any:
             loader: Any = theirs()
-            resume, batches = self._resume, _batch_sampler(loader)
+            resume, batches = self._resume, batch_sampler(loader)
             if resume is None or t.args.ignore_data_skip:
                 return loader
             if batches is None:
@@ -404,7 +335,7 @@ class ElasticCallback(TrainerCallback):
         """Where the epoch stands now (what a snapshot saves)."""
         t = self._trainer
         assert t is not None
-        batches = _batch_sampler(t.callback_handler.train_dataloader)
+        batches = batch_sampler(t.callback_handler.train_dataloader)
         if batches is None:
             return self._start  # nothing to resume a position on: the Trainer skips
         sampler = batches.sampler

@@ -69,6 +69,13 @@ def _has_state(obj: Any) -> bool:
     )
 
 
+def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose step runs the step hooks: a wrapper's own (accelerate's
+    ``AcceleratedOptimizer``) only hands the step to the one it holds."""
+    inner = getattr(opt, "optimizer", None)
+    return _stepping(inner) if isinstance(inner, torch.optim.Optimizer) else opt
+
+
 @dataclass
 class _Core:
     """Everything ``State`` keeps besides the script's values, on one object: no name a
@@ -99,7 +106,7 @@ class _Core:
         return comm.control()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        return [_stepping(o) for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
 
     def samplers(self) -> list[ElasticSampler]:
         return [o for o in self.objects.values() if isinstance(o, ElasticSampler)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -98,6 +99,9 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
     a = ap.parse_args()
+    # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
+    logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
+    logging.getLogger("elastic.state").setLevel(logging.INFO)
     result = os.environ["RESULT_DIR"]
     out = os.path.join(result, "out")
     args = TrainingArguments(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import time
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
     a = ap.parse_args()
+    # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
+    logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
+    logging.getLogger("elastic.state").setLevel(logging.INFO)
     L.seed_everything(0, verbose=False)
     result = os.environ["RESULT_DIR"]
     callbacks: list[Callback] = [

@@ -1,6 +1,7 @@
-"""The HF Trainer adapter's data position, through accelerate's own samplers: an epoch
-resumed after any number of batches, at the same or another world size, trains every
-sample not yet trained exactly once, and the same world size sees the undisturbed epoch."""
+"""The data position in a loader accelerate prepared, through accelerate's own samplers:
+an epoch resumed after any number of batches, at the same or another world size, trains
+every sample not yet trained exactly once, and the same world size sees the undisturbed
+epoch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from torch import Generator
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from elastic.integrations.transformers import Position, ResumedEpoch, filler_batches, per_rank
+from elastic.integrations._loader import Position, ResumedEpoch, filler_batches, per_rank
 
 
 def batches(make: Callable[[], Any], batch: int, drop: bool, world: int, skip: int = 0) -> list:
@@ -87,8 +88,16 @@ def test_later_epochs_are_the_samplers_own() -> None:
     assert len(sampler) == 10 and list(sampler) == list(range(10))
 
 
-def test_a_finished_epoch_is_the_start_of_the_next() -> None:
-    assert Position(2).after(12, 2, 4, 96) == Position(3)
+def test_a_finished_epoch_resumes_with_nothing_left() -> None:
+    done = Position(2).after(13, 2, 4, 96)  # the last batches padded: 104 dealt of 96
+    assert done == Position(2, consumed=96, batches=13)
+    lead = filler_batches(96, done.consumed, 4, False, 3, True)
+    assert lead == per_rank(96, 4, False, 3, True)  # every batch of the epoch is skipped
+    assert dealt(lambda: ResumedEpoch(range(96), 96, lead * 12), 4, False, 3, skip=lead) == [
+        [],
+        [],
+        [],
+    ]
     resumed = Position(1, consumed=40, batches=5, lead=5)  # 40 trained, then 5 filler batches
     assert resumed.after(7, 2, 4, 96) == Position(1, consumed=56, batches=7, lead=5)
 
