@@ -1,11 +1,13 @@
 """A framework's script through a node SIGKILL: to the first resumed step, and steps redone.
 
 Two "nodes" (launcher and one worker each, process trees on this machine) train the same
-script written for torchrun: Lightning DDP (``tests/scripts/lightning_train.py``) and the
-Hugging Face Trainer (``tests/scripts/hf_train.py``), each a tiny model on gloo with the
-framework's own checkpoints every 20 steps, which the script resumes from. Each runs under
-stock torchrun (c10d, --max-restarts 3), under elastic-run without the adapter, and under
-elastic-run with it (``ElasticLightning()``, ``ElasticCallback.attach(trainer)``). Once
+script written for torchrun: Lightning DDP (``tests/scripts/lightning_train.py``), the
+Hugging Face Trainer (``tests/scripts/hf_train.py``) and an accelerate loop
+(``tests/scripts/accelerate_train.py``), each a tiny model on gloo with the framework's
+own checkpoints every 20 steps (``save_state`` for accelerate), which the script resumes
+from. Each runs under stock torchrun (c10d, --max-restarts 3), under elastic-run without
+the adapter, and under elastic-run with it (``ElasticLightning()``,
+``ElasticCallback.attach(trainer)``, ``ElasticLoader``). Once
 both nodes train, node b (not torchrun's store host) is SIGKILLed,
 launcher and worker together, and a trains on alone. Printed per launcher: the seconds
 from the kill to the first step at world size 1 (and the ratio to torchrun's), and the
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter)
     "lightning": ("Lightning DDP", "lightning_train.py", "ElasticLightning"),
     "transformers": ("HF Trainer", "hf_train.py", "ElasticCallback"),
+    "accelerate": ("accelerate", "accelerate_train.py", "ElasticLoader"),
 }
 ARGS = ["--samples", "8000", "--epochs", "1", "--step-time", "0.03", "--checkpoint-every", "20"]
 COMMON = ["--nnodes", "1:2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]

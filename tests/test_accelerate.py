@@ -111,7 +111,8 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     """Two nodes, one worker each, gradient accumulation 2; b is SIGKILLed mid-epoch and a
     trains on alone: every sample of every epoch once in the kept steps, and at most the
     snapshot interval (2) of steps redone."""
-    args = ("--samples", "96", "--epochs", "2", "--accumulate", "2", "--step-time", "0.05")
+    args = ("--adapter", "--samples", "96", "--epochs", "2", "--accumulate", "2")
+    args += ("--step-time", "0.05")
     extra = ("--snapshot-every", "2")
     env = {"RESULT_DIR": str(tmp_path)}
     kw = {"nnodes": "1:2", "nproc": 1, "extra": extra, "env": env}
