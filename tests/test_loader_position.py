@@ -46,6 +46,7 @@ CASES = [
     for n, batch, drop in [(96, 4, False), (50, 4, False), (50, 3, True), (7, 2, False)]
     for old, new in [(2, 2), (2, 1), (1, 3), (3, 2)]
     for k in (0, 1, 3)
+    if k < per_rank(n, batch, drop, old, True)  # the epoch has that many batches
 ]
 
 
@@ -53,8 +54,6 @@ CASES = [
 def test_a_resumed_epoch_trains_the_rest_once(
     n: int, batch: int, drop: bool, old: int, new: int, k: int
 ) -> None:
-    if k >= per_rank(n, batch, drop, old, True):
-        pytest.skip("the epoch has fewer batches")
     trained = sorted(
         i for rank in dealt(permutation(n), batch, drop, old) for i in rank[: k * batch]
     )
@@ -109,3 +108,17 @@ def test_per_rank_is_the_loaders_length(world: int, drop: bool) -> None:
         assert per_rank(n, 4, drop, world, True) == len(
             batches(lambda: samples, 4, drop, world)[0]  # noqa: B023 (used at once)
         )
+
+
+@pytest.mark.parametrize(("batches", "accumulate"), [(12, 1), (12, 2), (13, 2), (13, 3), (1, 4)])
+def test_steps_left_is_the_trainers_count_of_optimizer_steps(batches: int, accumulate: int) -> None:
+    pytest.importorskip("transformers")
+    from elastic.integrations.transformers import steps_left
+
+    for skipped in range(batches + 1):
+        # the Trainer's rule (_run_epoch): step after batch s when (s + 1) % accumulate == 0
+        # or s + 1 == the epoch's batches
+        rule = sum(
+            1 for s in range(skipped, batches) if (s + 1) % accumulate == 0 or s + 1 == batches
+        )
+        assert steps_left(batches, skipped, accumulate) == rule, skipped

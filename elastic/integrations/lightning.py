@@ -127,7 +127,8 @@ class _Checkpoint:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        connector = self.trainer._checkpoint_connector
+        ckpt: dict[str, Any] = connector.dump_checkpoint(weights_only=False)
         # what a restart reads back is loaded without running code (weights_only): the
         # hyperparameters serve load_from_checkpoint, not a resume, and may be any object
         for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters"):
@@ -184,15 +185,15 @@ class ElasticLightning(Callback):
         step = int(ckpt.get("global_step", 0))
 
         def load_checkpoint(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-            strategy.load_checkpoint = read_file  # type: ignore[method-assign]
-            file = read_file(path, weights_only)
+            strategy.load_checkpoint = read_file
+            file: dict[str, Any] = read_file(path, weights_only)
             if int(file.get("global_step", -1)) > step:
                 log.info("%s (step %s) is newer than the snapshot", path, file["global_step"])
                 return file
             log.info("resuming from the snapshot of step %d, not %s", step, path)
             return ckpt
 
-        strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign, assignment]
+        strategy.load_checkpoint = load_checkpoint
         self._unwrap.append(lambda: setattr(strategy, "load_checkpoint", read_file))
 
     def on_load_checkpoint(
@@ -213,7 +214,7 @@ class ElasticLightning(Callback):
                 self._make_resumable(trainer, dataloader)
             return dataloader
 
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        strategy.process_dataloader = process_dataloader
         self._unwrap.append(lambda: setattr(strategy, "process_dataloader", process))
 
     def _make_resumable(self, trainer: pl.Trainer, loader: DataLoader) -> None:
@@ -244,7 +245,7 @@ class ElasticLightning(Callback):
         batches.sampler = sampler
         loop = trainer.fit_loop.epoch_loop
         # a stateful loader: Lightning saves its position with its loops, and reads it back
-        loader.state_dict = lambda: sampler.state(loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+        loader.state_dict = lambda: sampler.state(loop.batch_progress.current.processed)
         loader.load_state_dict = sampler.load
 
     # -- training: commit ------------------------------------------------------------------

@@ -98,6 +98,15 @@ class _Snapshot:
         self.loaded = saved
 
 
+def steps_left(batches: int, skipped: int, accumulate: int) -> int:
+    """Optimizer steps the Trainer takes in an epoch of ``batches`` per rank once it skips
+    ``skipped``: it steps after every ``accumulate``-th batch of the epoch and after its
+    last."""
+    if skipped >= batches:
+        return 0
+    return batches // accumulate - skipped // accumulate + (1 if batches % accumulate else 0)
+
+
 def _folder_step(folder: str | None) -> int:
     """The global step of a Trainer checkpoint folder, -1 when there is none."""
     if not folder:
@@ -122,6 +131,7 @@ class ElasticCallback(TrainerCallback):
         self._epoch_begun = False
         self._resume: Position | None = None  # of the snapshot resumed from, until its epoch
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until the loop's turn
+        self._epoch_batches = 0  # per rank, of the resumed epoch's loader
 
     @classmethod
     def attach(
@@ -142,7 +152,7 @@ class ElasticCallback(TrainerCallback):
         def elastic_train(resume_from_checkpoint: str | bool | None = None, **kw: Any) -> Any:
             return cb._train(train, resume_from_checkpoint, **kw)
 
-        trainer.train = elastic_train  # type: ignore[method-assign, assignment]
+        trainer.train = elastic_train
         return cb
 
     # -- start: restore --------------------------------------------------------------------
@@ -261,9 +271,10 @@ class ElasticCallback(TrainerCallback):
             )
             self._resume = dataclasses.replace(resume, lead=lead)
             loader.set_sampler(ResumedEpoch(sampler, resume.consumed, lead * world * size))
+            self._epoch_batches = len(loader)  # a whole epoch's, filler included
             return loader
 
-        t.get_train_dataloader = get_train_dataloader  # type: ignore[method-assign]
+        t.get_train_dataloader = get_train_dataloader
         return lambda: setattr(t, "get_train_dataloader", theirs)
 
     def _wrap_counts(self, t: Trainer) -> Callable[[], None]:
@@ -280,12 +291,12 @@ class ElasticCallback(TrainerCallback):
                 return counts  # the Trainer's own (the loader has no sampler to resume)
             if t.args.max_steps <= 0:  # given in epochs: the steps still to go, in this world
                 accumulate = t.args.gradient_accumulation_steps
-                left = per_epoch - resume.lead // accumulate
+                left = steps_left(self._epoch_batches, resume.lead, accumulate)
                 later = math.ceil((t.args.num_train_epochs - resume.epoch - 1) * per_epoch)
                 t.state.max_steps = t.state.global_step + left + max(later, 0)
             return resume.epoch, resume.lead
 
-        t._init_training_state = init_training_state  # type: ignore[method-assign, assignment]
+        t._init_training_state = init_training_state
         return lambda: setattr(t, "_init_training_state", theirs)
 
     # -- training: count and commit --------------------------------------------------------
