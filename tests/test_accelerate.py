@@ -5,21 +5,13 @@ sample lost or repeated."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from agents import samples_once, start_agent, steps, wait_world
 from conftest import need
-from harness import ROOT, Proc
+from harness import ROOT
 from torch.utils.data import DataLoader, IterableDataset
-
-from elastic.agent.etcd_server import EtcdServer
 
 SCRIPT = ROOT / "tests" / "scripts" / "accelerate_train.py"
 
@@ -102,46 +94,3 @@ def test_an_unsized_loader_is_refused_with_the_reason() -> None:
 
     with pytest.raises(ValueError, match="sized dataset"):
         ElasticLoader(Accelerator(cpu=True).prepare(DataLoader(Stream(), batch_size=2)))
-
-
-@pytest.mark.slow
-def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
-) -> None:
-    """Two nodes, one worker each, gradient accumulation 2; b is SIGKILLed mid-epoch and a
-    trains on alone: every sample of every epoch once in the kept steps, and at most the
-    snapshot interval (2) of steps redone."""
-    args = ("--adapter", "--samples", "96", "--epochs", "2", "--accumulate", "2")
-    args += ("--step-time", "0.05")
-    extra = ("--snapshot-every", "2")
-    env = {"RESULT_DIR": str(tmp_path)}
-    kw = {"nnodes": "1:2", "nproc": 1, "extra": extra, "env": env}
-    a = start_agent(procs, etcd.endpoint, run_id, "a", SCRIPT, *args, **kw)  # type: ignore[arg-type]
-    a.wait_output("registered as a", timeout=30)
-    b = start_agent(procs, etcd.endpoint, run_id, "b", SCRIPT, *args, **kw)  # type: ignore[arg-type]
-    wait_world(tmp_path, 2, timeout=120)
-    time.sleep(0.5)  # a few steps into the epoch
-    killed = time.time()
-    b.signal(signal.SIGKILL)
-    wait_world(tmp_path, 1, after=killed, timeout=60)
-    assert a.wait(180) == 0, a.transcript()
-    history = steps(tmp_path)
-    assert sorted({r["world"] for r in history}) == [1, 2]
-    samples_once(history, 96, 2)
-    before = max(r["step"] for r in history if r["world"] == 2)
-    after = min(r["step"] for r in history if r["world"] == 1)
-    assert 0 <= before + 1 - after <= 2, (before, after)
-
-
-@pytest.mark.slow
-def test_the_example_runs() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "elastic", "--nproc-per-node", "2", "--metrics-port", "0",
-         "examples/accelerate_ddp.py", "--epochs", "1"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=str(ROOT),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "epoch 0: loss" in done.stdout and "(step 8, 2 processes)" in done.stdout, done.stdout
