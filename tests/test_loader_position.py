@@ -58,7 +58,7 @@ def test_a_resumed_epoch_trains_the_rest_once(
         i for rank in dealt(permutation(n), batch, drop, old) for i in rank[: k * batch]
     )
     at = Position().after(k, old, batch, n)
-    assert at.consumed == min(k * old * batch, n) and at.batches == k
+    assert at.consumed == min(k * old * batch, n)
     whole = per_rank(n, batch, drop, new, True)
     lead = filler_batches(n, at.consumed, batch, drop, new, True)
 
@@ -89,7 +89,7 @@ def test_later_epochs_are_the_samplers_own() -> None:
 
 def test_a_finished_epoch_resumes_with_nothing_left() -> None:
     done = Position(2).after(13, 2, 4, 96)  # the last batches padded: 104 dealt of 96
-    assert done == Position(2, consumed=96, batches=13)
+    assert done == Position(2, consumed=96)
     lead = filler_batches(96, done.consumed, 4, False, 3, True)
     assert lead == per_rank(96, 4, False, 3, True)  # every batch of the epoch is skipped
     assert dealt(lambda: ResumedEpoch(range(96), 96, lead * 12), 4, False, 3, skip=lead) == [
@@ -97,8 +97,8 @@ def test_a_finished_epoch_resumes_with_nothing_left() -> None:
         [],
         [],
     ]
-    resumed = Position(1, consumed=40, batches=5, lead=5)  # 40 trained, then 5 filler batches
-    assert resumed.after(7, 2, 4, 96) == Position(1, consumed=56, batches=7, lead=5)
+    resumed = Position(1, consumed=40, lead=5)  # 40 trained, then 5 filler batches
+    assert resumed.after(7, 2, 4, 96) == Position(1, consumed=56, lead=5)
 
 
 @pytest.mark.parametrize(("world", "drop"), itertools.product((1, 2, 3), (False, True)))

@@ -1,7 +1,7 @@
 """The data position in a loader that accelerate prepared (the HF Trainer's, or one an
 ``accelerate`` script passes to ``prepare``), resumable over another world size.
 
-Such a loader deals the batches of one sampler (a seeded permutation) round-robin over
+Such a loader deals the batches of one sampler (an order of the samples) round-robin over
 the ranks, so what an epoch trained on is always a prefix of that permutation. To resume
 an epoch, the loader skips whole batches per rank (``skip_first_batches``): right only at
 the same world size. So the resumed epoch's sampler puts ahead of the rest of the
@@ -23,12 +23,11 @@ __all__ = ["Position", "ResumedEpoch", "batch_sampler", "filler_batches", "per_r
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where an epoch stands: ``consumed`` samples of its permutation trained on (all
-    ranks together), ``batches`` per rank counted by the loop, ``lead`` of them filler."""
+    """Where an epoch stands: ``consumed`` samples of its order trained on (all ranks
+    together); ``lead``: the filler batches per rank the epoch began with (a resumed one)."""
 
     epoch: int = 0
     consumed: int = 0
-    batches: int = 0
     lead: int = 0
 
     def after(self, batches: int, world: int, batch_size: int, samples: int) -> Position:
@@ -36,9 +35,7 @@ class Position:
         stays this epoch, all consumed: resumed, it has nothing left (the loop that
         resumes it goes on to the next, as the one that finished it would have)."""
         trained = max(batches - self.lead, 0) * world * batch_size
-        return dataclasses.replace(
-            self, consumed=min(self.consumed + trained, samples), batches=batches
-        )
+        return dataclasses.replace(self, consumed=min(self.consumed + trained, samples))
 
 
 def per_rank(samples: int, batch_size: int, drop_last: bool, world: int, even: bool) -> int:
