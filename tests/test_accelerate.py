@@ -93,3 +93,24 @@ def test_an_unsized_loader_is_refused_with_the_reason() -> None:
 
     with pytest.raises(ValueError, match="sized dataset"):
         ElasticLoader(Accelerator(cpu=True).prepare(DataLoader(Stream(), batch_size=2)))
+
+
+def test_state_hooks_the_optimizer_that_accelerates_wrapper_steps() -> None:
+    """``AcceleratedOptimizer`` hands its step to the optimizer it holds: State's step
+    hooks (a snapshot copy finishes before parameters change) go there, and State can be
+    made with it at all (it raised AttributeError before)."""
+    from accelerate import Accelerator
+
+    import elastic
+
+    model, optimizer = Accelerator(cpu=True).prepare(
+        torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    )
+    state = elastic.State(model=model, optimizer=optimizer)
+    try:
+        assert state._core.optimizers() == [optimizer.optimizer]
+        assert not state._core.stepped
+        optimizer.step()
+        assert state._core.stepped  # the hook on the inner optimizer ran
+    finally:
+        state.close()
