@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from agents import samples_once, start_agent, steps, wait_world
+from agents import samples_once, start_agent, steps, wait_world, worker_pids
 from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
@@ -228,9 +228,14 @@ def test_a_kill_right_after_a_resize_loses_nothing_it_was_sent(
         assert committed - 1 <= int(said[-1][1]) <= committed, (said, committed)
 
 
-def test_fsdp_state_is_resharded_when_a_node_joins(
+def test_fsdp_state_is_resharded_live_through_a_join_and_a_kill(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
+    """FSDP2 with ``State.run(train, reshard=...)``: c joins a and b, and the survivors
+    keep their processes while the shards move in memory to three ranks; then b is
+    SIGKILLed and a and c keep theirs again, rebuilding the snapshot's step from their
+    own copies and the copy of b's rows its buddy (c) kept: no disk read. Then a new job
+    on one node resumes from the DCP checkpoint, resharded from two ranks to one."""
     out, shared = tmp_path / "steps", tmp_path / "shared-ckpt"
     out.mkdir()
     script = ROOT / "tests" / "scripts" / "fsdp_train.py"
@@ -244,29 +249,79 @@ def test_fsdp_state_is_resharded_when_a_node_joins(
             script,
             "--steps",
             "40",
+            "--live",
             nnodes="2:3",
             extra=("--checkpoint-dir", str(shared), "--snapshot-every", "5"),
             env={"RESULT_DIR": str(out)},
         )
 
-    first = [node("a"), node("b")]
+    a, b = node("a"), node("b")
     wait_world(out, 2, timeout=60)
-    joined = time.time()
-    first.append(node("c"))
-    wait_world(out, 3, after=joined, timeout=60)
-    for n in first:
+    kept = {p for n in (a, b) for p in worker_pids(n)}
+    c = node("c")
+
+    def trained(world: int, after: float) -> list[dict]:
+        return [
+            r for r in steps(out) if r["event"] == "step" and r["world"] == world and r["t"] > after
+        ]
+
+    wait_until(lambda: len(trained(3, 0)) >= 9, 90, "three steps at world 3")
+    gone = set(worker_pids(b))
+    killed = time.time()
+    b.kill_tree()
+    wait_until(lambda: trained(2, killed), 60, "training at world 2 after the kill")
+    for n in (a, c):
         assert n.wait(120) == 0, n.transcript()
     history = steps(out)
-    steps2 = [r for r in history if r["event"] == "step" and r["world"] == 2]
-    restored = [r for r in history if r["event"] == "restored" and r["world"] == 3]
-    assert restored and {r["rank"] for r in restored} == {0, 1, 2}
-    last2 = max(steps2, key=lambda r: r["step"])
-    # the graceful stop saved the last step; three ranks loaded two ranks' shards
-    assert {r["step"] for r in restored} == {last2["step"]}
-    assert all(r["checksum"] == pytest.approx(last2["checksum"], rel=1e-12) for r in restored)
-    steps3 = [r for r in history if r["event"] == "step" and r["world"] == 3]
-    assert min(r["step"] for r in steps3) == last2["step"] + 1
-    assert max(r["step"] for r in steps3) == 40
+    rows = [r for r in history if r["event"] == "step"]
+    restored = [r for r in history if r["event"] == "restored"]
+    # the join: a's and b's workers kept their processes, c's new worker got its shard of
+    # the newest step, and every rank holds the state the job had
+    at3 = [r for r in restored if r["world"] == 3]
+    assert {r["rank"] for r in at3} == {0, 1, 2} and kept <= {r["pid"] for r in at3}, at3
+    joined_at = min(r["t"] for r in at3)
+    last2 = max(
+        (r for r in rows if r["world"] == 2 and r["t"] < joined_at), key=lambda r: r["step"]
+    )
+    assert {r["step"] for r in at3} == {last2["step"]}
+    assert all(r["checksum"] == pytest.approx(last2["checksum"], rel=1e-12) for r in at3)
+    assert min(r["step"] for r in rows if r["world"] == 3) == last2["step"] + 1
+    # the kill: a and c kept their processes again and resumed from a step the job had
+    # trained (the checksum logged for it), no further back than the snapshot interval
+    after = [r for r in restored if r["t"] > killed]
+    assert {r["pid"] for r in after} == {r["pid"] for r in at3} - gone, after
+    assert len({r["step"] for r in after}) == 1, after
+    back = after[0]["step"]
+    was = [r for r in rows if r["step"] == back and r["t"] < killed]
+    assert was and all(
+        r["checksum"] == pytest.approx(was[-1]["checksum"], rel=1e-12) for r in after
+    )
+    reached = max(r["step"] for r in rows if r["t"] < killed)
+    assert reached - 5 <= back <= reached, (back, reached)
+    said = a.transcript() + c.transcript()
+    assert f"sharded state resumes from step {back}" in said or back == reached, said
+    assert "held whole in memory" not in said, said  # b's rows came from its buddy, c
+    assert max(r["step"] for r in rows) == 40
+    # a new job on one fresh node, not live, resumes from the DCP checkpoint of step 40
+    done = time.time()
+    d = start_agent(
+        procs,
+        etcd.endpoint,
+        run_id + "-again",
+        "d",
+        script,
+        "--steps",
+        "42",
+        nnodes="1",
+        extra=("--checkpoint-dir", str(shared)),
+        env={"RESULT_DIR": str(out)},
+    )
+    assert d.wait(120) == 0, d.transcript()
+    resumed = [r for r in steps(out) if r["t"] > done]
+    assert resumed[0]["event"] == "restored" and resumed[0]["step"] == 40, resumed[:2]
+    last = [r for r in rows if r["step"] == 40]
+    assert resumed[0]["checksum"] == pytest.approx(last[0]["checksum"], rel=1e-12)
+    assert [r["step"] for r in resumed[1:]] == [41, 42]
 
 
 def test_save_at_breakdown_and_resume_on_fresh_nodes(

@@ -14,6 +14,8 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     restore      finding the newest state in the job and loading it
     rng          random number generator states
     sharded      FSDP2/DTensor state through torch.distributed.checkpoint
+    reshard      FSDP2/HSDP state re-sharded in memory when a live group re-forms
+    reshard_plan who sends which rows to whom (pure)
     sampler      ElasticSampler and BatchPolicy
     progress     training progress for the agent's /metrics
     alive        the process's sign of life apart from progress (frozen vs blocked)

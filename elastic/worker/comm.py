@@ -136,6 +136,28 @@ class ControlGroup:
             d.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=holder, group=group)
         return memoryview(out)
 
+    def swap(self, blob: memoryview, to: int, source: int) -> memoryview:
+        """Send ``blob`` to rank ``to`` while receiving ``source``'s (every rank calls it,
+        each sending to one rank and receiving from one, as in a ring)."""
+        d = dist()
+        group = self.group()
+
+        def both(send: torch.Tensor, recv: torch.Tensor | None) -> None:
+            ops = [d.P2POp(d.isend, send, to, group)]
+            if recv is not None:
+                ops.append(d.P2POp(d.irecv, recv, source, group))
+            for work in d.batch_isend_irecv(ops):
+                work.wait()
+
+        size = torch.zeros(1, dtype=torch.int64)
+        both(torch.tensor([len(blob)], dtype=torch.int64), size)
+        out = bytearray(int(size.item()))
+        with warnings.catch_warnings():  # a read-only buffer is fine: it is only sent
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(blob, dtype=torch.uint8)
+        both(data, torch.frombuffer(out, dtype=torch.uint8) if out else None)
+        return memoryview(out)
+
 
 _control = ControlGroup()
 

@@ -42,7 +42,7 @@ import torch
 from elastic import contract
 from elastic.contract import NODE_DIR_ENV, ControlBlock, SnapshotPolicy
 from elastic.stored import SnapshotError
-from elastic.worker import alive, comm, group, progress, rng, sharded, snapshot
+from elastic.worker import alive, comm, group, progress, reshard, rng, sharded, snapshot
 from elastic.worker.agreement import Agreement
 from elastic.worker.cadence import Cadence
 from elastic.worker.group import Group, Reformation
@@ -100,6 +100,9 @@ class _Core:
     stepped: bool = False  # an optimizer stepped since the last commit()
     group: Group | None = None  # while run() keeps this process through changes
     restored: bool = False
+    rebuild: Callable[[], dict[str, Any]] | None = None  # run()'s reshard: sharded, live
+    held: reshard.Held | None = None  # the shards kept from a broken group until resync
+    kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
 
     @property
     def comm(self) -> comm.ControlGroup:
@@ -165,6 +168,15 @@ class State:
             stop_seen=ctl.stop_generation if ctl else 0,
         )
         object.__setattr__(self, "_core", core)
+        self._hook_optimizers()
+
+    def _hook_optimizers(self) -> None:
+        """(Again, after ``reshard`` made new optimizers:) their steps wait for the
+        snapshot copy, and count as a step in flight."""
+        core = self._core
+        for h in core.hooks:
+            h.remove()
+        core.hooks.clear()
 
         def stepped(*_: Any) -> None:
             core.stepped = True
@@ -304,7 +316,13 @@ class State:
         raise SystemExit(contract.EXIT_RESIZE)
 
     # -- live re-formation ----------------------------------------------------------------
-    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        reshard: Callable[[], dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> T:
         """Restore (unless ``restore()`` ran already), then return ``fn(*args, **kwargs)``.
 
         Under elastic-run (``--restart-mode live``, the default) a membership change does
@@ -312,7 +330,15 @@ class State:
         or by ``commit()`` when the ranks pause together), the new process group forms, the
         ranks agree on the newest committed state (a rank behind, or a newcomer, gets it
         from a rank that has it) and ``fn`` is called again. Anywhere else (torchrun, plain
-        python, ``--restart-mode respawn``) it is called once."""
+        python, ``--restart-mode respawn``) it is called once.
+
+        Sharded state (FSDP2, HSDP) is bound to the group it was sharded over, so it is
+        kept live only with ``reshard``: a function that shards the model over the
+        current group and returns the objects to replace by name (the model, its
+        optimizer, anything holding either, as a scheduler does); after a change
+        ``State`` calls it and moves the shards into what it returns, from the ranks'
+        memory where it holds the step whole, else from the checkpoint directory. Read
+        the objects from ``state`` inside ``fn`` (``state.model``)."""
         from torch.nn.parallel import DistributedDataParallel
 
         core = self._core
@@ -323,6 +349,7 @@ class State:
                     f"inside it and wrap that in DDP inside {getattr(fn, '__name__', 'fn')}(): "
                     "DDP holds the process group, which a re-formation replaces"
                 )
+        core.rebuild = reshard
         g = self._go_live()
         try:
             if not core.restored:
@@ -340,8 +367,17 @@ class State:
 
     def _go_live(self) -> Group | None:
         core = self._core
-        if comm.dist() is None or core.sharded:
-            return None  # sharded state: DCP's collectives; the respawn path stays
+        if comm.dist() is None:
+            return None
+        if core.sharded:
+            why = (
+                "no reshard function was given to State.run"
+                if core.rebuild is None
+                else reshard.unsupported(core.objects)
+            )
+            if why is not None:
+                log.info("sharded state takes the respawn path: %s", why)
+                return None
         g = group.attach(core.ctl)
         if g is not None and g.reformations == 0:
             g.adopt()  # the group the script formed itself
@@ -362,7 +398,8 @@ class State:
             )
         step = g.reform(self._drop_step_in_flight, self._resync, self._core.stopping)
         if step is None:  # this node leaves meanwhile
-            self.snapshot(wait=True)
+            if not self._core.sharded:  # sharded: a save is collective; its group is gone
+                self.snapshot(wait=True)
             self._leave_for_resize()
         log.info(
             "re-formed live: rank %d of %d at step %d in %.2fs (re-formation %d)",
@@ -386,10 +423,15 @@ class State:
                 s.advance(1)
         for opt in core.optimizers():
             opt.zero_grad(set_to_none=True)
+        if core.sharded and core.held is None:  # kept until a resync has used it
+            live = reshard.capture(core.objects, core.values, core.values["step"])
+            core.held = live + core.kept
 
     def _resync(self) -> int:
         """Every rank offers the state it holds; the newest goes to those behind."""
         core = self._core
+        if core.sharded:
+            return self._resync_sharded()
         mine = Candidate(
             step=core.values["step"], in_memory=lambda: snapshot.to_bytes(self._state())
         )
@@ -417,6 +459,8 @@ class State:
         self._core.cadence.taken(step)
         rng.save(self._core.node_dir, comm.rank(), step)
         if self._core.sharded:
+            if self._core.rebuild is not None and self._core.group is not None:
+                self._keep_sharded(step)
             self._save_sharded(step)
             return
         stable = set() if wait else stable_storage(self._core.optimizers())
@@ -431,6 +475,19 @@ class State:
             frozen,
             checkpoint=lambda: rank0 and self._core.snapshotter.due_checkpoint(wait),
         )
+
+    def _keep_sharded(self, step: int) -> None:
+        """The shards copied to host memory, and to the next node (``reshard.keep``): a
+        node lost while live leaves its rows on the next one."""
+        started = time.perf_counter()
+        core = self._core
+        distance = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        core.kept = None  # the copy it replaces goes first: the memory is needed
+        core.kept = reshard.keep(core.objects, core.values, step, distance)
+        core.stats.snapshot_bytes = sum(
+            p.tensor.numel() * p.tensor.element_size() for p in core.kept.pieces
+        )
+        log.debug("sharded snapshot of step %d in %.3fs", step, time.perf_counter() - started)
 
     def _save_sharded(self, step: int) -> None:
         started = time.perf_counter()
@@ -528,11 +585,61 @@ class State:
         log.info("restored step %d (from rank %d%s) in %.2fs", best, holder, sent, took)
         return best, len(blob)
 
-    def _restore_sharded(self) -> int:
+    def _resync_sharded(self) -> int:
+        """Shard the model again over the new group (the script's ``reshard``) and fill it
+        from what the ranks hold (see ``_restore_sharded``)."""
+        core = self._core
+        assert core.rebuild is not None and core.held is not None
+        reshard.forget_old_meshes()
+        reshard.replace(core.objects, core.rebuild())
+        self._hook_optimizers()
+        had = core.held.step
+        step = self._restore_sharded(core.held)
+        core.held = None
+        if step < had:
+            log.warning(
+                "rank %d: sharded state resumes from step %d, %d step(s) before the step "
+                "this rank had reached (%d): those are trained again",
+                comm.rank(),
+                step,
+                had - step,
+                had,
+            )
+        if core.ctl is not None:
+            core.ctl.beat(max(step, 0))
+            core.ctl.restored(step)
+        return step
+
+    def _restore_sharded(self, held: reshard.Held | None = None) -> int:
+        """The newest state the ranks' memory holds whole (``held``: this rank's shards
+        from the group before), re-sharded over this group; else the newest DCP
+        checkpoint in the checkpoint directory."""
+        started = time.perf_counter()
         directory = Path(str(self._core.policy.checkpoint_dir))
         mine = sharded.complete_steps(directory)[:1] if comm.rank() == 0 else []
-        best = int(self._core.comm.all_reduce([mine[0] if mine else NOTHING.step], "MAX")[0])
+        outcome = reshard.exchange(
+            self._core.objects, self._core.values, held, mine[0] if mine else NOTHING.step
+        )
+        took = time.perf_counter() - started
+        if outcome.source == "memory":
+            log.info(
+                "rank %d: re-sharded step %d in memory (%d row(s) sent) in %.2fs",
+                comm.rank(),
+                outcome.step,
+                outcome.sent,
+                took,
+            )
+            return outcome.step
+        if held is not None:
+            log.warning("rank %d: sharded state: %s", comm.rank(), outcome.reason)
+        best = outcome.step
         if best < 0:
+            if held is not None:
+                raise RuntimeError(
+                    f"the sharded state of step {held.step} cannot be rebuilt "
+                    f"({outcome.reason}) and {directory} holds no checkpoint: "
+                    "new workers start over"
+                )
             return -1
         try:
             values = sharded.load(directory, best, self._core.objects, self._core.values)

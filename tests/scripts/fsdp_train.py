@@ -1,7 +1,10 @@
-"""FSDP2 training on CPU with elastic.State: sharded state saved and resharded by DCP.
+"""FSDP2 training on CPU with elastic.State.
 
-Logs, per step, the world size and a checksum of the full parameters (an all-gather), to
-``$RESULT_DIR/w<pid>.jsonl``; right after ``restore()`` it logs the restored checksum.
+Logs, per step, the world size, the pid and a checksum of the full parameters (an
+all-gather), to ``$RESULT_DIR/w<pid>.jsonl``; after each restore it logs the restored
+checksum. ``--live``: the loop runs in ``State.run`` with a ``reshard`` function, so a
+membership change re-shards the state in the survivors' memory; without it, a change
+gives new workers that load the DCP checkpoint.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,40 +28,52 @@ def checksum(model: nn.Module) -> float:
     return float(sum(p.full_tensor().double().sum() for p in model.parameters()))
 
 
-@record
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--step-time", type=float, default=0.1)
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def shard() -> dict[str, Any]:
+    """The model sharded over the current group, and its optimizer."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    state = elastic.State(model=model, optimizer=opt)
-    restored = state.restore()
+    return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.01)}
+
+
+@record
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--step-time", type=float, default=0.1)
+    ap.add_argument("--live", action="store_true")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    state = elastic.State(**shard())
     out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
 
     def log(**kw: object) -> None:
-        out.write(json.dumps({"t": time.time(), "rank": rank, "world": world, **kw}) + "\n")
+        row = {"t": time.time(), "rank": dist.get_rank(), "world": dist.get_world_size()}
+        out.write(json.dumps({**row, "pid": os.getpid(), **kw}) + "\n")
         out.flush()
 
-    if restored:
-        log(event="restored", step=state.step, checksum=checksum(model))
-    g = torch.Generator().manual_seed(rank)
-    while state.step < a.steps:
-        x = torch.randn(8, 16, generator=g)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        log(event="step", step=state.step + 1, checksum=checksum(model))
-        state.commit()  # may save and stop here for a resize: the step above is kept
-        time.sleep(a.step_time)
+    def train() -> None:
+        model, opt = state.model, state.optimizer  # new ones after each re-sharding
+        if state.step:
+            log(event="restored", step=state.step, checksum=checksum(model))
+        g = torch.Generator().manual_seed(1000 * state.step + dist.get_rank())
+        while state.step < a.steps:
+            x = torch.randn(8, 16, generator=g)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            log(event="step", step=state.step + 1, checksum=checksum(model))
+            state.commit()  # may save and stop here for a resize: the step above is kept
+            time.sleep(a.step_time)
+
+    if a.live:
+        state.run(train, reshard=shard)
+    else:
+        state.restore()
+        train()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,75 @@
+"""Sharded state re-sharded in memory (``elastic.worker.reshard``): three real processes
+over gloo, FSDP2 on CPU, through a join and a loss (tests/scripts/reshard_ranks.py), and
+the checks on what a script's ``reshard`` function returns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import ROOT
+
+from elastic.worker import reshard
+
+
+def test_shards_move_in_memory_through_a_join_and_a_loss() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "reshard_ranks.py"), "forkserver"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+    def phase(name: str) -> dict[int, dict]:
+        return {r["process"]: r for r in said if r["phase"] == name}
+
+    a, b, b4, live, c, dcp = (phase(p) for p in ("a", "b", "b4", "c-live", "c", "dcp"))
+    # the join: the newcomer (process 2) gets its shard; every full tensor and optimizer
+    # state is the one the two ranks had, exactly
+    assert sorted(b) == [0, 1, 2] and {r["source"] for r in b.values()} == {"memory"}
+    assert all(r["step"] == 3 and r["full"] == a[0]["full"] for r in b.values())
+    assert all(r["sent"] > 0 for r in b.values())
+    # the loss of rank 0: its rows of step 5 are gone, and the survivors say which
+    assert sorted(live) == [1, 2] and {r["source"] for r in live.values()} == {"nothing"}
+    assert all("are held by no rank" in r["reason"] for r in live.values())
+    # with the snapshot of step 4 (theirs, and the copy of rank 0's rows its buddy kept)
+    assert sorted(c) == [1, 2]
+    assert all(r["source"] == "memory" and r["step"] == 4 for r in c.values())
+    assert all(r["full"] == b4[0]["full"] for r in c.values())
+    assert all("newer steps are not" in r["reason"] for r in c.values())
+    # a rank that moved (1 -> 0) shards over the new group, not the old one it matches
+    assert all(r["step"] == 4 and r["full"] == b4[0]["full"] for r in dcp.values())
+
+
+def objects() -> dict:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+    }
+
+
+def test_reshard_must_return_a_dict_of_objects_state_holds() -> None:
+    held = objects()
+    with pytest.raises(TypeError, match="returns a dict of the objects it made"):
+        reshard.replace(held, (held["model"], held["optimizer"]))
+    with pytest.raises(ValueError, match=r"returned 'net', which State does not hold"):
+        reshard.replace(held, {"net": torch.nn.Linear(2, 2)})
+    with pytest.raises(TypeError, match="returned a Linear as 'optimizer', which is a SGD"):
+        reshard.replace(held, {"optimizer": torch.nn.Linear(2, 2)})
+
+
+def test_an_object_left_holding_a_replaced_optimizer_is_refused() -> None:
+    held = objects()
+    fresh = objects()
+    with pytest.raises(ValueError, match="'scheduler' holds the optimizer 'optimizer'"):
+        reshard.replace(held, {"model": fresh["model"], "optimizer": fresh["optimizer"]})
+    reshard.replace(held, fresh)
+    assert held["scheduler"] is fresh["scheduler"]
