@@ -1,5 +1,5 @@
-"""Sharded state re-sharded in memory (``elastic.worker.reshard``): three real processes
-over gloo, FSDP2 on CPU, through a join and a loss (tests/scripts/reshard_ranks.py), and
+"""Sharded state re-sharded in memory (``elastic.worker.reshard``): real processes over
+gloo, FSDP2 and HSDP on CPU, through a join and losses (tests/scripts/reshard_*.py), and
 the checks on what a script's ``reshard`` function returns."""
 
 from __future__ import annotations
@@ -44,6 +44,18 @@ def test_shards_move_in_memory_through_a_join_and_a_loss() -> None:
     assert all("newer steps are not" in r["reason"] for r in c.values())
     # a rank that moved (1 -> 0) shards over the new group, not the old one it matches
     assert all(r["step"] == 4 and r["full"] == b4[0]["full"] for r in dcp.values())
+
+
+def test_hsdp_rebuilds_a_lost_replica_group_from_the_survivors_alone() -> None:
+    script = ROOT / "tests" / "scripts" / "reshard_hsdp.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["process"] for r in said) == [0, 1]
+    for r in said:
+        assert r == {**r, "source": "memory", "step": 3, "sent": 0, "same": True}, r
 
 
 def objects() -> dict:

@@ -251,7 +251,14 @@ def test_fsdp_state_is_resharded_live_through_a_join_and_a_kill(
             "40",
             "--live",
             nnodes="2:3",
-            extra=("--checkpoint-dir", str(shared), "--snapshot-every", "5"),
+            extra=(
+                "--checkpoint-dir",
+                str(shared),
+                "--snapshot-every",
+                "5",
+                "--start-method",
+                "forkserver",
+            ),
             env={"RESULT_DIR": str(out)},
         )
 
