@@ -16,7 +16,8 @@ splits what remains of the epoch over the new world size. Two rules follow:
   the function (a ``rank`` kept from before ``state.run`` goes stale when rank 0's node
   goes, and whatever only rank 0 does, printing, saving, stops with it).
 
-Kill a node (``kill -9`` its agent) and watch the survivors log ``re-formed live``.
+Kill a node (``kill -9`` its agent): the agents left log ``workers re-form live``, and
+rank 0 prints ``training from step N`` from the same process.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from agents import start_agent
@@ -76,15 +77,24 @@ SHORT_RUNS = [
         ["examples/single_device.py", "--epochs", "1", "--samples", "256"],
         "epoch 0 on cpu",
     ),
+    (
+        ["-m", "elastic", "--nproc-per-node", "2", "--checkpoint-dir", "{tmp}"],
+        ["examples/train_fsdp.py", "--epochs", "1"],
+        "epoch 0: loss",
+    ),
 ]
 
 
 @pytest.mark.slow
-def test_the_examples_run() -> None:
+def test_the_examples_run(tmp_path: Path) -> None:
     """Every example in the README's table that the other tests do not run, two at a time
     (most of each run is start-up and waiting, which overlaps)."""
+
+    def short(case: tuple[list[str], list[str], str]) -> subprocess.CompletedProcess:
+        return run(*(a.format(tmp=tmp_path) for a in case[0]), *case[1])
+
     with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(lambda case: run(*case[0], *case[1]), SHORT_RUNS))
+        done = list(pool.map(short, SHORT_RUNS))
     for (launch, args, expect), d in zip(SHORT_RUNS, done, strict=True):
         assert d.returncode == 0, (launch, args, d.stderr[-3000:])
         assert expect in d.stdout, (launch, args, d.stdout)

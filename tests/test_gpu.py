@@ -23,6 +23,8 @@ import pytest
 import torch
 from harness import ROOT, Proc, wait_until
 
+from elastic.agent.etcd_server import EtcdServer
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
@@ -165,3 +167,55 @@ def test_live_re_formation_on_nccl(procs: list[Proc], tmp_path: Path) -> None:
     node.run(10)
     for pid, entries in node.entries().items():
         assert [e["entry"] for e in entries] == list(range(1, 12)), f"{pid} re-entered each time"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_fsdp_kept_live_on_nccl(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The CUDA variant of test_state_e2e's FSDP test: a on GPU 0, b joins on GPU 1 (a's
+    worker keeps its process, the shards move over NCCL), b is SIGKILLed and a rebuilds
+    the snapshot's step from its own copy and the copy of b's rows it kept."""
+    from agents import start_agent, steps, worker_pids
+
+    out, shared = tmp_path / "steps", tmp_path / "ckpt"
+    out.mkdir()
+    script = ROOT / "tests" / "scripts" / "fsdp_train.py"
+
+    def node(name: str, gpu: int) -> Proc:
+        return start_agent(
+            procs,
+            etcd.endpoint,
+            run_id,
+            name,
+            script,
+            "--steps",
+            "40",
+            "--live",
+            "--cuda",
+            nnodes="1:2",
+            extra=("--checkpoint-dir", str(shared), "--snapshot-every", "5"),
+            env={"RESULT_DIR": str(out), "CUDA_VISIBLE_DEVICES": str(gpu)},
+        )
+
+    def trained(world: int, after: float = 0.0) -> list[dict]:
+        return [r for r in steps(out) if r["world"] == world and r["t"] > after]
+
+    a = node("a", 0)
+    wait_until(lambda: trained(1), 120, "a training alone")
+    kept = set(worker_pids(a))
+    b = node("b", 1)
+    wait_until(lambda: len([r for r in trained(2) if r["event"] == "step"]) >= 6, 120, "world 2")
+    killed = time.time()
+    b.kill_tree()
+    wait_until(lambda: trained(1, killed), 120, "a alone again")
+    assert a.wait(120) == 0, a.transcript()
+    history = steps(out)
+    restored = [r for r in history if r["event"] == "restored"]
+    assert {r["pid"] for r in restored if r["world"] == 2} >= kept
+    back = [r for r in restored if r["t"] > killed]
+    assert back and {r["pid"] for r in back} == kept, back
+    was = [r for r in history if r["step"] == back[0]["step"] and r["t"] < killed]
+    assert was and back[0]["checksum"] == pytest.approx(was[-1]["checksum"], rel=1e-6)
+    assert all(r["device"].startswith("cuda") for r in history)
+    assert "held whole in memory" not in a.transcript()

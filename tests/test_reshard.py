@@ -15,18 +15,39 @@ from harness import ROOT
 from elastic.worker import reshard
 
 
-def test_shards_move_in_memory_through_a_join_and_a_loss() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "reshard_ranks.py"), "forkserver"],
-        capture_output=True,
+def said(script: str, *args: str) -> subprocess.Popen[str]:
+    path = ROOT / "tests" / "scripts" / script
+    return subprocess.Popen(
+        [sys.executable, str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def lines(p: subprocess.Popen[str]) -> list[dict]:
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err[-3000:]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_shards_move_in_memory_through_joins_and_losses() -> None:
+    """FSDP2 through a join and a loss (three processes), and HSDP losing a replica group
+    (four), run side by side."""
+    fsdp, hsdp = said("reshard_ranks.py", "forkserver"), said("reshard_hsdp.py")
+    try:
+        check(lines(fsdp), lines(hsdp))
+    finally:
+        for p in (fsdp, hsdp):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def check(rows: list[dict], hsdp: list[dict]) -> None:
 
     def phase(name: str) -> dict[int, dict]:
-        return {r["process"]: r for r in said if r["phase"] == name}
+        return {r["process"]: r for r in rows if r["phase"] == name}
 
     a, b, b4, live, c, dcp = (phase(p) for p in ("a", "b", "b4", "c-live", "c", "dcp"))
     # the join: the newcomer (process 2) gets its shard; every full tensor and optimizer
@@ -44,17 +65,9 @@ def test_shards_move_in_memory_through_a_join_and_a_loss() -> None:
     assert all("newer steps are not" in r["reason"] for r in c.values())
     # a rank that moved (1 -> 0) shards over the new group, not the old one it matches
     assert all(r["step"] == 4 and r["full"] == b4[0]["full"] for r in dcp.values())
-
-
-def test_hsdp_rebuilds_a_lost_replica_group_from_the_survivors_alone() -> None:
-    script = ROOT / "tests" / "scripts" / "reshard_hsdp.py"
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["process"] for r in said) == [0, 1]
-    for r in said:
+    # HSDP: the surviving replica group holds every row; nothing is sent
+    assert sorted(r["process"] for r in hsdp) == [0, 1]
+    for r in hsdp:
         assert r == {**r, "source": "memory", "step": 3, "sent": 0, "same": True}, r
 
 

@@ -596,8 +596,8 @@ class State:
         had = core.held.step
         step = self._restore_sharded(core.held)
         core.held = None
-        if step < had:
-            log.warning(
+        if step < had:  # the agent says so too, once for its node
+            log.info(
                 "rank %d: sharded state resumes from step %d, %d step(s) before the step "
                 "this rank had reached (%d): those are trained again",
                 comm.rank(),

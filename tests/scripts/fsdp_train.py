@@ -1,4 +1,5 @@
-"""FSDP2 training on CPU with elastic.State.
+"""FSDP2 training with elastic.State, on CPU (gloo) or, with ``--cuda``, on this local
+rank's GPU (NCCL).
 
 Logs, per step, the world size, the pid and a checksum of the full parameters (an
 all-gather), to ``$RESULT_DIR/w<pid>.jsonl``; after each restore it logs the restored
@@ -25,18 +26,7 @@ import elastic
 
 
 def checksum(model: nn.Module) -> float:
-    return float(sum(p.full_tensor().double().sum() for p in model.parameters()))
-
-
-def shard() -> dict[str, Any]:
-    """The model sharded over the current group, and its optimizer."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.01)}
+    return float(sum(p.detach().full_tensor().double().sum() for p in model.parameters()))
 
 
 @record
@@ -45,14 +35,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--step-time", type=float, default=0.1)
     ap.add_argument("--live", action="store_true")
+    ap.add_argument("--cuda", action="store_true")
     a = ap.parse_args()
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if a.cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if a.cuda else "gloo")
+
+    def shard() -> dict[str, Any]:
+        """The model sharded over the current group, and its optimizer."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(device)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.01)}
+
     state = elastic.State(**shard())
     out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
 
     def log(**kw: object) -> None:
         row = {"t": time.time(), "rank": dist.get_rank(), "world": dist.get_world_size()}
-        out.write(json.dumps({**row, "pid": os.getpid(), **kw}) + "\n")
+        out.write(json.dumps({**row, "pid": os.getpid(), "device": str(device), **kw}) + "\n")
         out.flush()
 
     def train() -> None:
@@ -61,7 +67,7 @@ def main() -> None:
             log(event="restored", step=state.step, checksum=checksum(model))
         g = torch.Generator().manual_seed(1000 * state.step + dist.get_rank())
         while state.step < a.steps:
-            x = torch.randn(8, 16, generator=g)
+            x = torch.randn(8, 16, generator=g).to(device)
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
