@@ -12,6 +12,7 @@ kept; then a DCP save and load over the new group. Each process prints JSON line
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -67,7 +68,7 @@ def leave() -> None:
 
 def worker(i: int, d: str) -> None:
     def say(**kw: Any) -> None:
-        print(json.dumps({"process": i, **kw}), flush=True)
+        os.write(1, (json.dumps({"process": i, **kw}) + "\n").encode())  # one write: whole lines
 
     held: reshard.Held | None = None
     kept: reshard.Held | None = None
