@@ -7,7 +7,8 @@ Hugging Face Trainer (``tests/scripts/hf_train.py``) and an accelerate loop
 own checkpoints every 20 steps (``save_state`` for accelerate), which the script resumes
 from. Each runs under stock torchrun (c10d, --max-restarts 3), under elastic-run without
 the adapter, and under elastic-run with it (``ElasticLightning()``,
-``ElasticCallback.attach(trainer)``, ``ElasticLoader``). Once
+``ElasticCallback.attach(trainer)``, ``ElasticLoader``), and for Lightning also through
+``ElasticLightning.run(fit)``, which keeps the workers (a new Trainer in them). Once
 both nodes train, node b (not torchrun's store host) is SIGKILLed,
 launcher and worker together, and a trains on alone. Printed per launcher: the seconds
 from the kill to the first step at world size 1 (and the ratio to torchrun's), and the
@@ -42,6 +43,7 @@ FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter)
     "transformers": ("HF Trainer", "hf_train.py", "ElasticCallback"),
     "accelerate": ("accelerate", "accelerate_train.py", "ElasticLoader"),
 }
+LIVE = {"lightning"}  # the adapters whose run() keeps the workers (State.run)
 ARGS = ["--samples", "8000", "--epochs", "1", "--step-time", "0.03", "--checkpoint-every", "20"]
 COMMON = ["--nnodes", "1:2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]
 
@@ -59,6 +61,10 @@ def elastic_cmd(script: str, endpoint: str, run_id: str, *script_args: str) -> l
 
 def adapter_cmd(script: str, endpoint: str, run_id: str) -> list[str]:
     return elastic_cmd(script, endpoint, run_id, "--adapter")
+
+
+def live_cmd(script: str, endpoint: str, run_id: str) -> list[str]:
+    return elastic_cmd(script, endpoint, run_id, "--adapter", "--live")
 
 
 # the scripts log elastic.state's choices with their time
@@ -113,6 +119,8 @@ def bench(framework: str, repeat: int, timeout: float, etcd: EtcdServer, tmp: Pa
         "elastic-run, own ckpt": elastic_cmd,
         f"elastic-run + {adapter}": adapter_cmd,
     }
+    if framework in LIVE:
+        kinds[f"elastic-run + {adapter}.run"] = live_cmd
     seconds: dict[str, list[float | None]] = {k: [] for k in kinds}
     redone: dict[str, list[int | None]] = {k: [] for k in kinds}
     for r in range(repeat):

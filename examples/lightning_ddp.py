@@ -9,6 +9,12 @@ worker failure costs the steps since the last snapshot (the policy picks the int
 from what a snapshot and a step cost), not the steps since the last checkpoint file, and
 the epoch goes on at the exact sample, whatever the new world size. Without elastic-run
 the callback does nothing. ``--no-elastic`` leaves it out (the same script, unchanged).
+
+``--live`` also keeps the workers through membership changes: the Trainer is made in a
+function, ``fit()``, that ``ElasticLightning.run`` calls again in the same process after
+each change (Lightning's DDP holds the process group, so each round needs a Trainer of
+its own); the new one resumes from the newest snapshot, with no new python and no
+``import lightning``.
 """
 
 from __future__ import annotations
@@ -58,26 +64,34 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=20, help="Lightning's own, in steps")
     ap.add_argument("--dir", default="lightning_ckpt", help="Lightning's own checkpoints")
     ap.add_argument("--no-elastic", action="store_true", help="leave the callback out")
+    ap.add_argument("--live", action="store_true", help="keep the workers through changes")
     a = ap.parse_args()
     L.seed_everything(0, verbose=False)
     loader = DataLoader(synthetic(1024), batch_size=a.batch_size, shuffle=True)
     saver = ModelCheckpoint(dirpath=a.dir, every_n_train_steps=a.checkpoint_every, save_last=True)
-    trainer = L.Trainer(
-        accelerator="auto",
-        strategy="ddp",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        num_nodes=int(os.environ.get("WORLD_SIZE", 1))
-        // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        max_epochs=a.epochs,
-        callbacks=[saver] if a.no_elastic else [saver, ElasticLightning()],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-    )
+    elastic = ElasticLightning()
+    model = Regression(a.lr, a.step_time)
     last = os.path.join(a.dir, "last.ckpt")
-    trainer.fit(
-        Regression(a.lr, a.step_time), loader, ckpt_path=last if os.path.exists(last) else None
-    )
+
+    def fit() -> None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        trainer = L.Trainer(
+            accelerator="auto",
+            strategy="ddp",
+            devices=local,
+            num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,  # this round's
+            max_epochs=a.epochs,
+            callbacks=[saver] if a.no_elastic else [saver, elastic],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+        )
+        trainer.fit(model, loader, ckpt_path=last if os.path.exists(last) else None)
+
+    if a.live and not a.no_elastic:
+        elastic.run(fit)  # a new Trainer in the same process after each change
+    else:
+        fit()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import pytest
 import torch
-from agents import samples_once, start_agent, steps, wait_world
+from agents import samples_once, start_agent, steps, wait_world, worker_pids
 from conftest import need
 from harness import ROOT, Proc
 
@@ -122,7 +122,8 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
 ) -> None:
     """Per framework, two nodes of one worker; b is SIGKILLed mid-epoch and a trains on
     alone: every sample of both epochs once in the kept steps, and at most the snapshot
-    interval (2) of steps redone."""
+    interval (2) of steps redone. Lightning through ``ElasticLightning.run``: a's worker
+    keeps its process (a new Trainer in it); the others respawn."""
     # long enough that a trains a while with b, however late b's workers start
     common = ("--adapter", "--samples", "192", "--epochs", "2", "--step-time", "0.05")
     kw = {"nnodes": "1:2", "nproc": 1, "extra": ("--snapshot-every", "2")}
@@ -130,15 +131,19 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     for name, (script, args) in JOBS.items():
         out = tmp_path / name
         out.mkdir()
-        job = (SCRIPTS / script, *common, *args)
+        live = ("--live",) if name == "lightning" else ()
+        job = (SCRIPTS / script, *common, *args, *live)
         env = {"RESULT_DIR": str(out)}
         a = start_agent(procs, etcd.endpoint, f"{run_id}-{name}", "a", *job, env=env, **kw)  # type: ignore[arg-type]
         a.wait_output("registered as a", timeout=60)
         b = start_agent(procs, etcd.endpoint, f"{run_id}-{name}", "b", *job, env=env, **kw)  # type: ignore[arg-type]
         agents[name] = (a, b)
 
+    kept: dict[str, list[int]] = {}
+
     def lose_b(name: str) -> None:  # per job, as soon as it trains: they run at once
         wait_world(tmp_path / name, 2, timeout=180)
+        kept[name] = worker_pids(agents[name][0])
         time.sleep(0.6)  # a few steps into the epoch
         killed = time.time()
         agents[name][1].signal(signal.SIGKILL)
@@ -148,6 +153,9 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     for name, (a, _) in agents.items():
         assert a.wait(240) == 0, f"{name}: {a.transcript()}"
         history = steps(tmp_path / name)
+        if name == "lightning":
+            assert {r["pid"] for r in history if r["world"] == 1} == set(kept[name])
+            assert "workers re-form live" in a.transcript()
         assert sorted({r["world"] for r in history}) == [1, 2], name
         samples_once(history, 192, 2)
         before = max(r["step"] for r in history if r["world"] == 2)

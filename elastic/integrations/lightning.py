@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -38,12 +39,14 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from elastic.contract import SnapshotPolicy
-from elastic.worker import rng
+from elastic.worker import comm, rng
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.lightning")
 
 __all__ = ["ElasticLightning", "ResumableSampler"]
+
+T = TypeVar("T")
 
 _KEY = "elastic_position"  # marks this sampler's state among a checkpoint's loader states
 
@@ -120,13 +123,18 @@ class ResumableSampler(Sampler[int]):
 
 
 class _Checkpoint:
-    """Lightning's whole checkpoint as the one object ``State`` saves and loads."""
+    """Lightning's whole checkpoint as the one object ``State`` saves and loads. Its
+    ``live_state`` is False: after a step cut short by a fault, Lightning's loops are
+    half-way through it, so a live re-formation takes the newest snapshot instead."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    live_state = False
+
+    def __init__(self, trainer: pl.Trainer | None) -> None:
         self.trainer = trainer
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        assert self.trainer is not None, "no Trainer is fitting"
         connector = self.trainer._checkpoint_connector
         ckpt: dict[str, Any] = connector.dump_checkpoint(weights_only=False)
         # what a restart reads back is loaded without running code (weights_only): the
@@ -137,6 +145,11 @@ class _Checkpoint:
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         self.loaded = ckpt
+
+
+def _has_gpu() -> bool:
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    return torch.cuda.is_available() and local < torch.cuda.device_count()
 
 
 def _loader_state(ckpt: dict[str, Any]) -> dict[str, int] | None:
@@ -160,10 +173,44 @@ class ElasticLightning(Callback):
         self._committed = 0  # the global step last committed
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until training
         self._unwrap: list[Callable[[], None]] = []  # puts the strategy's methods back
+        self._live = False  # inside run(): the State outlives each fit
 
     # -- start: restore --------------------------------------------------------------------
+    def run(self, fit: Callable[[], T], backend: str | None = None) -> T:
+        """Keep the workers through membership changes: ``fit()`` makes a Trainer with
+        this callback and fits it; after a change the process group re-forms in this
+        process and ``fit()`` is called again, resuming from the newest snapshot in the
+        job (``State.run``). Anywhere but elastic-run's live mode it is called once.
+
+        The process group must exist before the first fit, to be re-formed: under a
+        launcher it is made here with ``backend`` (default: as Lightning picks for
+        ``accelerator="auto"``: NCCL where this local rank has a GPU, else gloo; a CPU
+        Trainer on a GPU machine passes "gloo"), and every Trainer finds it made."""
+        if comm.dist() is None and "MASTER_ADDR" in os.environ:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend or ("nccl" if _has_gpu() else "gloo"))
+        self._checkpoint = _Checkpoint(None)
+        self._state = State(self._policy, lightning=self._checkpoint)
+        self._live = True
+        try:
+            return self._state.run(fit)
+        finally:
+            self._live = False
+            self._state.close()
+            self._state = None
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
+            return
+        if self._live:  # run(): restored already, or again after a re-formation
+            assert self._checkpoint is not None
+            self._checkpoint.trainer = trainer
+            self._wrap_loaders(trainer)
+            loaded, self._checkpoint.loaded = self._checkpoint.loaded, None
+            if loaded is not None:
+                self._resume_from(trainer, loaded)
+                self._rng = rng.capture()
             return
         self._checkpoint = _Checkpoint(trainer)
         self._state = State(self._policy, lightning=self._checkpoint)
@@ -275,6 +322,6 @@ class ElasticLightning(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         while self._unwrap:  # a later fit() starts as the first did
             self._unwrap.pop()()
-        if self._state is not None:
+        if self._state is not None and not self._live:  # run() closes its own
             self._state.close()  # the snapshot copy in flight, if any, completes
             self._state = None

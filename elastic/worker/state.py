@@ -428,12 +428,16 @@ class State:
             core.held = live + core.kept
 
     def _resync(self) -> int:
-        """Every rank offers the state it holds; the newest goes to those behind."""
+        """Every rank offers the state it holds; the newest goes to those behind. An object
+        whose ``live_state`` is False (a framework's whole checkpoint, which a step cut
+        short leaves half-done) is offered as of this node's newest snapshot."""
         core = self._core
         if core.sharded:
             return self._resync_sharded()
-        mine = Candidate(
-            step=core.values["step"], in_memory=lambda: snapshot.to_bytes(self._state())
+        mine = (
+            Candidate(step=core.values["step"], in_memory=lambda: snapshot.to_bytes(self._state()))
+            if all(getattr(o, "live_state", True) for o in core.objects.values())
+            else None  # an object read only at a step boundary: the newest snapshot instead
         )
         step, nbytes = self._restore_snapshot(mine)
         core.stats.restore_bytes = nbytes

@@ -3,9 +3,11 @@
 Logs, per optimizer step and rank, the sample indices it trained on to
 ``$RESULT_DIR/w<pid>.jsonl`` (the rows ``agents.samples_once`` reads); rank 0 saves the
 final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
-``ElasticLightning``; ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the
-end of that step, on the first attempt only. Lightning's own ModelCheckpoint writes every
-``--checkpoint-every`` steps to ``$RESULT_DIR/ckpt`` and the script resumes from it.
+``ElasticLightning``; ``--live`` fits through its ``run()`` (a new Trainer in the same
+process after each membership change). ``--kill-rank/--kill-step`` make that rank
+SIGKILL itself at the end of that step, on the first attempt only. Lightning's own
+ModelCheckpoint writes every ``--checkpoint-every`` steps to ``$RESULT_DIR/ckpt`` and the
+script resumes from it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
+    ap.add_argument("--live", action="store_true", help="the adapter's run(): workers kept")
     a = ap.parse_args()
     # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
@@ -97,27 +100,34 @@ def main() -> None:
             os.path.join(result, "ckpt"), every_n_train_steps=a.checkpoint_every, save_last=True
         ),
     ]
-    if a.adapter:
+    elastic: Any = None
+    if a.adapter or a.live:
         from elastic.integrations.lightning import ElasticLightning
 
-        callbacks.append(ElasticLightning())
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        strategy="ddp",
-        devices=local,
-        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,
-        max_epochs=a.epochs,
-        accumulate_grad_batches=a.accumulate,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-    )
+        elastic = ElasticLightning()
+        callbacks.append(elastic)
     module = Net()
     loader = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
     last = os.path.join(result, "ckpt", "last.ckpt")
-    trainer.fit(module, loader, ckpt_path=last if os.path.exists(last) else None)
+
+    def fit() -> L.Trainer:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            strategy="ddp",
+            devices=local,
+            num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,  # this round's
+            max_epochs=a.epochs,
+            accumulate_grad_batches=a.accumulate,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+        )
+        trainer.fit(module, loader, ckpt_path=last if os.path.exists(last) else None)
+        return trainer
+
+    trainer = elastic.run(fit) if a.live else fit()
     if trainer.global_rank == 0:
         opt = trainer.optimizers[0]
         final = {
