@@ -51,6 +51,8 @@ def test_a_restored_loader_goes_on_at_the_next_sample_and_then_whole_epochs(
     first = ElasticLoader(prepared(generator))
     it = first.epoch(1)
     trained = [next(it).tolist() for _ in range(3)]
+    first.on_commit()  # State.commit: three batches trained
+    next(it)  # a fourth handed out, its step cut short: not trained
     saved = first.state_dict()
     assert {k: v for k, v in saved.items() if not k.startswith("order")} == {
         "epoch": 1,
@@ -60,11 +62,33 @@ def test_a_restored_loader_goes_on_at_the_next_sample_and_then_whole_epochs(
     torch.manual_seed(1)  # a new process: another global RNG state
     again = ElasticLoader(prepared(resumed_with))
     again.load_state_dict(saved)
-    rest = [b.tolist() for b in again.epoch(1)]
+    rest = []
+    for b in again.epoch(1):
+        rest.append(b.tolist())
+        again.on_commit()
     assert trained + rest == undisturbed
     done = {k: v for k, v in again.state_dict().items() if not k.startswith("order")}
     assert done == {"epoch": 1, "consumed": 40, "lead": 3}  # nothing left
     assert len(list(again.epoch(2))) == 10  # the epoch after is whole
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["own-generator", "global-rng"])
+def test_a_loader_prepared_again_goes_on_from_the_last_commit(generator: bool) -> None:
+    """State.run after a re-formation: the same process prepares its loader again for the
+    new group, and the epoch goes on from the last commit (the batch whose step a fault
+    cut short is handed out again)."""
+    from elastic.integrations.accelerate import ElasticLoader
+
+    torch.manual_seed(0)
+    undisturbed = [b.tolist() for b in ElasticLoader(prepared(generator)).epoch(1)]
+    torch.manual_seed(0)
+    data = ElasticLoader(prepared(generator))
+    it = data.epoch(1)
+    trained = [next(it).tolist() for _ in range(3)]
+    data.on_commit()
+    next(it)  # cut short
+    data.use(prepared(generator))
+    assert trained + [b.tolist() for b in data.epoch(1)] == undisturbed
 
 
 @pytest.mark.parametrize("generator", [True, False], ids=["own-generator", "global-rng"])

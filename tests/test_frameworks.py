@@ -34,6 +34,7 @@ T = TypeVar("T")
 FORK = ("--start-method", "forkserver")
 SCRIPTS = ROOT / "tests" / "scripts"
 # framework: (its test script, the script's arguments)
+LIVE = {"lightning", "accelerate"}  # the jobs run with --live: workers kept
 JOBS = {
     "lightning": ("lightning_train.py", ()),
     "transformers": ("hf_train.py", ()),
@@ -122,8 +123,9 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
 ) -> None:
     """Per framework, two nodes of one worker; b is SIGKILLed mid-epoch and a trains on
     alone: every sample of both epochs once in the kept steps, and at most the snapshot
-    interval (2) of steps redone. Lightning through ``ElasticLightning.run``: a's worker
-    keeps its process (a new Trainer in it); the others respawn."""
+    interval (2) of steps redone. Lightning through ``ElasticLightning.run`` and accelerate
+    in ``State.run`` (``round_accelerator``): a's worker keeps its process (a new Trainer,
+    or Accelerator, in it); the Trainer respawns."""
     # long enough that a trains a while with b, however late b's workers start
     common = ("--adapter", "--samples", "192", "--epochs", "2", "--step-time", "0.05")
     kw = {"nnodes": "1:2", "nproc": 1, "extra": ("--snapshot-every", "2")}
@@ -131,7 +133,7 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     for name, (script, args) in JOBS.items():
         out = tmp_path / name
         out.mkdir()
-        live = ("--live",) if name == "lightning" else ()
+        live = ("--live",) if name in LIVE else ()
         job = (SCRIPTS / script, *common, *args, *live)
         env = {"RESULT_DIR": str(out)}
         a = start_agent(procs, etcd.endpoint, f"{run_id}-{name}", "a", *job, env=env, **kw)  # type: ignore[arg-type]
@@ -153,7 +155,7 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     for name, (a, _) in agents.items():
         assert a.wait(240) == 0, f"{name}: {a.transcript()}"
         history = steps(tmp_path / name)
-        if name == "lightning":
+        if name in LIVE:
             assert {r["pid"] for r in history if r["world"] == 1} == set(kept[name])
             assert "workers re-form live" in a.transcript()
         assert sorted({r["world"] for r in history}) == [1, 2], name

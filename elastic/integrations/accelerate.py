@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from accelerate import skip_first_batches
+from accelerate import Accelerator, skip_first_batches
 from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import RandomSampler, Sampler
 
@@ -35,7 +35,19 @@ from elastic.integrations._loader import Position, ResumedEpoch, batch_sampler, 
 
 log = logging.getLogger("elastic.accelerate")
 
-__all__ = ["ElasticLoader"]
+__all__ = ["ElasticLoader", "round_accelerator"]
+
+
+def round_accelerator(**kwargs: Any) -> Accelerator:
+    """An ``Accelerator`` for the process group as it is now. accelerate keeps one state
+    per process (world size, rank, device), made with the first ``Accelerator`` and never
+    again: after a live re-formation (``State.run``) it would describe the old group. This
+    drops it first; call it at the top of the training function, and ``prepare`` the
+    plain model, optimizer and loader again with it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(**kwargs)
 
 
 class ElasticLoader:
@@ -43,6 +55,20 @@ class ElasticLoader:
     and restored through ``elastic.State`` (name it among the State's objects)."""
 
     def __init__(self, loader: Any) -> None:
+        self._start = Position()  # of the epoch being iterated
+        self._count = 0  # batches of it handed out, per rank (filler counted)
+        self._done = 0  # of those, the ones trained as of the last State.commit
+        self._resume: Position | None = None
+        self._resume_order: Drawn | None = None
+        self._batches: Any = None
+        self.use(loader)
+
+    def use(self, loader: Any) -> None:
+        """Go on with ``loader``, the same loader prepared again for a new round (under
+        ``State.run``, after a membership change): the epoch resumes where the last commit
+        left it, over the new world size."""
+        if self._batches is not None and self._resume is None:
+            self.load_state_dict(self.state_dict())  # the place this process holds
         self.loader = loader
         self._batches = batch_sampler(loader)
         if self._batches is None:
@@ -54,9 +80,6 @@ class ElasticLoader:
         shard = loader.batch_sampler  # accelerate's BatchSamplerShard, or the BatchSampler
         self.world = int(getattr(shard, "num_processes", 1))
         self.even = bool(getattr(shard, "even_batches", True))
-        self._start = Position()  # of the epoch being iterated
-        self._count = 0  # batches of it handed out, per rank (filler counted)
-        self._resume: Position | None = None
         # a random order not seeded by the epoch (accelerate's SeedableRandomSampler is) is
         # recorded; anything else is the sampler's own, for accelerate's save_state as well
         sampler: Any = self._batches.sampler
@@ -66,7 +89,6 @@ class ElasticLoader:
         elif isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
             self._recorded = _Recorded(sampler)
             loader.set_sampler(self._recorded)
-        self._resume_order: Drawn | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -77,10 +99,15 @@ class ElasticLoader:
         inner: Any = sampler.inner if isinstance(sampler, ResumedEpoch) else sampler
         return len(inner)
 
+    def on_commit(self) -> None:
+        """``State.commit`` (every optimizer step): the batches handed out are trained. A
+        batch handed out and cut short by a fault is not, and is trained again."""
+        self._done = self._count
+
     def state_dict(self) -> dict[str, Any]:
         assert self._batches is not None
         size = self._batches.batch_size or 1
-        at = self._start.after(self._count, self.world, size, self._samples())
+        at = self._start.after(self._done, self.world, size, self._samples())
         out: dict[str, Any] = dataclasses.asdict(at)
         drawn = self._recorded.drawn_from if self._recorded is not None else None
         if drawn is not None:  # the RNG state this epoch's order was drawn from
@@ -113,7 +140,7 @@ class ElasticLoader:
         sampler: Any = batches.sampler
         if self._recorded is not None:
             self._recorded.replay = saved
-        self._start, self._count = Position(epoch), 0
+        self._start, self._count, self._done = Position(epoch), 0, 0
         if resume is None or resume.consumed == 0:
             yield from self._counted(self.loader)
             return
@@ -122,6 +149,7 @@ class ElasticLoader:
             len(sampler), resume.consumed, size, batches.drop_last, self.world, self.even
         )
         self._start, self._count = dataclasses.replace(resume, lead=lead), lead
+        self._done = lead
         self.loader.set_sampler(ResumedEpoch(sampler, resume.consumed, lead * self.world * size))
         try:
             yield from self._counted(skip_first_batches(self.loader, lead))

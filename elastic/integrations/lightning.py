@@ -19,8 +19,10 @@ it injects would split the epoch differently. The callback swaps that sampler fo
 epoch not yet trained on over the new world. Its position is in Lightning's checkpoint
 too (as a stateful loader's), so Lightning's own checkpoint files resume exactly as well.
 
-Respawn only for now: a membership change restarts the workers (``State.run`` keeps
-processes in hand-written loops; Lightning's strategy holds the process group itself).
+Lightning's DDP holds the process group, so a Trainer serves one round: with ``trainer
+.fit`` a membership change restarts the workers; with ``ElasticLightning.run(fit)``
+(``fit`` makes a Trainer and fits) the process group re-forms in the same process and
+``fit`` runs again from the newest snapshot (``State.run``).
 """
 
 from __future__ import annotations

@@ -114,6 +114,11 @@ class _Core:
     def samplers(self) -> list[ElasticSampler]:
         return [o for o in self.objects.values() if isinstance(o, ElasticSampler)]
 
+    def committing(self) -> list[Any]:
+        """Objects told of each commit (``on_commit()``): what they hold as of the last
+        one is what a live re-formation carries on from (a loader's place in its epoch)."""
+        return [o for o in self.objects.values() if callable(getattr(o, "on_commit", None))]
+
     def stopping(self) -> bool:
         return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
 
@@ -240,6 +245,8 @@ class State:
         before = sum(s.consumed for s in samplers)
         for s in samplers:
             s.advance(1)
+        for o in core.committing():
+            o.on_commit()  # before any snapshot of this step
         after = sum(s.consumed for s in samplers)
         progress.report(step, loss, (after - before) // max(comm.world(), 1))
         cadence = core.cadence

@@ -7,6 +7,8 @@ and loader go through ``accelerator.prepare``. ``--adapter``: ``elastic.State`` 
 them and ``ElasticLoader`` the loader's place. Without it the script checkpoints as the
 accelerate docs show: ``save_state`` every ``--checkpoint-every`` steps to
 ``$RESULT_DIR/ckpt``, and on start ``load_state`` and ``skip_first_batches``.
+``--live`` (with ``--adapter``): the loop runs in ``State.run``, and each round makes its
+``Accelerator`` (``round_accelerator``) and prepares the plain objects again.
 """
 
 from __future__ import annotations
@@ -33,28 +35,42 @@ class Own:
     def __init__(self, accelerator: Accelerator, every: int, loader: Any) -> None:
         self.accelerator, self.every, self.loader = accelerator, every, loader
         self.dir = Path(os.environ["RESULT_DIR"]) / "ckpt"
-        self.step, self.epoch, self.skip = 0, 0, 0
-        self.first = 0  # the batch the epoch being trained started at
+        self.steps, self.epoch, self.skip = 0, 0, 0
+        self.first_batch = 0  # the batch the epoch being trained started at
 
     def restore(self) -> None:
         done = self.dir / "step.json"
         if done.exists():
             self.accelerator.load_state(str(self.dir))
             saved = json.loads(done.read_text())
-            self.step, self.epoch, self.skip = saved["step"], saved["epoch"], saved["batches"]
+            self.steps, self.epoch, self.skip = saved["step"], saved["epoch"], saved["batches"]
+
+    def first(self) -> int:
+        return self.epoch
+
+    def starts(self, epoch: int) -> None:
+        pass
 
     def batches(self, epoch: int) -> Any:
         self.loader.set_epoch(epoch)
-        self.first, self.skip = self.skip, 0
-        return skip_first_batches(self.loader, self.first) if self.first else self.loader
+        self.first_batch, self.skip = self.skip, 0
+        if self.first_batch:
+            return skip_first_batches(self.loader, self.first_batch)
+        return self.loader
 
-    def committed(self, epoch: int, batches: int) -> None:
-        self.step += 1
-        if self.step % self.every == 0:
+    def skipped(self) -> int:
+        return self.first_batch
+
+    def step(self) -> int:
+        return self.steps
+
+    def committed(self, epoch: int, batches: int, loss: float) -> None:
+        self.steps += 1
+        if self.steps % self.every == 0:
             self.accelerator.wait_for_everyone()
             self.accelerator.save_state(str(self.dir))
             if self.accelerator.is_main_process:
-                info = {"step": self.step, "epoch": epoch, "batches": batches}
+                info = {"step": self.steps, "epoch": epoch, "batches": batches}
                 (self.dir / "step.json").write_text(json.dumps(info))
 
 
@@ -67,61 +83,103 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--checkpoint-every", type=int, default=1000, help="without --adapter")
     ap.add_argument("--adapter", action="store_true")
+    ap.add_argument("--live", action="store_true", help="the adapter in State.run")
     a = ap.parse_args()
-    # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
     logging.getLogger("elastic.state").setLevel(logging.INFO)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=a.accumulate)
     set_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    loader = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
-    if a.adapter:
-        import elastic
-        from elastic.integrations.accelerate import ElasticLoader
+    raw = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
+    out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
 
-        data = ElasticLoader(loader)
-        state = elastic.State(model=model, optimizer=optimizer, data=data, epoch=0)
-        state.restore()
-        first, step, epochs = state.epoch, lambda: state.step, data.epoch
-    else:
+    def train(accelerator: Accelerator, model: Any, optimizer: Any, run: Any) -> None:
+        """The loop, as the accelerate docs write it; ``run`` is how this script resumes
+        and commits (the adapter, or its own checkpoints)."""
+        seen: list[int] = []
+        for epoch in range(run.first(), a.epochs):
+            run.starts(epoch)
+            for batch, (idx, x, y) in enumerate(run.batches(epoch), start=run.skipped()):
+                with accelerator.accumulate(model):
+                    seen += idx.tolist()
+                    if accelerator.sync_gradients:
+                        # logged before the gradients are shared: once they are, a peer's
+                        # optimizer may step with this rank's samples while this rank dies
+                        # (a step not completed anywhere is logged again when redone)
+                        row = {
+                            "t": time.time(),
+                            "pid": os.getpid(),
+                            "epoch": epoch,
+                            "step": run.step() + 1,
+                            "rank": accelerator.process_index,
+                            "world": accelerator.num_processes,
+                            "port": int(os.environ.get("MASTER_PORT", 0)),
+                            "indices": seen,
+                        }
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                        seen = []
+                    loss = nn.functional.mse_loss(model(x), y)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    run.committed(epoch, batch + 1, loss.item())
+                    time.sleep(a.step_time)
+
+    if not a.adapter:
+        model, opt, loader = accelerator.prepare(net, optimizer, raw)
         own = Own(accelerator, a.checkpoint_every, loader)
         own.restore()
-        first, step, epochs = own.epoch, lambda: own.step, own.batches
-    out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
-    seen: list[int] = []
-    for epoch in range(first, a.epochs):
-        if a.adapter:
-            state.epoch = epoch
-        batches = epochs(epoch)
-        for batch, (idx, x, y) in enumerate(batches, start=0 if a.adapter else own.first):
-            with accelerator.accumulate(model):
-                loss = nn.functional.mse_loss(model(x), y)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            seen += idx.tolist()
-            if accelerator.sync_gradients:  # logged first: a kill before the commit redoes it
-                row = {
-                    "t": time.time(),
-                    "epoch": epoch,
-                    "step": step() + 1,
-                    "rank": accelerator.process_index,
-                    "world": accelerator.num_processes,
-                    "port": int(os.environ.get("MASTER_PORT", 0)),
-                    "indices": seen,
-                }
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                seen = []
-                if a.adapter:
-                    state.commit(loss.item())
-                else:
-                    own.committed(epoch, batch + 1)
-                time.sleep(a.step_time)
-    if a.adapter:
-        state.close()
+        train(accelerator, model, opt, own)
+        return
+    import elastic
+    from elastic.integrations.accelerate import ElasticLoader, round_accelerator
+
+    if a.live:  # State keeps the plain objects; each round prepares them again
+        data = ElasticLoader(accelerator.prepare(raw))
+        state = elastic.State(model=net, optimizer=optimizer, data=data, epoch=0)
+
+        def live() -> None:
+            acc = round_accelerator(cpu=True, gradient_accumulation_steps=a.accumulate)
+            model, opt, loader = acc.prepare(net, optimizer, raw)
+            data.use(loader)
+            train(acc, model, opt, Adapter(state, data))
+
+        state.run(live)
+    else:
+        model, opt, loader = accelerator.prepare(net, optimizer, raw)
+        data = ElasticLoader(loader)
+        state = elastic.State(model=model, optimizer=opt, data=data, epoch=0)
+        state.restore()
+        train(accelerator, model, opt, Adapter(state, data))
+    state.close()
+
+
+class Adapter:
+    """Resume and commit through elastic.State and ElasticLoader."""
+
+    def __init__(self, state: Any, data: Any) -> None:
+        self.state, self.data = state, data
+
+    def first(self) -> int:
+        return int(self.state.epoch)
+
+    def starts(self, epoch: int) -> None:
+        self.state.epoch = epoch
+
+    def batches(self, epoch: int) -> Any:
+        return self.data.epoch(epoch)
+
+    def skipped(self) -> int:
+        return 0
+
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def committed(self, epoch: int, batches: int, loss: float) -> None:
+        self.state.commit(loss)
 
 
 if __name__ == "__main__":
