@@ -17,6 +17,10 @@ of a folder. What a script resumes by hand with ``skip_first_batches`` (the batc
 the epoch trained on) is right only at the same world size. ``ElasticLoader`` counts the
 batches it hands out, saves the epoch's place with the other state, and on a restart
 resumes the epoch at the exact sample over whatever the world size is now (``_loader``).
+
+To keep the workers through membership changes (``State.run``), ``State`` holds the
+plain model and optimizer, and the training function makes this round's Accelerator
+(``round_accelerator``), prepares them again and hands the loader to ``data.use``.
 """
 
 from __future__ import annotations
