@@ -7,9 +7,9 @@ Hugging Face Trainer (``tests/scripts/hf_train.py``) and an accelerate loop
 own checkpoints every 20 steps (``save_state`` for accelerate), which the script resumes
 from. Each runs under stock torchrun (c10d, --max-restarts 3), under elastic-run without
 the adapter, and under elastic-run with it (``ElasticLightning()``,
-``ElasticCallback.attach(trainer)``, ``ElasticLoader``), and for Lightning and accelerate
-also live, keeping the workers (``ElasticLightning.run(fit)``: a new Trainer in them;
-``State.run`` with ``round_accelerator``: a new Accelerator). Once
+``ElasticCallback.attach(trainer)``, ``ElasticLoader``), and with it live, keeping the
+workers (``ElasticLightning.run(fit)``, ``ElasticCallback.run(make)``: a new Trainer in
+them; ``State.run`` with ``round_accelerator``: a new Accelerator). Once
 both nodes train, node b (not torchrun's store host) is SIGKILLed,
 launcher and worker together, and a trains on alone. Printed per launcher: the seconds
 from the kill to the first step at world size 1 (and the ratio to torchrun's), and the
@@ -44,7 +44,6 @@ FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter)
     "transformers": ("HF Trainer", "hf_train.py", "ElasticCallback"),
     "accelerate": ("accelerate", "accelerate_train.py", "ElasticLoader"),
 }
-LIVE = {"lightning", "accelerate"}  # kept live: ElasticLightning.run, State.run
 ARGS = ["--samples", "8000", "--epochs", "1", "--step-time", "0.03", "--checkpoint-every", "20"]
 COMMON = ["--nnodes", "1:2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]
 
@@ -119,9 +118,8 @@ def bench(framework: str, repeat: int, timeout: float, etcd: EtcdServer, tmp: Pa
         "torchrun, own ckpt": torchrun_cmd,
         "elastic-run, own ckpt": elastic_cmd,
         f"elastic-run + {adapter}": adapter_cmd,
+        f"elastic-run + {adapter}, live": live_cmd,
     }
-    if framework in LIVE:
-        kinds[f"elastic-run + {adapter}, live"] = live_cmd
     seconds: dict[str, list[float | None]] = {k: [] for k in kinds}
     redone: dict[str, list[int | None]] = {k: [] for k in kinds}
     for r in range(repeat):

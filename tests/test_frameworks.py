@@ -34,7 +34,7 @@ T = TypeVar("T")
 FORK = ("--start-method", "forkserver")
 SCRIPTS = ROOT / "tests" / "scripts"
 # framework: (its test script, the script's arguments)
-LIVE = {"lightning", "accelerate"}  # the jobs run with --live: workers kept
+LIVE = {"lightning", "transformers", "accelerate"}  # run with --live: workers kept
 JOBS = {
     "lightning": ("lightning_train.py", ()),
     "transformers": ("hf_train.py", ()),
@@ -123,9 +123,10 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
 ) -> None:
     """Per framework, two nodes of one worker; b is SIGKILLed mid-epoch and a trains on
     alone: every sample of both epochs once in the kept steps, and at most the snapshot
-    interval (2) of steps redone. Lightning through ``ElasticLightning.run`` and accelerate
-    in ``State.run`` (``round_accelerator``): a's worker keeps its process (a new Trainer,
-    or Accelerator, in it); the Trainer respawns."""
+    interval (2) of steps redone, each kept live (``ElasticLightning.run``,
+    ``ElasticCallback.run``, ``State.run`` with ``round_accelerator``): a's worker keeps its
+    process, a new Trainer or Accelerator in it. (The bitwise test above takes the respawn
+    path.)"""
     # long enough that a trains a while with b, however late b's workers start
     common = ("--adapter", "--samples", "192", "--epochs", "2", "--step-time", "0.05")
     kw = {"nnodes": "1:2", "nproc": 1, "extra": ("--snapshot-every", "2")}

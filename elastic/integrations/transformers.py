@@ -20,9 +20,12 @@ only at the same world size. The resumed epoch's sampler leads with filler batch
 instead (``_loader``), the Trainer is told to skip exactly those, and its epoch and step
 counts are set to match (``max_steps`` too, when the run is given in epochs).
 
-Respawn only: the Trainer's accelerator holds the process group, so a membership change
-restarts the workers. FSDP and DeepSpeed keep their own sharded checkpoints: with them
-the callback stands aside (it says so once) and the Trainer's own resume is used.
+The Trainer's accelerator holds the process group, so a Trainer serves one round: with
+``attach`` a membership change restarts the workers; with ``ElasticCallback.run(make)``
+(``make`` builds a Trainer) the group re-forms in the same process and the next Trainer
+resumes from the newest snapshot (``State.run``). FSDP and DeepSpeed keep sharded
+checkpoints of their own: with them the callback stands aside (it says so once) and the
+Trainer's own resume is used.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
@@ -45,7 +49,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from elastic.contract import SnapshotPolicy
 from elastic.integrations._loader import Position, ResumedEpoch, batch_sampler, filler_batches
-from elastic.worker import rng
+from elastic.worker import comm, rng
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.transformers")
@@ -65,15 +69,20 @@ _RESUME_STEPS = (
 
 
 class _Snapshot:
-    """What a Trainer checkpoint folder holds, as the one object ``State`` saves."""
+    """What a Trainer checkpoint folder holds, as the one object ``State`` saves. Its
+    ``live_state`` is False: after a step cut short by a fault the Trainer is half-way
+    through it, so a live re-formation takes the newest snapshot instead."""
 
-    def __init__(self, trainer: Trainer, position: Callable[[], Position]) -> None:
+    live_state = False
+
+    def __init__(self, trainer: Trainer | None, position: Callable[[], Position]) -> None:
         self.trainer = trainer
         self.position = position
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
+        assert t is not None, "no Trainer is training"
         model: Any = t.model
         optimizer: Any = t.optimizer
         state = dataclasses.asdict(t.state)
@@ -96,6 +105,11 @@ class _Snapshot:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.loaded = saved
+
+
+def _has_gpu() -> bool:
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    return torch.cuda.is_available() and local < torch.cuda.device_count()
 
 
 def steps_left(batches: int, skipped: int, accumulate: int) -> int:
@@ -132,18 +146,69 @@ class ElasticCallback(TrainerCallback):
         self._resume: Position | None = None  # of the snapshot resumed from, until its epoch
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until the loop's turn
         self._epoch_batches = 0  # per rank, of the resumed epoch's loader
+        self._live: _Snapshot | None = None  # inside run(): the State outlives each Trainer
 
-    @classmethod
-    def attach(
-        cls, trainer: Trainer, snapshot_policy: SnapshotPolicy | None = None
-    ) -> ElasticCallback:
-        """Add the callback to ``trainer`` and wrap its ``train`` (see the module doc)."""
+    @staticmethod
+    def _check(trainer: Trainer) -> None:
         missing = [m for m in _RESUME_STEPS if not callable(getattr(trainer, m, None))]
         if missing:
             raise RuntimeError(
                 f"this Trainer (transformers {transformers.__version__}) has no "
                 f"{', '.join(missing)}: ElasticCallback needs transformers 5.3 or newer"
             )
+
+    @classmethod
+    def run(
+        cls,
+        make: Callable[[], Trainer],
+        resume_from_checkpoint: str | bool | None = None,
+        snapshot_policy: SnapshotPolicy | None = None,
+        backend: str | None = None,
+        **train_kw: Any,
+    ) -> Any:
+        """Keep the workers through membership changes: ``make()`` builds this round's
+        Trainer, its ``TrainingArguments`` included (they hold the world size), and it
+        trains as ``attach`` would have it; after a change the process group re-forms in
+        this process and ``make()``'s next Trainer resumes from the newest snapshot
+        (``State.run``). Anywhere but elastic-run's live mode it is called once.
+
+        The process group must exist before the first Trainer, to be re-formed: under a
+        launcher it is made here with ``backend`` (default: NCCL where this local rank has
+        a GPU, else gloo), and every Trainer finds it made."""
+        if comm.dist() is None and "MASTER_ADDR" in os.environ:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend or ("nccl" if _has_gpu() else "gloo"))
+        cb = cls(snapshot_policy)
+        snapshot = _Snapshot(None, cb._position)
+        state = cb._state = State(snapshot_policy, transformers=snapshot)
+        cb._live = snapshot
+
+        def one_round() -> Any:
+            from accelerate.state import AcceleratorState
+
+            # accelerate keeps the world size of the first Accelerator in the process:
+            # the Trainer (through TrainingArguments) would see the old group's
+            AcceleratorState._reset_state(reset_partial_state=True)
+            t = make()
+            cls._check(t)
+            cb._trainer = snapshot.trainer = t
+            t.add_callback(cb)
+            return cb._train(t.train, resume_from_checkpoint, **train_kw)
+
+        try:
+            return state.run(one_round)
+        finally:
+            cb._live = None
+            state.close()
+            cb._state = None
+
+    @classmethod
+    def attach(
+        cls, trainer: Trainer, snapshot_policy: SnapshotPolicy | None = None
+    ) -> ElasticCallback:
+        """Add the callback to ``trainer`` and wrap its ``train`` (see the module doc)."""
+        cls._check(trainer)
         cb = cls(snapshot_policy)
         cb._trainer = trainer
         trainer.add_callback(cb)
@@ -166,13 +231,18 @@ class ElasticCallback(TrainerCallback):
             )
             return train(resume_from_checkpoint=folder, **kw)
         path = get_last_checkpoint(t.args.output_dir) if folder is True else folder or None
-        snapshot = _Snapshot(t, self._position)
-        self._state = State(self._policy, transformers=snapshot)
+        if self._live is not None:  # run(): restored already, or again after a re-formation
+            snapshot, state = self._live, self._state
+            assert state is not None
+        else:
+            snapshot = _Snapshot(t, self._position)
+            state = self._state = State(self._policy, transformers=snapshot)
+            state.restore(tell=False)
         self._start, self._batches, self._epoch_begun = Position(), 0, False
         scratch = None
         undo: list[Callable[[], None]] = []
         try:
-            if self._state.restore(tell=False) and snapshot.loaded is not None:
+            if snapshot.loaded is not None:
                 step = json.loads(snapshot.loaded["trainer_state"])["global_step"]
                 if _folder_step(path) > step:
                     log.info("%s (step %d) is newer than the snapshot", path, _folder_step(path))
@@ -183,7 +253,8 @@ class ElasticCallback(TrainerCallback):
                     undo = self._resume_from(t, snapshot.loaded, scratch)
                     log.info("resuming from the snapshot of step %d, not %s", step, path)
                     path = scratch
-            self._state.resumed_from(_folder_step(path))
+            snapshot.loaded = None  # read once: a later Trainer reads the next one
+            state.resumed_from(_folder_step(path))
             # True with no folder and no snapshot: the Trainer says there is nothing
             return train(resume_from_checkpoint=path or (folder is True or None), **kw)
         finally:
@@ -191,8 +262,10 @@ class ElasticCallback(TrainerCallback):
                 put_back()
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
-            self._state.close()  # the snapshot copy in flight, if any, completes
-            self._state, self._resume, self._rng = None, None, None
+            if self._live is None:
+                state.close()  # the snapshot copy in flight, if any, completes
+                self._state = None
+            self._resume, self._rng = None, None
 
     def _resume_from(
         self, t: Trainer, saved: dict[str, Any], scratch: str

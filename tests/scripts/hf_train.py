@@ -98,40 +98,58 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
+    ap.add_argument("--live", action="store_true", help="ElasticCallback.run: workers kept")
     a = ap.parse_args()
     # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
     logging.getLogger("elastic.state").setLevel(logging.INFO)
     result = os.environ["RESULT_DIR"]
     out = os.path.join(result, "out")
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=a.batch_size,
-        gradient_accumulation_steps=a.accumulate,
-        num_train_epochs=a.epochs,
-        learning_rate=0.01,
-        lr_scheduler_type="linear",
-        save_strategy="steps",
-        save_steps=a.checkpoint_every,
-        logging_steps=1000,
-        report_to=[],
-        seed=0,
-        use_cpu=True,
-        ddp_backend="gloo",
-        ddp_find_unused_parameters=False,
-        disable_tqdm=True,
-    )
     set_seed(0)  # the model's initial weights too
     net = Net()
-    trainer = Trainer(model=net, args=args, train_dataset=Samples(a.samples))
-    trainer.add_callback(Record(a, net))
-    if a.adapter:
+
+    def make() -> Trainer:
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=a.batch_size,
+            gradient_accumulation_steps=a.accumulate,
+            num_train_epochs=a.epochs,
+            learning_rate=0.01,
+            lr_scheduler_type="linear",
+            save_strategy="steps",
+            save_steps=a.checkpoint_every,
+            logging_steps=1000,
+            report_to=[],
+            seed=0,
+            use_cpu=True,
+            ddp_backend="gloo",
+            ddp_find_unused_parameters=False,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=net, args=args, train_dataset=Samples(a.samples))
+        trainer.add_callback(Record(a, net))
+        return trainer
+
+    last = get_last_checkpoint(out) if os.path.isdir(out) else None
+    if a.live:
         from elastic.integrations.transformers import ElasticCallback
 
-        ElasticCallback.attach(trainer)
-    last = get_last_checkpoint(out) if os.path.isdir(out) else None
-    trainer.train(resume_from_checkpoint=last)
-    if args.process_index == 0:
+        trainer: Any = None
+
+        def made() -> Trainer:
+            nonlocal trainer
+            trainer = make()
+            return trainer
+
+        ElasticCallback.run(made, resume_from_checkpoint=last)
+    else:
+        trainer = make()
+        if a.adapter:
+            from elastic.integrations.transformers import ElasticCallback
+
+            ElasticCallback.attach(trainer)
+        trainer.train(resume_from_checkpoint=last)
+    if trainer.args.process_index == 0:
         optimizer: Any = trainer.optimizer
         final = {
             "model": net.state_dict(),
