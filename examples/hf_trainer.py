@@ -10,6 +10,11 @@ steps since the last snapshot (the policy picks the interval from what a snapsho
 step cost), not the steps since the last checkpoint folder, and the epoch goes on at the
 exact sample, whatever the new world size. Without elastic-run it does nothing.
 ``--no-elastic`` leaves it out (the same script, unchanged).
+
+``--live`` also keeps the workers through membership changes: the Trainer (and its
+TrainingArguments) is made in a function that ``ElasticCallback.run`` calls again in the
+same process after each change; the new Trainer resumes from the newest snapshot, with
+no new python and no ``import transformers``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=8, help="the Trainer's own, in steps")
     ap.add_argument("--dir", default="hf_output", help="the Trainer's own checkpoints")
     ap.add_argument("--no-elastic", action="store_true", help="leave the adapter out")
+    ap.add_argument("--live", action="store_true", help="keep the workers through changes")
     a = ap.parse_args()
     set_seed(0)
     config = GPT2Config(
@@ -64,28 +70,32 @@ def main() -> None:
         bos_token_id=0,
         eos_token_id=0,
     )
-    args = TrainingArguments(
-        output_dir=a.dir,
-        per_device_train_batch_size=a.batch_size,
-        num_train_epochs=a.epochs,
-        learning_rate=3e-3,
-        save_strategy="steps",
-        save_steps=a.checkpoint_every,
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        ddp_find_unused_parameters=False,
-        use_cpu=not torch.cuda.is_available(),  # the Trainer runs one process per CPU rank else
-    )
-    trainer = Trainer(
-        model=GPT2LMHeadModel(config),
-        args=args,
-        train_dataset=Counting(a.samples),
-    )
+    model = GPT2LMHeadModel(config)
+
+    def make() -> Trainer:
+        args = TrainingArguments(  # made per Trainer: they hold the round's world size
+            output_dir=a.dir,
+            per_device_train_batch_size=a.batch_size,
+            num_train_epochs=a.epochs,
+            learning_rate=3e-3,
+            save_strategy="steps",
+            save_steps=a.checkpoint_every,
+            logging_steps=1,
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+            ddp_find_unused_parameters=False,
+            use_cpu=not torch.cuda.is_available(),  # the Trainer runs one process per CPU rank else
+        )
+        return Trainer(model=model, args=args, train_dataset=Counting(a.samples))
+
+    last = get_last_checkpoint(a.dir) if os.path.isdir(a.dir) else None
+    if a.live and not a.no_elastic:
+        ElasticCallback.run(make, resume_from_checkpoint=last)  # a new Trainer after a change
+        return
+    trainer = make()
     if not a.no_elastic:
         ElasticCallback.attach(trainer)
-    last = get_last_checkpoint(a.dir) if os.path.isdir(a.dir) else None
     trainer.train(resume_from_checkpoint=last)
 
 
