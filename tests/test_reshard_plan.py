@@ -3,7 +3,15 @@ no step is held whole. Pure: offers and needs built by hand."""
 
 from __future__ import annotations
 
-from elastic.worker.reshard_plan import Move, Need, NoPlan, Offer, Plan, plan, rows
+from elastic.worker.reshard_plan import Move, Need, NoPlan, Offer, Plan, plan
+
+
+def rows(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows of part ``index`` when ``total`` rows are cut in ``parts`` as ``torch.chunk``
+    (FSDP2's ``Shard(0)``) cuts them."""
+    size = -(-total // parts)
+    lo = min(total, index * size)
+    return lo, min(total, lo + size)
 
 
 def shards(key: str, total: int, world: int, step: int, ranks: list[int]) -> list[Offer]:
@@ -24,9 +32,12 @@ def needs(key: str, total: int, world: int) -> list[Need]:
 
 
 def test_rows_are_cut_as_torch_chunk_cuts_them() -> None:
-    assert [rows(32, 3, i) for i in range(3)] == [(0, 11), (11, 22), (22, 32)]
-    assert [rows(1, 2, i) for i in range(2)] == [(0, 1), (1, 1)]  # an empty last part
-    assert [rows(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    import torch
+
+    for total, parts in ((32, 3), (1, 2), (5, 4), (7, 3)):
+        chunks = torch.arange(total).chunk(parts)
+        cut = [rows(total, parts, i) for i in range(parts)]
+        assert [c.tolist() for c in chunks] == [list(range(lo, hi)) for lo, hi in cut if hi > lo]
 
 
 def test_a_join_moves_only_the_rows_that_change_hands() -> None:

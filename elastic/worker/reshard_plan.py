@@ -121,12 +121,3 @@ def _cover(held: dict[str, list[Offer]], needs: list[Need]) -> tuple[Move, ...] 
             moves.append(Move(key=n.key, src=src.rank, dst=n.rank, lo=at, hi=end))
             at = end
     return tuple(moves)
-
-
-def rows(total: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of part ``index`` when ``total`` rows are cut in ``parts`` as
-    ``torch.chunk`` cuts them (FSDP2's ``Shard(0)``: equal parts of ceil(total/parts)
-    rows, the last ones shorter or empty)."""
-    size = -(-total // parts) if parts else 0
-    lo = min(total, index * size)
-    return lo, min(total, lo + size)
