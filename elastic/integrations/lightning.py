@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,7 +40,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from elastic.contract import SnapshotPolicy
-from elastic.worker import comm, rng
+from elastic.integrations._group import ensure_group
+from elastic.worker import rng
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.lightning")
@@ -149,11 +149,6 @@ class _Checkpoint:
         self.loaded = ckpt
 
 
-def _has_gpu() -> bool:
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    return torch.cuda.is_available() and local < torch.cuda.device_count()
-
-
 def _loader_state(ckpt: dict[str, Any]) -> dict[str, int] | None:
     fit = ckpt.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     for state in fit.get("combined_loader", []):
@@ -188,10 +183,7 @@ class ElasticLightning(Callback):
         launcher it is made here with ``backend`` (default: as Lightning picks for
         ``accelerator="auto"``: NCCL where this local rank has a GPU, else gloo; a CPU
         Trainer on a GPU machine passes "gloo"), and every Trainer finds it made."""
-        if comm.dist() is None and "MASTER_ADDR" in os.environ:
-            import torch.distributed as dist
-
-            dist.init_process_group(backend or ("nccl" if _has_gpu() else "gloo"))
+        ensure_group(backend)
         self._checkpoint = _Checkpoint(None)
         self._state = State(self._policy, lightning=self._checkpoint)
         self._live = True

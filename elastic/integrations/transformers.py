@@ -41,15 +41,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from elastic.contract import SnapshotPolicy
+from elastic.integrations._group import ensure_group
 from elastic.integrations._loader import Position, ResumedEpoch, batch_sampler, filler_batches
-from elastic.worker import comm, rng
+from elastic.worker import rng
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.transformers")
@@ -105,11 +105,6 @@ class _Snapshot:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.loaded = saved
-
-
-def _has_gpu() -> bool:
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    return torch.cuda.is_available() and local < torch.cuda.device_count()
 
 
 def steps_left(batches: int, skipped: int, accumulate: int) -> int:
@@ -175,10 +170,7 @@ class ElasticCallback(TrainerCallback):
         The process group must exist before the first Trainer, to be re-formed: under a
         launcher it is made here with ``backend`` (default: NCCL where this local rank has
         a GPU, else gloo), and every Trainer finds it made."""
-        if comm.dist() is None and "MASTER_ADDR" in os.environ:
-            import torch.distributed as dist
-
-            dist.init_process_group(backend or ("nccl" if _has_gpu() else "gloo"))
+        ensure_group(backend)
         cb = cls(snapshot_policy)
         snapshot = _Snapshot(None, cb._position)
         state = cb._state = State(snapshot_policy, transformers=snapshot)
