@@ -306,7 +306,9 @@ def test_fsdp_state_is_resharded_live_through_a_join_and_a_kill(
     reached = max(r["step"] for r in rows if r["t"] < killed)
     assert reached - 5 <= back <= reached, (back, reached)
     said = a.transcript() + c.transcript()
-    assert f"sharded state resumes from step {back}" in said or back == reached, said
+    # the row of the step in flight is written before its commit(): beyond it, the agents
+    # say what is trained again
+    assert back >= reached - 1 or f"resumes from step {back}, " in said, said
     assert "held whole in memory" not in said, said  # b's rows came from its buddy, c
     assert max(r["step"] for r in rows) == 40
     # a new job on one fresh node, not live, resumes from the DCP checkpoint of step 40
