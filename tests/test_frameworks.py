@@ -10,6 +10,7 @@ test_loader_position, test_accelerate).
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -167,11 +168,15 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
 
 
 def test_the_examples_run(tmp_path: Path) -> None:
-    """Each framework's example, as the README's examples table runs it, to the end."""
+    """Each framework's example, as the README's examples table runs it, to the end; and
+    beside them Lightning's sharded strategy (FSDP2), whose checkpoint no rank holds
+    whole: the adapter stands aside, and Lightning's own checkpoints go on."""
+    sharded = ("--strategy", "model_parallel", "--live", "--epochs", "1")
     runs = {
         "lightning": ("examples/lightning_ddp.py", "--epochs", "1", "--dir", str(tmp_path / "l")),
         "transformers": ("examples/hf_trainer.py", "--epochs", "1", "--dir", str(tmp_path / "h")),
         "accelerate": ("examples/accelerate_ddp.py", "--epochs", "1"),
+        "sharded": (str(SCRIPTS / "lightning_train.py"), *sharded),
     }
 
     def run(args: tuple[str, ...]) -> subprocess.CompletedProcess:
@@ -182,6 +187,7 @@ def test_the_examples_run(tmp_path: Path) -> None:
             text=True,
             timeout=240,
             cwd=str(ROOT),
+            env={**os.environ, "RESULT_DIR": str(tmp_path)},
         )  # fmt: skip
 
     done = at_once(lambda name: run(runs[name]), runs)
@@ -193,3 +199,6 @@ def test_the_examples_run(tmp_path: Path) -> None:
     assert "'epoch': '1'" in hf.stdout and "step 16," in hf.stderr.split("summary:")[1]
     assert (tmp_path / "h" / "checkpoint-16").is_dir()  # the Trainer's own checkpoints go on
     assert "(step 8, 2 processes)" in done["accelerate"].stdout, done["accelerate"].stdout
+    said = done["sharded"].stderr
+    assert said.count("ModelParallelStrategy keeps sharded checkpoints of its own") == 2, said
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()  # Lightning's own checkpoint

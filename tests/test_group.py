@@ -135,6 +135,15 @@ def test_what_breaks_a_round_and_what_ends_the_job(group: Group) -> None:
     assert not group.breaks(KeyboardInterrupt())
 
 
+def test_a_closed_group_breaks_no_round(group: Group, agent_side: ControlBlock) -> None:
+    """Workers that stopped re-forming in place (the training function returned, or a
+    framework's sharded strategy stood aside) end with a peer's loss, as any script."""
+    group.close()
+    assert not agent_side.live
+    assert not group.breaks(Reformation("paused"))
+    assert not group.breaks(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
+
+
 def test_reform_forms_again_when_the_group_breaks_while_forming(
     group: Group, agent_side: ControlBlock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

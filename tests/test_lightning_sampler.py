@@ -81,3 +81,21 @@ def test_a_new_epoch_starts_from_its_beginning() -> None:
     assert (len(list(s)), len(s), s.offset) == (56, 96, 10)
     s.set_epoch(1)
     assert (s.start, s.offset, len(list(s))) == (0, 0, 96)
+
+
+def test_only_strategies_whose_checkpoint_every_rank_holds_whole_are_snapshotted() -> None:
+    """FSDP, ModelParallel and DeepSpeed checkpoints are rank 0's alone or each rank's
+    shard: the adapter stands aside there (Lightning's own checkpoints resume them)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    from elastic.integrations.lightning import sharded
+
+    assert sharded(DDPStrategy()) is None
+    assert sharded(SingleDeviceStrategy("cpu")) is None
+    assert sharded(FSDPStrategy()) == "FSDPStrategy"
+    assert sharded(ModelParallelStrategy()) == "ModelParallelStrategy"

@@ -36,12 +36,13 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from elastic.contract import SnapshotPolicy
 from elastic.integrations._group import ensure_group
-from elastic.worker import rng
+from elastic.worker import group, rng
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.lightning")
@@ -149,6 +150,18 @@ class _Checkpoint:
         self.loaded = ckpt
 
 
+def sharded(strategy: object) -> str | None:
+    """The name of a strategy whose checkpoint is not every rank's whole state (FSDP,
+    ModelParallel, DeepSpeed: rank 0's alone, or each rank's shard), None for those whose
+    is (DDP, one device): only those can be snapshotted as one object and sent to a rank
+    that lacks it."""
+    if isinstance(strategy, SingleDeviceStrategy):
+        return None
+    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
+        return None
+    return type(strategy).__name__
+
+
 def _loader_state(ckpt: dict[str, Any]) -> dict[str, int] | None:
     fit = ckpt.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     for state in fit.get("combined_loader", []):
@@ -171,6 +184,7 @@ class ElasticLightning(Callback):
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until training
         self._unwrap: list[Callable[[], None]] = []  # puts the strategy's methods back
         self._live = False  # inside run(): the State outlives each fit
+        self._aside = False  # a sharded strategy: Lightning's own checkpoints only
 
     # -- start: restore --------------------------------------------------------------------
     def run(self, fit: Callable[[], T], backend: str | None = None) -> T:
@@ -197,6 +211,10 @@ class ElasticLightning(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        strategy = sharded(trainer.strategy)
+        if strategy is not None:
+            self._stand_aside(trainer, strategy)
+            return
         if self._live:  # run(): restored already, or again after a re-formation
             assert self._checkpoint is not None
             self._checkpoint.trainer = trainer
@@ -214,6 +232,23 @@ class ElasticLightning(Callback):
             # Lightning draws from the RNG before the first step (a DataLoader iterator's
             # seed): the restored states go back right before it, as they were saved
             self._rng = rng.capture()
+
+    def _stand_aside(self, trainer: pl.Trainer, strategy: str) -> None:
+        """A sharded strategy's checkpoint is not each rank's whole state, so no rank could
+        send it to another: no snapshots, Lightning resumes from its own checkpoints, and
+        under ``run()`` a change gives new workers (a sharded model cannot be wrapped again
+        over a new group by a new Trainer). The sampler still resumes at the exact sample."""
+        if not self._aside:
+            log.warning(
+                "%s keeps sharded checkpoints of its own: elastic-run's snapshots stand "
+                "aside, Lightning resumes from its own checkpoints%s",
+                strategy,
+                ", and a membership change gives new workers" if self._live else "",
+            )
+        self._aside = True
+        if self._live:
+            group.detach()  # the agent no longer re-forms these workers in place
+        self._wrap_loaders(trainer)
 
     def _resume_from(self, trainer: pl.Trainer, ckpt: dict[str, Any]) -> None:
         """Hand the snapshot to Lightning as the checkpoint to resume from: it restores
@@ -294,7 +329,7 @@ class ElasticLightning(Callback):
         if self._rng is not None:
             rng.apply(self._rng)
             self._rng = None
-        if self._state is not None:  # from the snapshot, a file, or the start
+        if self._state is not None and not self._aside:  # from the snapshot, a file, or the start
             self._state.resumed_from(trainer.global_step or -1)
             self._committed = trainer.global_step
 
@@ -306,7 +341,7 @@ class ElasticLightning(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._state is None or trainer.global_step == self._committed:
+        if self._state is None or self._aside or trainer.global_step == self._committed:
             return  # no optimizer step (gradient accumulation)
         self._state.step = trainer.global_step - 1
         self._committed = trainer.global_step

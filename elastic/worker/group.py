@@ -253,7 +253,9 @@ class Group:
     def breaks(self, e: BaseException) -> bool:
         """``e`` ends this round rather than the job: a pause the ranks agreed on, or a
         collective that failed because the group broke (a peer went, or we were asked to
-        leave it)."""
+        leave it). Never once closed: the workers no longer re-form in place."""
+        if self._closed.is_set():
+            return False
         if isinstance(e, Reformation):
             return True
         if not isinstance(e, Exception):

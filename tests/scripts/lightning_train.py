@@ -4,10 +4,11 @@ Logs, per optimizer step and rank, the sample indices it trained on to
 ``$RESULT_DIR/w<pid>.jsonl`` (the rows ``agents.samples_once`` reads); rank 0 saves the
 final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
 ``ElasticLightning``; ``--live`` fits through its ``run()`` (a new Trainer in the same
-process after each membership change). ``--kill-rank/--kill-step`` make that rank
-SIGKILL itself at the end of that step, on the first attempt only. Lightning's own
-ModelCheckpoint writes every ``--checkpoint-every`` steps to ``$RESULT_DIR/ckpt`` and the
-script resumes from it.
+process after each membership change); ``--strategy model_parallel`` shards the model
+with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU).
+``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end of that step, on the
+first attempt only. Lightning's own ModelCheckpoint writes every ``--checkpoint-every``
+steps to ``$RESULT_DIR/ckpt`` and the script resumes from it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import lightning as L
 import torch
 from elastic_train import Indexed  # the same data as the hand-written loop
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 
@@ -32,6 +35,10 @@ class Net(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def configure_model(self) -> None:  # ModelParallelStrategy (FSDP2) only
+        if self.device_mesh is not None:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         idx, x, y = batch
@@ -88,6 +95,7 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="the adapter's run(): workers kept")
+    ap.add_argument("--strategy", choices=["ddp", "model_parallel"], default="ddp")
     a = ap.parse_args()
     # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
@@ -114,7 +122,7 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         trainer = L.Trainer(
             accelerator="cpu",
-            strategy="ddp",
+            strategy="ddp" if a.strategy == "ddp" else ModelParallelStrategy(),
             devices=local,
             num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,  # this round's
             max_epochs=a.epochs,
@@ -128,7 +136,7 @@ def main() -> None:
         return trainer
 
     trainer = elastic.run(fit) if a.live else fit()
-    if trainer.global_rank == 0:
+    if trainer.global_rank == 0 and a.strategy == "ddp":  # a sharded model: its checkpoint
         opt = trainer.optimizers[0]
         final = {
             "model": module.state_dict(),
