@@ -122,7 +122,9 @@ class Lead:
     def give_notice(self, view: JobView) -> None:
         """Tell the members what ends their round (see ``rules.notice_to_give``): what the
         leader sees in everyone's records, the others cannot."""
-        rec = rules.notice_to_give(view, self.session.options.max_nodes, self._noticed)
+        options = self.session.options
+        last_call = (time.monotonic(), options.last_call_timeout)
+        rec = rules.notice_to_give(view, options.max_nodes, self._noticed, last_call)
         if rec is None:
             return
         ops = self.client.ops

@@ -352,7 +352,15 @@ class Rendezvous:
             return lean_round_end(view, self.me.id, self.rev, self.round, fenced)
         if not self.mirror.complete:
             return None  # the full view is a moment away
-        return round_end(view, self.me.id, self.rev, self.round, self.options.max_nodes, fenced)
+        return round_end(
+            view,
+            self.me.id,
+            self.rev,
+            self.round,
+            self.options.max_nodes,
+            fenced,
+            (time.monotonic(), self.options.last_call_timeout),
+        )
 
     def nodes_waiting(self) -> int:
         """How many nodes wait to join this node's round while it has room, read by this

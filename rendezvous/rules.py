@@ -323,12 +323,21 @@ def _peer_failed(view: JobView, me: str, number: int) -> Change | None:
 
 
 def round_end(
-    view: JobView, me: str, rev: int, mine: RoundRecord | None, max_nodes: int, fenced: bool
+    view: JobView,
+    me: str,
+    rev: int,
+    mine: RoundRecord | None,
+    max_nodes: int,
+    fenced: bool,
+    last_call: tuple[float, float] | None = None,
 ) -> Change | None:
     """What, if anything, ends round ``mine`` for node ``me`` (incarnation ``rev``), read
     from the whole job; ``fenced``: etcd has dropped this incarnation (see
     ``Rendezvous.fenced``). With ``me`` empty: what ends the round for all its members
-    (the leader's notice)."""
+    (the leader's notice). ``last_call``: (now, last_call_timeout), monotonic: nodes
+    waiting to join end the round only once no round would wait for more (the members
+    train on meanwhile, where pausing at once would leave them idle through it, as
+    ``plan`` forms a round below MAX only then); None: at once."""
     decided, change = _settled(view, me, rev, mine, fenced)
     if decided or mine is None:
         return change
@@ -349,9 +358,14 @@ def round_end(
     if stopping := having(MemberState.STOPPING):
         return Change(RoundEnd.STOPPING, f"{', '.join(stopping)} stopping", stopping)
     waiting = tuple(n.record.id for n in _newcomers(view, max_nodes))
-    if waiting and len(mine.members) < max_nodes:
-        return Change(RoundEnd.WAITING, f"{', '.join(waiting)} waiting to join", waiting)
-    return None
+    room = max_nodes - len(mine.members)
+    if not waiting or room <= 0:
+        return None
+    if last_call is not None and len(waiting) < room:
+        now, timeout = last_call
+        if now < view.last_join + timeout:
+            return None  # more may come: the round that admits them would wait for them
+    return Change(RoundEnd.WAITING, f"{', '.join(waiting)} waiting to join", waiting)
 
 
 def lean_round_end(
@@ -466,13 +480,17 @@ def lead_step(
 
 
 def notice_to_give(
-    view: JobView, max_nodes: int, given: tuple[int, RoundEnd] | None
+    view: JobView,
+    max_nodes: int,
+    given: tuple[int, RoundEnd] | None,
+    last_call: tuple[float, float] | None = None,
 ) -> NoticeRecord | None:
     """The notice the leader writes now, if any: what ends the running round for all its
     members, once per round, and once more only to make it urgent (``given``: the last
-    notice this node wrote, which its view may not show yet)."""
+    notice this node wrote, which its view may not show yet; ``last_call`` as for
+    ``round_end``)."""
     r = view.round
-    c = round_end(view, "", 0, r, max_nodes, False) if r is not None else None
+    c = round_end(view, "", 0, r, max_nodes, False, last_call) if r is not None else None
     if r is None or c is None or c.end not in NOTICED:
         return None
 

@@ -303,6 +303,23 @@ def test_the_notice_is_what_ends_the_round_for_every_member() -> None:
     assert round_end(view(a, b, c, r=r), "", 0, r, max_nodes=4, fenced=False) is None
 
 
+def test_nodes_waiting_to_join_end_the_round_once_its_last_call_is_over() -> None:
+    """The members train on through the last call for more nodes: pausing at once would
+    idle them until the round that admits the newcomer forms, which waits it out."""
+    a, b, n, m = node("a", 1), node("b", 2), node("n", 9), node("m", 10)
+    r = rnd(1, a, b)
+    v = view(a, b, n, r=r, last_join=100.0)
+    assert round_end(v, "", 0, r, max_nodes=4, fenced=False, last_call=(101.5, 2.0)) is None
+    late = round_end(v, "", 0, r, max_nodes=4, fenced=False, last_call=(102.0, 2.0))
+    assert late is not None and (late.end, late.nodes) == (RoundEnd.WAITING, ("n",))
+    full = view(a, b, n, m, r=r, last_join=100.0)  # no room for more: no reason to wait
+    now = round_end(full, "", 0, r, max_nodes=4, fenced=False, last_call=(100.1, 2.0))
+    assert now is not None and now.nodes == ("n", "m")
+    assert notice_to_give(v, 4, None, (101.5, 2.0)) is None
+    notice = notice_to_give(v, 4, None, (102.5, 2.0))
+    assert notice is not None and notice.end is RoundEnd.WAITING
+
+
 def test_lean_round_end_reads_the_notice_failures_and_the_round() -> None:
     a, b, c = node("a", 1), node("b", 2), node("c", 3)
     r = rnd(1, a, b, c)
