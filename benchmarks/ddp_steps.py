@@ -53,16 +53,17 @@ def main() -> None:
     global state
     args = [a for a in sys.argv[1:] if a != "--live"]
     pause = float(args[0]) if args else 0.05
+    live = "--live" in sys.argv
+    if live:  # before the process group, as the README says: a newcomer's worker can then
+        import elastic  # start before its node joins (elastic/agent/lobby.py)
     dist.init_process_group("gloo")
     model = torch.nn.Linear(32, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     path = os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl")
     with open(path, "a") as out:
-        if "--live" not in sys.argv:
+        if not live:
             train(model, opt, out, pause)
             return
-        import elastic
-
         state = elastic.State(model=model, optimizer=opt)
         state.run(train, model, opt, out, pause)
 

@@ -44,7 +44,7 @@ def heartbeat(step: int | None = None) -> None:
     report(step)
 
 
-def _watch_the_first_group() -> None:
+def watch_the_first_group() -> None:
     """In a worker that re-forms in place (under elastic-run, ``--restart-mode live``),
     see the script's first process group form, whenever it does: a re-formation then
     cuts that group's connections only (``worker.group.watch_first_group``). Nowhere
@@ -60,7 +60,7 @@ def _watch_the_first_group() -> None:
         group.watch_first_group()
 
 
-_watch_the_first_group()
+watch_the_first_group()
 
 
 def __getattr__(name: str) -> Any:

@@ -28,6 +28,9 @@ NODE_ID_ENV = "ELASTIC_RUN_NODE_ID"  # this node's id in the job (metrics labels
 POLICY_ENV = "ELASTIC_RUN_SNAPSHOT_POLICY"  # SnapshotPolicy.encode()
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where workers' metrics go (prometheus-client)
 RESTART_MODE_ENV = "ELASTIC_RUN_RESTART_MODE"  # live | respawn (--restart-mode)
+# set for workers started before their node joins (agent/lobby.py): init_process_group
+# waits for the placement the agent publishes, and takes it
+LOBBY_ENV = "ELASTIC_RUN_LOBBY"
 
 WORKER_ENV = (CONTROL_ENV, NODE_DIR_ENV, NODE_ID_ENV, POLICY_ENV, MULTIPROC_ENV, RESTART_MODE_ENV)
 

@@ -24,7 +24,7 @@ from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.errors import EtcdUnavailableError, MalformedRecordError, RendezvousError
 from rendezvous.records import RoundRecord, bucket_of, buckets_for
-from rendezvous.view import KV, Decoded, JobView
+from rendezvous.view import KV, Decoded, Glance, JobView
 from rendezvous.watches import Compacted, Event, Subscription, WatchSpec, watch
 
 log = logging.getLogger(__name__)
@@ -335,6 +335,26 @@ class JobMirror:
                 log.exception("watch on %s failed; retrying", self._prefix)
                 stale = True
                 self._stopped.wait(1.0)
+
+
+def glance(client: EtcdClient, prefix: str) -> Glance:
+    """The job's own keys and its leader's record, read once (two small reads, whatever
+    the job's size); whatever is malformed reads as absent."""
+    decoded = Decoded()
+    _, kvs = client.read([], [prefix + records.JOB])
+    for kv in kvs:
+        decoded.put(kv.key[len(prefix) :], kv)
+    leader = decoded.leader_record()
+    node = None
+    if leader is not None:
+        _, found = client.read([prefix + records.NODES + leader.id], [])
+        for kv in found:
+            decoded.put(kv.key[len(prefix) :], kv)
+        present = decoded.nodes.get(leader.id)
+        node = present.record if present is not None and present.rev == leader.rev else None
+    round_ = decoded.round if decoded.round_err is None else None
+    closed = decoded.closed is not None or decoded.closed_err is not None
+    return Glance(round_, closed, node)
 
 
 def read_view(client: EtcdClient, prefix: str) -> JobView:

@@ -27,7 +27,7 @@ from rendezvous.errors import (
     RendezvousTimeoutError,
 )
 from rendezvous.lead import Lead
-from rendezvous.mirror import JobMirror
+from rendezvous.mirror import JobMirror, glance
 from rendezvous.net import free_port
 from rendezvous.records import (
     ClosedRecord,
@@ -38,7 +38,7 @@ from rendezvous.records import (
 )
 from rendezvous.rules import Change, Plan, lean_round_end, plan, round_end
 from rendezvous.session import NodeSpec, Session, closed_error
-from rendezvous.view import KV, JobView
+from rendezvous.view import KV, Glance, JobView
 
 __all__ = ["NodeSpec", "Rendezvous"]
 
@@ -108,6 +108,10 @@ class Rendezvous:
         return self.options.job_prefix + rel
 
     # -- lifecycle ------------------------------------------------------------------------
+    def glance(self) -> Glance:
+        """The job as a node sees it before registering (``mirror.glance``)."""
+        return glance(self.client, self.options.job_prefix)
+
     def start(self) -> None:
         """Register this node and read the job, in one transaction; refuse a closed job."""
         revision, kvs = self.session.register(
@@ -315,6 +319,11 @@ class Rendezvous:
         # the report (still on its way through the watch) plans a restart nobody pays for
         self.mirror.record_own(KV(key, value, revision, revision, 0))
         self.finish_round()
+
+    def announce_in_place(self, in_place: bool) -> None:
+        """Say whether this node's workers re-form in place now: a newcomer starts its
+        workers ahead of joining only when the leader's do (``elastic.agent.lobby``)."""
+        self.session.mark_in_place(in_place)
 
     def announce_leaving(self) -> None:
         """Say this node is about to leave, so the others drain for a resize (a leader

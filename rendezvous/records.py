@@ -277,6 +277,7 @@ class NodeRecord:
     min_nodes: int = 0  # the job's --nnodes as this node was started with (0: unknown)
     max_nodes: int = 0
     rank: int = -1  # the group rank it asks for (torchrun's --node-rank); -1: none
+    in_place: bool = False  # its workers re-form in place (State.run): a newcomer's can wait ahead
 
     def encode(self) -> bytes:
         return dumps(_shallow(self))
@@ -298,6 +299,7 @@ class NodeRecord:
             min_nodes=_int(obj, "min_nodes"),
             max_nodes=_int(obj, "max_nodes"),
             rank=_int(obj, "rank", -1),
+            in_place=obj.get("in_place") is True,
         )
         if rec.nproc < 1:
             raise _bad(key, "nproc must be >= 1")

@@ -187,6 +187,11 @@ class Session:
         if self.record is not None and self.record.done < number:
             self._put(replace(self.record, done=number))
 
+    def mark_in_place(self, in_place: bool) -> None:
+        """Say whether this node's workers re-form in place now (see ``lobby``)."""
+        if self.record is not None and self.record.in_place != in_place:
+            self._put(replace(self.record, in_place=in_place))
+
     def mark_leaving(self) -> bool:
         """Say this node is about to leave; False if it said so already."""
         if self.record is None or self.record.state is NodeState.LEAVING:

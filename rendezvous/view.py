@@ -75,6 +75,16 @@ class JobView:
         return self.closed_record
 
 
+@dataclass(frozen=True)
+class Glance:
+    """What a node reads of a job before it registers (see ``elastic.agent.lobby``): the
+    round's header (its members aside), whether the job is over, and the leader's record."""
+
+    round: RoundRecord | None = None
+    closed: bool = False
+    leader: NodeRecord | None = None
+
+
 class Decoded:
     """The job's records, decoded once per change and updated event by event."""
 

@@ -21,7 +21,7 @@ from elastic.agent.core import (
 )
 from rendezvous.rules import RoundEnd
 
-J, H, R = AgentState.JOINING, AgentState.HOLDING, AgentState.RUNNING
+P, J, H, R = AgentState.PREPARING, AgentState.JOINING, AgentState.HOLDING, AgentState.RUNNING
 RZ, RS = AgentState.RESIZING, AgentState.RESTARTING
 L = LocalEvent
 C = RestartCause
@@ -30,6 +30,10 @@ N = Start.NONE
 
 # (state, event, in place) -> (stop, next state, restart cause, exit, start)
 TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
+    # preparing: a newcomer's workers started ahead of joining (lobby.py)
+    (P, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
+    (P, L.HOLD_FAILED, False): (Stop.KILL, J, None, None, N),
+    (P, L.SIGNALLED, False): (Stop.KILL, AgentState.LEFT, None, Exit.SIGNALLED, N),
     (J, L.ROUND_FORMED, False): (Stop.NONE, R, None, None, Start.NEW),
     (J, L.SIGNALLED, False): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED, N),
     (J, L.JOIN_TIMED_OUT, False): (Stop.NONE, AgentState.FAILED, None, Exit.FAILED, N),
@@ -126,9 +130,12 @@ def test_the_table_covers_every_event_each_state_can_see() -> None:
     waiting_events = {L.ROUND_FORMED, L.SIGNALLED, L.JOIN_TIMED_OUT}
     assert seen[J] == seen[H] == waiting_events | {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
     assert seen[RZ] == outcomes | {L.WORKERS_SUCCEEDED} and seen[RS] == outcomes
+    assert seen[P] == {L.WORKERS_HELD, L.HOLD_FAILED, L.SIGNALLED}
 
 
 def test_impossible_combinations_are_refused() -> None:
+    with pytest.raises(ValueError, match="preparing agent"):
+        decide(P, L.ROUND_FORMED)  # not registered yet: no round can include it
     with pytest.raises(ValueError, match="joining agent"):
         decide(J, L.WORKERS_FAILED)
     with pytest.raises(ValueError, match="holding agent"):
@@ -154,6 +161,10 @@ def test_side_effects_of_the_rows() -> None:
     assert not decide(H, L.SIGNALLED).announce_leaving  # not a member of any round
     assert decide(R, L.WORKERS_SUCCEEDED).close_job
     assert decide(RZ, L.WORKERS_SUCCEEDED).close_job
+    # leaving PREPARING, and only then, joins the job
+    assert decide(P, L.WORKERS_HELD).register and decide(P, L.HOLD_FAILED).register
+    assert not decide(P, L.SIGNALLED).register
+    assert not any(decide(s, e, i).register for s, e, i in TABLE if s is not P)
     plain = Reaction("x", R)
     assert not (plain.report_failure or plain.announce_leaving or plain.close_job)
     assert plain.start is Start.NONE

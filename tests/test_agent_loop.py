@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from elastic.agent import lobby
 from elastic.agent.core import AgentState
 from elastic.agent.failures import FailureReport, WorkerFailure
 from elastic.agent.loop import Agent
@@ -25,8 +26,16 @@ from elastic.agent.placement import Placement
 from elastic.agent.storehost import StoreError
 from elastic.agent.workers import Drained, GroupState
 from rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
-from rendezvous.records import ClosedRecord, JobOutcome, Member, RoundCause, RoundRecord
+from rendezvous.records import (
+    ClosedRecord,
+    JobOutcome,
+    Member,
+    NodeRecord,
+    RoundCause,
+    RoundRecord,
+)
 from rendezvous.rules import Change, RoundEnd
+from rendezvous.view import Glance
 
 
 def round_of(
@@ -55,10 +64,20 @@ class FakeJob:
     alive_at = 0.0
     leads = False
 
+    glance_view = Glance()  # what the job looks like before registering
+    in_place_said: list[bool] = []
+
+    def glance(self) -> Glance:
+        self.calls.append("glance")
+        return self.glance_view
+
     def start(self) -> None:
         self.calls.append("start")
         if self.rounds and isinstance(self.rounds[0], RendezvousClosedError):
             raise self.rounds.popleft()
+
+    def announce_in_place(self, in_place: bool) -> None:
+        self.in_place_said = [*self.in_place_said, in_place]
 
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord:
         self.calls.append("next_round")
@@ -118,14 +137,23 @@ class FakeWorkers:
         self.reformed: list[list[Placement]] = []
         self.drained = Drained.STOPPED  # how drain() ends
         self.restores: deque[int | None] = deque()  # successive restored() results
+        self.ahead: list[Placement] = []  # started ahead of joining
+        self.lobby: deque[bool] = deque()  # successive in_lobby() results (then True)
 
     @property
     def pids(self) -> list[int]:
         return [100 + len(self.started)] if self.started else []
 
-    def start(self, placements: list[Placement]) -> None:
+    def start(self, placements: list[Placement], ahead: bool = False) -> None:
         self.started.append(placements)
+        self.ahead = placements if ahead else []
         self._running = True
+
+    def fits(self, placements: list[Placement]) -> bool:
+        return not self.ahead or lobby.fits(self.ahead, placements)
+
+    def in_lobby(self) -> bool:
+        return self.lobby.popleft() if self.lobby else True
 
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
         if self.polls:
@@ -169,6 +197,7 @@ class FakeWorkers:
         return self.hold_fails
 
     def reform(self, placements: list[Placement]) -> None:
+        self.ahead = []
         self.reformed.append(placements)
 
 
@@ -575,3 +604,114 @@ def test_the_job_failing_while_the_workers_are_held_stops_them() -> None:
     a = agent(job, workers)
     assert a.run() == 1
     assert workers.actions == ["abandon", "stop 1"] and a.state is AgentState.FAILED
+
+
+# -- a newcomer's workers started ahead of joining (lobby.py) ------------------------------------
+def _ahead(glance: Glance) -> lobby.Ahead:
+    return lobby.ahead(
+        glance, nproc=2, max_nodes=4, static=False, in_place=True, store=("10.0.0.2", 41999)
+    )
+
+
+def _running_round() -> Glance:
+    leader = NodeRecord("x", "10.0.0.1", 2, in_place=True)
+    return Glance(round_of(1, "x"), leader=leader)
+
+
+def test_a_newcomer_starts_its_workers_before_it_joins_and_they_re_form_in_place(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The job trains while the newcomer's workers start; it registers once they wait
+    for their placement, and round 2 places them as they were started: they form it in
+    place, no new process."""
+    job = FakeJob([round_of(2, "x", "a")])
+    job.glance_view = _running_round()
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.lobby.extend([False, False])  # two looks (and polls) before they all wait
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers, prepare=_ahead).run() == 0
+    assert job.calls[:2] == ["glance", "start"]  # registered after the workers started
+    [ahead] = workers.started
+    assert [(p.rank, p.group_rank, p.world_size, p.master_port) for p in ahead] == [
+        (2, 1, 4, 41999),
+        (3, 1, 4, 41999),
+    ]
+    [placed] = workers.reformed  # the round's own store port, published to them
+    assert [(p.rank, p.master_port) for p in placed] == [(2, 29502), (3, 29502)]
+    assert "starting workers before joining: round 1 trains with room" in caplog.text
+    assert "joining the job with them" in caplog.text
+
+
+def test_a_newcomer_placed_otherwise_than_its_workers_were_started_replaces_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another node joined first: round 2 gives this node group rank 2, not 1. Its
+    workers may have read RANK already, so new ones start."""
+    job = FakeJob([round_of(2, "x", "y", "a")])
+    job.glance_view = _running_round()
+    workers = FakeWorkers([RUNNING, SUCCEEDED])
+    workers.live = True
+    with caplog.at_level(logging.WARNING):
+        assert agent(job, workers, prepare=_ahead).run() == 0
+    assert workers.actions == ["stop 0"] and workers.reformed == []
+    assert [p.rank for p in workers.started[1]] == [4, 5]
+    assert "places this node otherwise than its workers were started ahead" in caplog.text
+
+
+def test_a_worker_started_ahead_that_exits_gives_a_plain_join(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    job = FakeJob([round_of(2, "x", "a")])
+    job.glance_view = _running_round()
+    workers = FakeWorkers([(GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.lobby.append(False)
+    with caplog.at_level(logging.WARNING):
+        assert agent(job, workers, prepare=_ahead).run() == 0
+    assert workers.actions[0] == "stop 0" and job.calls[:2] == ["glance", "start"]
+    assert len(workers.started) == 2 and workers.reformed == []  # new workers in round 2
+    assert "joining without them, new workers start in the round" in caplog.text
+    assert job.reported == []  # not a member of any round yet: nothing is charged
+
+
+def test_a_worker_started_ahead_that_went_past_the_hook_gives_a_plain_join_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its script imported elastic after init_process_group: it connected to the tripwire
+    instead of waiting for its placement. The agent joins without it, at once."""
+    job = FakeJob([round_of(2, "x", "a")])
+    job.glance_view = _running_round()
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.lobby.extend([False] * 1000)  # never all in the lobby
+    with caplog.at_level(logging.WARNING):
+        assert agent(job, workers, prepare=_ahead, tripped=lambda: True).run() == 0
+    assert workers.actions[0] == "stop 0" and len(workers.started) == 2
+    assert "import elastic before init_process_group" in caplog.text
+
+
+def test_a_signal_while_the_workers_start_ahead_stops_them_and_never_joins() -> None:
+    job = FakeJob([])
+    job.glance_view = _running_round()
+    workers = FakeWorkers([])
+    workers.lobby.extend([False] * 1000)
+    a = agent(job, workers, prepare=_ahead)
+    a.on_signal(signal.SIGTERM)
+    assert a.run() == 128 + signal.SIGTERM
+    assert workers.actions == ["stop 0"] and "start" not in job.calls
+
+
+def test_without_a_running_round_the_node_joins_first() -> None:
+    job = FakeJob([round_of(1, "a")])
+    workers = FakeWorkers([SUCCEEDED])
+    assert agent(job, workers, prepare=_ahead).run() == 0
+    assert job.calls[:2] == ["glance", "start"] and len(workers.started) == 1
+    assert workers.ahead == []
+
+
+def test_the_leader_says_when_its_workers_re_form_in_place() -> None:
+    job = FakeJob([round_of(1, "a")])
+    job.leads = True
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    assert agent(job, workers).run() == 0
+    assert job.in_place_said == [True]  # once, however many turns

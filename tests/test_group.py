@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 from harness import ROOT, wait_until
 
-from elastic.contract import ControlBlock, Phase
+from elastic.contract import CONTROL_ENV, LOBBY_ENV, ControlBlock, Phase
 from elastic.worker import group as group_module
 from elastic.worker.group import AbortNccl, CutReads, Group, GroupSockets, Reformation, aborts_for
 from rendezvous.net import free_port
@@ -275,3 +275,36 @@ def test_an_abandon_wakes_a_collective_blocked_on_a_silent_peer(tmp_path: Path) 
                 p.wait()
         for b in blocks:
             b.close()
+
+
+def test_a_worker_started_ahead_waits_in_init_process_group_for_its_placement(
+    agent_side: ControlBlock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started before its node joined (agent/lobby.py): the script's init_process_group
+    waits, live and stranded for the agent to see, until the placement comes; then it
+    forms over it (the placeholder tcp:// URL the script built from its port is env://)."""
+    monkeypatch.setenv(CONTROL_ENV, agent_side.path)
+    monkeypatch.setenv(LOBBY_ENV, "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "41999")  # the agent's tripwire
+    got: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(
+            group_module.wait_in_lobby(("gloo",), {"init_method": "tcp://127.0.0.1:41999"})
+        )
+    )
+    waiter.start()
+    wait_until(lambda: agent_side.live and agent_side.stranded, 5.0, "the worker waits")
+    time.sleep(0.05)
+    assert waiter.is_alive()  # nothing comes until the placement does
+    agent_side.publish_placement(placement(free_port()))
+    waiter.join(5.0)
+    [(args, kwargs)] = got
+    assert args == ("gloo",) and kwargs == {"init_method": "env://"}
+    assert LOBBY_ENV not in os.environ and os.environ["RANK"] == "0"
+    assert not agent_side.live and not agent_side.stranded  # State.run says it again
+    dist.init_process_group(*args, **kwargs)  # type: ignore[arg-type]
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from agents import TTL, start_agent, wait_world, worker_pids
@@ -190,7 +191,9 @@ def test_sigterm_leave_then_a_join(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
     """c leaves (its workers save and exit 75), then d joins while a and b train: a and b
-    re-form live both times; d's fresh worker gets the state from them."""
+    re-form live both times; d's fresh worker gets the state from them. d's worker starts
+    before d joins (agent/lobby.py): a and b train on meanwhile, and it is the one that
+    trains in round 3."""
     slow = ("--slow-below-world", "3")  # training outlasts d's start, however slow
     agents = three(procs, etcd, run_id, tmp_path, *slow)
     before = pids_at(tmp_path, 3)
@@ -199,8 +202,17 @@ def test_sigterm_leave_then_a_join(
     assert agents[2].wait(60) == 143, agents[2].transcript()
     wait_world(tmp_path, 2, after=time.time() - 1, timeout=60)
     survivors_kept(tmp_path, before - leaving)
-    agents.append(start(procs, etcd, run_id, tmp_path, "d", *slow))
-    wait_world(tmp_path, 3, after=time.time(), timeout=90)
+    d = start(procs, etcd, run_id, tmp_path, "d", *slow)
+    agents.append(d)
+    d.wait_output("joining the job with them", timeout=60)  # its worker waits, ready
+    ahead = set(worker_pids(d))
+    started = min(psutil.Process(p).create_time() for p in ahead)
+    wait_world(tmp_path, 3, after=time.time() - 1, timeout=90)
+    assert ahead <= pids_at(tmp_path, 3), "the worker started ahead trains in round 3"
+    meanwhile = [r for r in rows(tmp_path) if r["world"] == 2 and r["t"] > started + 1.0]
+    assert meanwhile, "a and b trained on while d's worker started"
+    said = d.transcript()
+    assert said.index("starting workers before joining") < said.index("registered as d"), said
     for a in (agents[0], agents[1], agents[3]):
         assert a.wait(120) == 0, a.transcript()
     assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 3), "a and b kept their processes"

@@ -11,6 +11,7 @@ round's store, the fork server) or in the workers.
     loop         the agent loop: gathers events, carries out reactions
     workers      the local worker processes (start, poll, drain, hold, stop)
     placement    a worker's torchrun environment (and torchrun's restart count)
+    lobby        a newcomer's workers started before it joins (pure; tripwire: theirs)
     resumed      whether a round trains committed steps again (pure): never silent
     procs        process groups that never outlive the agent
     helper       the helper processes' common base (socket pair, session, ready)

@@ -8,6 +8,9 @@ live``), the input ``decide`` takes besides the state and the event.
 
 | state      | event             | in place | stop           | next       | cause       |
 |------------|-------------------|----------|----------------|------------|-------------|
+| PREPARING  | WORKERS_HELD      |          | -              | HOLDING    |             |
+| PREPARING  | HOLD_FAILED       |          | kill           | JOINING    |             |
+| PREPARING  | SIGNALLED         |          | kill           | LEFT       |             |
 | JOINING    | ROUND_FORMED      |          | -              | RUNNING    |             |
 | JOINING    | SIGNALLED         |          | -              | LEFT       |             |
 | JOINING    | JOB_SUCCEEDED     |          | -              | SUCCEEDED  |             |
@@ -43,12 +46,18 @@ live``), the input ``decide`` takes besides the state and the event.
 | RESTARTING | WORKERS_HELD      |          | -              | HOLDING    |             |
 | RESTARTING | HOLD_FAILED       |          | urgent         | JOINING    |             |
 
-Besides: ROUND_FORMED starts new workers (JOINING; HOLDING when a held worker died,
-after killing the rest) or re-forms the held ones in place; WORKERS_FAILED and
-WORKERS_HUNG report the failure to the job (one restart, job-wide); RUNNING | SIGNALLED
-announces that this node leaves; WORKERS_SUCCEEDED closes the job. The ends exit:
-SUCCEEDED 0, FAILED 1, LEFT 128 + the signal.
+Besides: leaving PREPARING registers this node in the job; ROUND_FORMED starts new
+workers (JOINING; HOLDING when a held worker died, after killing the rest) or re-forms
+the held ones in place; WORKERS_FAILED and WORKERS_HUNG report the failure to the job
+(one restart, job-wide); RUNNING | SIGNALLED announces that this node leaves;
+WORKERS_SUCCEEDED closes the job. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
+signal.
 
+PREPARING is a newcomer's first state when its workers start before it joins
+(``lobby``): it observes only them and signals, until they all wait for their placement
+(WORKERS_HELD: join with them held) or one exits or ``lobby.LOBBY_MAX`` passes
+(HOLD_FAILED: join without them). A round that places them otherwise than they were
+started is, for HOLDING, a round they cannot re-form in place.
 JOINING, HOLDING and RUNNING observe the job, the workers and signals. RESIZING and
 RESTARTING last while the workers stop (or, in place, let go of their process group);
 what the stop came to is their event. SUCCEEDED, FAILED and LEFT are ends: the agent
@@ -83,6 +92,7 @@ from rendezvous.rules import RoundEnd
 class AgentState(enum.Enum):
     """Where the agent is. Transitions (see the table above)::
 
+    PREPARING -> HOLDING | JOINING        a newcomer's workers, started ahead, wait or not
     JOINING -> RUNNING                    a round formed with this node in it
     RUNNING -> RESIZING -> JOINING        a graceful change: workers save and stop
     RUNNING -> RESTARTING -> JOINING      the round broke: workers stop at once
@@ -93,6 +103,7 @@ class AgentState(enum.Enum):
                                           the job finished or failed; a signal
     """
 
+    PREPARING = "preparing"  # a newcomer's workers start before it joins (lobby.py)
     JOINING = "joining"
     HOLDING = "holding"  # joining, with the workers held for the next round
     RUNNING = "running"
@@ -193,6 +204,7 @@ class Reaction:
     report_failure: bool = False  # tell the job: it charges one restart, job-wide
     announce_leaving: bool = False  # before stopping: the others drain now
     close_job: bool = False  # mark the job finished for everyone
+    register: bool = False  # join the job now (a newcomer whose workers started ahead)
     exit: Exit | None = None
 
 
@@ -222,6 +234,8 @@ def decide(state: AgentState, event: Event, in_place: bool = False) -> Reaction:
     """The reaction to ``event`` in ``state``; ``in_place``: the workers can re-form in
     place. Raises ValueError for an event that cannot happen in that state."""
     match state:
+        case AgentState.PREPARING:
+            return _preparing(event)
         case AgentState.JOINING:
             return _joining(event)
         case AgentState.HOLDING:
@@ -231,6 +245,31 @@ def decide(state: AgentState, event: Event, in_place: bool = False) -> Reaction:
         case AgentState.RESIZING | AgentState.RESTARTING:
             return _stopping(state, event)
     raise ValueError(f"an agent in state {state.name} does not observe {event}")
+
+
+def _preparing(event: Event) -> Reaction:
+    match event:
+        case LocalEvent.WORKERS_HELD:
+            return Reaction(
+                "the workers started ahead wait for their placement: join with them held",
+                AgentState.HOLDING,
+                register=True,
+            )
+        case LocalEvent.HOLD_FAILED:
+            return Reaction(
+                "the workers started ahead are not ready: stop them, join without them",
+                AgentState.JOINING,
+                stop=Stop.KILL,
+                register=True,
+            )
+        case LocalEvent.SIGNALLED:
+            return Reaction(
+                "signalled before joining: the workers started ahead stop (nothing to save)",
+                AgentState.LEFT,
+                stop=Stop.KILL,
+                exit=Exit.SIGNALLED,
+            )
+    raise ValueError(f"a preparing agent cannot see {event}")
 
 
 def _joining(event: Event) -> Reaction:
@@ -261,7 +300,8 @@ def _holding(event: Event, in_place: bool) -> Reaction:
             )
         case LocalEvent.ROUND_FORMED:
             return Reaction(
-                "a round formed, but a held worker exited meanwhile: new workers follow",
+                "a round formed, but a held worker exited meanwhile (or, started ahead, "
+                "was placed otherwise): new workers follow",
                 AgentState.RUNNING,
                 stop=Stop.KILL,
                 start=Start.NEW,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from elastic.agent import nodedir
+from elastic.agent import lobby, nodedir
 from elastic.agent.breakdown import save_at_breakdown
 from elastic.agent.config import RunConfig
 from elastic.agent.core import AgentState
@@ -24,8 +25,9 @@ from elastic.agent.logs import LogRouter
 from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics, MetricsError, MetricsServer
 from elastic.agent.storehost import StoreHost
+from elastic.agent.tripwire import Tripwire
 from elastic.agent.workers import ForkTarget, WorkerGroup
-from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV, POLICY_ENV, SnapshotPolicy
+from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV, POLICY_ENV, RestartMode, SnapshotPolicy
 from rendezvous import version
 from rendezvous.client import EtcdClient
 from rendezvous.config import ConfigError, build_options
@@ -159,6 +161,8 @@ def launch(cfg: RunConfig) -> int:
             metrics_port=port,
             rank=cfg.node_rank if cfg.static else -1,
         )
+        tripwire = Tripwire(me.addr)  # the store of workers started ahead (lobby)
+        stack.callback(tripwire.close)
         rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
         stack.callback(rdzv.shutdown, leave=True)
         agent = Agent(
@@ -173,6 +177,15 @@ def launch(cfg: RunConfig) -> int:
             store=store,
             checkpoint_dir=policy.checkpoint_dir,
             restart_mode=cfg.restart_mode,
+            prepare=functools.partial(
+                lobby.ahead,
+                nproc=cfg.nproc_per_node,
+                max_nodes=cfg.max_nodes,
+                static=cfg.static,
+                in_place=cfg.restart_mode is RestartMode.LIVE,
+                store=(tripwire.addr, tripwire.port),
+            ),
+            tripped=tripwire.tripped,
         )
         job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
         mn, mx = cfg.min_nodes, cfg.max_nodes

@@ -29,6 +29,7 @@ from elastic.agent.core import (
     decide,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
+from elastic.agent.lobby import LOBBY_MAX, Ahead
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
 from elastic.agent.resumed import redone
@@ -42,6 +43,7 @@ from rendezvous.errors import (
 )
 from rendezvous.records import NAMES, ClosedRecord, JobOutcome, RoundCause, RoundRecord
 from rendezvous.rules import Change, RoundEnd
+from rendezvous.view import Glance
 
 log = logging.getLogger("elastic.agent")
 
@@ -64,7 +66,8 @@ class Membership(Protocol):
     def alive_at(self) -> float: ...  # monotonic time next_round last turned
     @property
     def leads(self) -> bool: ...  # this node writes the rounds (and holds the first's rank 0)
-    def start(self) -> None: ...
+    def glance(self) -> Glance: ...  # the job, read once before registering
+    def start(self) -> None: ...  # register
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def upkeep(self) -> None: ...  # the lead's writes: claim, notice
     def check(self) -> Change | None: ...  # read-only
@@ -75,6 +78,7 @@ class Membership(Protocol):
     def report_failure(self, report: FailureReport) -> None: ...
     def finish_round(self) -> None: ...
     def announce_leaving(self) -> None: ...
+    def announce_in_place(self, in_place: bool) -> None: ...
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
     def shutdown(self, leave: bool = True) -> None: ...
 
@@ -84,7 +88,7 @@ class Workers(Protocol):
 
     @property
     def pids(self) -> list[int]: ...
-    def start(self, placements: list[Placement]) -> None: ...
+    def start(self, placements: list[Placement], ahead: bool = False) -> None: ...
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]: ...
     def hung(self, timeout: float) -> list[WorkerFailure]: ...
     def frozen(self) -> list[WorkerFailure]: ...
@@ -101,6 +105,8 @@ class Workers(Protocol):
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(self, urgent: bool, timeout: float) -> str | None: ...
     def reform(self, placements: list[Placement]) -> None: ...
+    def fits(self, placements: list[Placement]) -> bool: ...  # started ahead as placed
+    def in_lobby(self) -> bool: ...  # started ahead, all wait for their placement
 
 
 class Store(Protocol):
@@ -128,8 +134,15 @@ class Agent:
         store: Store | None = None,
         checkpoint_dir: str | None = None,
         restart_mode: RestartMode = RestartMode.LIVE,
+        prepare: Callable[[Glance], Ahead] | None = None,
+        tripped: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``prepare``: this node's ``lobby.ahead`` (whether its workers start before it
+        joins, and where); None: they never do. ``tripped``: a worker started ahead
+        reached torch's own ``init_process_group`` (``tripwire``)."""
         self.rdzv = rdzv
+        self.prepare = prepare
+        self.tripped = tripped
         self.restart_mode = restart_mode
         self.workers = workers
         self.monitor_interval = monitor_interval
@@ -161,6 +174,8 @@ class Agent:
         self._lost_total = 0.0  # seconds without workers after the first round: failures, resizes
         self._step = -1
         self._resuming: tuple[int, int] | None = None  # (step committed before, round) to judge
+        self._prepared_at = 0.0  # when workers started ahead of joining (lobby)
+        self._announced = False  # what this node's record says: its workers re-form in place
         self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
         self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
@@ -209,13 +224,13 @@ class Agent:
     def run(self) -> int:
         """Run until the job ends for this node; returns the process exit code. Each turn
         gathers one event (or takes what the last stop came to), asks ``decide``, and
-        carries the reaction out."""
-        try:
-            self.rdzv.start()
-        except RendezvousClosedError as e:
-            return self._closed_on_arrival(e)
-        if self.store is not None and self.rdzv.leads:
-            self.store.warm()  # the first round's rank 0, most likely
+        carries the reaction out. A newcomer whose workers start ahead registers once
+        they are ready (PREPARING), any other node at once."""
+        self._prepare()
+        if self.state is not AgentState.PREPARING:
+            code = self._register()
+            if code is not None:
+                return code
         pending: Event | None = None
         while True:
             if pending is None:
@@ -230,9 +245,39 @@ class Agent:
                 return result
             pending = result
 
+    def _prepare(self) -> None:
+        """Start this node's workers before it joins, where ``lobby.ahead`` says so."""
+        if self.prepare is None:
+            return
+        try:
+            choice = self.prepare(self.rdzv.glance())
+        except RendezvousError as e:  # registering says what is wrong with etcd
+            log.debug("could not read the job before joining: %s", e)
+            return
+        if not choice.placements:
+            log.debug("workers start once this node joins: %s", choice.reason)
+            return
+        log.info("starting workers before joining: %s", choice.reason)
+        self._prepared_at = time.monotonic()
+        self.workers.start(list(choice.placements), ahead=True)
+        self.state = AgentState.PREPARING
+
+    def _register(self) -> int | None:
+        """Join the job: register this node (None), or the exit code for a closed job."""
+        try:
+            self.rdzv.start()
+        except RendezvousClosedError as e:
+            self.workers.stop(0)  # any started ahead
+            return self._closed_on_arrival(e)
+        if self.store is not None and self.rdzv.leads:
+            self.store.warm()  # the first round's rank 0, most likely
+        return None
+
     def _gather(self) -> Event:
         """The next event of the state the agent rests in."""
         match self.state:
+            case AgentState.PREPARING:
+                return self._lobby()
             case AgentState.JOINING | AgentState.HOLDING:
                 return self._join()
             case AgentState.RUNNING:
@@ -241,12 +286,42 @@ class Agent:
 
     def _in_place(self) -> bool:
         """The workers can re-form in place: all alive and in ``State.run`` (and, while
-        running, ``--restart-mode live``)."""
+        running, ``--restart-mode live``); held, as the round places them."""
         if self.state is AgentState.HOLDING:
-            return self.workers.live
+            r = self.round
+            return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
         return self.restart_mode is RestartMode.LIVE and self.workers.live
 
     # -- gathering events ---------------------------------------------------------------------
+    def _lobby(self) -> Event:
+        """Wait until the workers started ahead all wait for their placement, one exits,
+        or ``LOBBY_MAX`` passes."""
+        deadline = self._prepared_at + LOBBY_MAX
+        while True:
+            self._beat = time.monotonic()
+            if self.signal is not None:
+                return LocalEvent.SIGNALLED
+            if self.workers.in_lobby():
+                took = time.monotonic() - self._prepared_at
+                log.info("workers ready in %.1fs: joining the job with them", took)
+                return LocalEvent.WORKERS_HELD
+            state, failures = self.workers.poll()
+            if state is not GroupState.RUNNING:
+                how = failures[0].how if failures else "exited"
+                self._hold_failed = f"a worker started ahead {how}"
+                return LocalEvent.HOLD_FAILED
+            if self.tripped():
+                self._hold_failed = (
+                    "a worker started ahead reached init_process_group before its script "
+                    "imported elastic, so it cannot wait for its place (import elastic "
+                    "before init_process_group: then a join does not pause the others)"
+                )
+                return LocalEvent.HOLD_FAILED
+            if time.monotonic() > deadline:
+                self._hold_failed = f"the workers started ahead were not ready in {LOBBY_MAX:g}s"
+                return LocalEvent.HOLD_FAILED
+            time.sleep(0.01)
+
     def _join(self) -> Event:
         if self.signal is not None:
             return LocalEvent.SIGNALLED
@@ -280,6 +355,7 @@ class Agent:
             if state is GroupState.STOPPED:
                 return LocalEvent.WORKERS_SAVED
             self._judge_resume()
+            self._announce_in_place()
             hung = (
                 self.workers.hung(self.hang_timeout)
                 if self.hang_timeout > 0
@@ -315,6 +391,20 @@ class Agent:
             log.warning("%s", verdict.reason)
             if self.metrics is not None:
                 self.metrics.steps_redone.inc(verdict.steps)
+
+    def _announce_in_place(self) -> None:
+        """The leader's record says whether its workers re-form in place: a newcomer
+        starts its own before it joins only then (``lobby``). Only the leader's is read,
+        so only a leader writes it (one write when it changes, whatever the job's size)."""
+        live = self.workers.live
+        if live == self._announced or not self.rdzv.leads:
+            return
+        try:
+            self.rdzv.announce_in_place(live)
+        except RendezvousError as e:
+            log.debug("could not say whether the workers re-form in place: %s", e)
+            return
+        self._announced = live
 
     def _verdict(self, failures: list[WorkerFailure]) -> Event:
         """Workers failed. If every failure only says a peer vanished under it, find out
@@ -379,6 +469,10 @@ class Agent:
             self._report(event)
         if r.close_job:
             self._close_succeeded()
+        if r.register:
+            code = self._register()
+            if code is not None:
+                return code
         self.state = r.next
         if outcome is LocalEvent.WORKERS_HELD:
             self._held(pids)
@@ -413,27 +507,32 @@ class Agent:
                 self.metrics.worker_exited(pid)
         self._cause = None
 
-    def _start(self, how: Start) -> None:
-        r = self.round
-        assert r is not None
+    def _placements(self, r: RoundRecord) -> list[Placement]:
+        """This node's workers' places in round ``r``."""
         me = r.member(self.node_id)
         assert me is not None, "a round this node is not in"
-        group_rank, nproc = me.rank, me.nproc
         count = restart_count(self._restart_count, r.cause, first=self._previous is None)
-        placements = [
+        return [
             Placement(
                 local_rank=lr,
                 rank=me.base + lr,
-                group_rank=group_rank,
-                local_world_size=nproc,
+                group_rank=me.rank,
+                local_world_size=me.nproc,
                 world_size=r.world_size,
                 group_world_size=r.size,
                 master_addr=r.master_addr,
                 master_port=r.master_port,
                 restart_count=count,
             )
-            for lr in range(nproc)
+            for lr in range(me.nproc)
         ]
+
+    def _start(self, how: Start) -> None:
+        r = self.round
+        assert r is not None
+        placements = self._placements(r)
+        first = placements[0]
+        group_rank, nproc, count = first.group_rank, len(placements), first.restart_count
         in_place = how is Start.REFORM
         self._resuming = (self.workers.last_step(), r.number)
         if self.store is not None and group_rank <= 1:
@@ -469,7 +568,7 @@ class Agent:
             )
         self._lost_cause = None
         log.info("%s", membership_line(r, self._previous, took, self._change_why))
-        base = me.base
+        base = placements[0].rank
         ranks = f"rank {base}" if nproc == 1 else f"ranks {base}-{base + nproc - 1}"
         log.info(
             "node %s: group rank %d, %s, master %s:%d, restarts %d%s",
@@ -505,8 +604,19 @@ class Agent:
                 self._change_why = "workers stopped for a resize"
             case LocalEvent.WORKERS_FAILED | LocalEvent.WORKERS_HUNG:
                 self._change_why = f"workers failed on {self.node_id}"
+            case LocalEvent.HOLD_FAILED if self.state is AgentState.PREPARING:
+                log.warning(
+                    "%s: joining without them, new workers start in the round",
+                    self._hold_failed,
+                )
             case LocalEvent.HOLD_FAILED:
                 log.warning("no live re-formation (%s): new workers follow", self._hold_failed)
+            case LocalEvent.ROUND_FORMED if r.stop is Stop.KILL and self.workers.live:
+                log.warning(
+                    "round %d places this node otherwise than its workers were started "
+                    "ahead for (they may have read their ranks): new workers follow",
+                    self.round.number if self.round else 0,
+                )
             case LocalEvent.ROUND_FORMED if r.stop is Stop.KILL:
                 log.warning("a held worker exited before the round formed: new workers follow")
             case LocalEvent.SIGNALLED:

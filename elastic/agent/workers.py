@@ -19,7 +19,7 @@ from typing import IO
 
 import psutil
 
-from elastic.agent import hangs
+from elastic.agent import hangs, lobby
 from elastic.agent.collectors import WorkerProc
 from elastic.agent.failures import WorkerFailure, collect
 from elastic.agent.filetimer import FILE_ENV, FileTimerServer
@@ -30,6 +30,7 @@ from elastic.agent.procs import Process, die_with_parent, signal_group, stop_gro
 from elastic.contract import (
     CONTROL_ENV,
     EXIT_RESIZE,
+    LOBBY_ENV,
     NODE_DIR_ENV,
     ControlBlock,
     Phase,
@@ -107,6 +108,7 @@ class WorkerGroup:
         self.virtual_local_rank = virtual_local_rank
         self.extra_env = dict(extra_env or {})
         self.workers: list[Worker] = []
+        self.ahead: tuple[Placement, ...] = ()  # the placements started ahead (lobby.py)
         self._newest_step = -1  # of workers already stopped
         self._closed = False  # their control blocks are closed
         self.watchdog = watchdog
@@ -114,12 +116,16 @@ class WorkerGroup:
             watchdog.workers = lambda: self.pids
             self.extra_env[FILE_ENV] = watchdog.path
 
-    def start(self, placements: list[Placement]) -> None:
-        """Start one process per placement (call from the main thread: see module doc)."""
+    def start(self, placements: list[Placement], ahead: bool = False) -> None:
+        """Start one process per placement (call from the main thread: see module doc).
+        ``ahead``: before this node joins (``lobby``); the workers wait in their
+        ``init_process_group`` for the placement ``reform`` publishes."""
         assert not self.running, "stop the previous workers first"
         self.router.new_attempt()
         self.workers = []
+        self.ahead = tuple(placements) if ahead else ()
         self._closed = False
+        lobby_env = {LOBBY_ENV: "1"} if ahead else {}
         try:
             for p in placements:
                 streams = self.router.streams(p.rank, p.local_rank)
@@ -136,6 +142,7 @@ class WorkerGroup:
                         **self.extra_env,
                         CONTROL_ENV: str(block_path),
                         NODE_DIR_ENV: str(self.node_dir),
+                        **lobby_env,
                     },
                 )
                 proc = self._launch(env, streams)
@@ -300,8 +307,20 @@ class WorkerGroup:
                 return f"rank(s) {late} still in their step after {timeout:g}s"
             time.sleep(0.005)
 
+    def fits(self, placements: list[Placement]) -> bool:
+        """Workers started ahead can take these placements (``lobby.fits``); any others
+        can take any."""
+        return not self.ahead or lobby.fits(self.ahead, placements)
+
+    def in_lobby(self) -> bool:
+        """Every worker started ahead waits in its ``init_process_group``."""
+        return bool(self.workers) and all(
+            w.proc.poll() is None and w.control.live and w.control.stranded for w in self.workers
+        )
+
     def reform(self, placements: list[Placement]) -> None:
         """Publish each held worker's new placement: it forms the new group in place."""
+        self.ahead = ()
         by_local = {p.local_rank: p for p in placements}
         assert set(by_local) == {w.local_rank for w in self.workers}, "same local ranks"
         for w in self.workers:

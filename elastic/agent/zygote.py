@@ -22,6 +22,7 @@ import socket
 import sys
 import traceback
 
+import elastic
 from elastic.agent.helper import agent_socket, say_ready
 
 _PR_SET_PDEATHSIG = 1
@@ -45,6 +46,7 @@ def _run_child(req: dict, fds: list[int], parent: int) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    elastic.watch_the_first_group()  # imported here before the worker's environment was
     code = 0
     try:
         if req["module"]:

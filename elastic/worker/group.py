@@ -39,7 +39,9 @@ from typing import Any, Protocol
 import psutil
 
 from elastic.contract import (
+    CONTROL_ENV,
     LIVE,
+    LOBBY_ENV,
     RESTART_MODE_ENV,
     ControlBlock,
     RestartMode,
@@ -140,6 +142,8 @@ def watch_first_group() -> None:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         global _first_formed
+        if os.environ.get(LOBBY_ENV):
+            args, kwargs = wait_in_lobby(args, kwargs)
         first = _group is None and _first_formed is None
         before = _connections() if first else set()
         try:
@@ -150,6 +154,42 @@ def watch_first_group() -> None:
 
     init_process_group.elastic_watched = True  # type: ignore[attr-defined]
     dist.init_process_group = init_process_group
+
+
+Args = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def wait_in_lobby(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
+    """A worker started before its node joined the job (``agent/lobby.py``) waits here,
+    where the script first needs the round, for the placement its agent publishes once the
+    round forms, and takes it into ``os.environ``; the arguments of the script's
+    ``init_process_group`` as they are, but a ``tcp://`` URL it built from the address it
+    was started with (no round's) becomes ``env://``."""
+    placeholder = f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # DDP's constructor imports torch._dynamo (1.5-2.5 s): here, while the others train,
+    # not once placed, while they wait for this worker
+    import torch._dynamo  # noqa: F401
+
+    block = ControlBlock(os.environ[CONTROL_ENV])
+    try:
+        started = block.placement_generation
+        block.mark(LIVE)  # it forms the round's group in place: the agent may publish to it
+        block.waiting(started)
+        while block.placement_generation == started:
+            block.beat()  # waiting for the agent is not hanging
+            time.sleep(POLL)
+        os.environ.update(read_placement(block.path))
+        del os.environ[LOBBY_ENV]
+        block.unmark(LIVE)  # State.run says it again, if the script goes there
+    finally:
+        block.close()
+    url = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+    if url == placeholder:
+        if "init_method" in kwargs:
+            kwargs = {**kwargs, "init_method": "env://"}
+        else:
+            args = (args[0], "env://", *args[2:])
+    return args, kwargs
 
 
 # -- aborting: policies per backend ------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""A newcomer's workers start before it joins, so the others train on meanwhile.
+
+A node that joins a running job is admitted as soon as it registers, and the members
+pause (in place) until its workers have started: with ``spawn``, a new interpreter,
+``import torch`` and the script's own start, 3-4 s of everyone's time. So when the
+job's workers re-form in place (its leader says so in its record), a newcomer reads the
+job before it registers and starts its workers with the placement the next round will
+most likely give them: after the current members, as ``rules.plan`` orders a round.
+They run the script up to ``init_process_group``, where ``import elastic`` holds them
+(``elastic.worker.group``) until their placement comes. The newcomer registers once they
+all wait there (a worker that reached torch's own ``init_process_group`` instead, its
+script having imported elastic later, is seen at once: ``tripwire``), or after
+``LOBBY_MAX``; the members then pause once, for the forming of the group alone.
+
+A round that places the newcomer otherwise (another node joined or was lost meanwhile)
+gets new workers: the ones started ahead may have read their ranks already. The rules
+are here; the agent carries them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from elastic.agent.placement import Placement
+from rendezvous.view import Glance
+
+LOBBY_MAX = 120.0  # seconds a newcomer waits for its workers before it joins without them
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The workers to start before joining (none: join first), and why."""
+
+    placements: tuple[Placement, ...]
+    reason: str
+
+
+def ahead(
+    glance: Glance,
+    nproc: int,
+    max_nodes: int,
+    *,
+    static: bool,
+    in_place: bool,
+    store: tuple[str, int],
+) -> Ahead:
+    """Whether a node of ``nproc`` workers starts them before joining the job ``glance``
+    shows, and where it expects them. ``static``: it asks for its rank (``--node-rank``);
+    ``in_place``: its own workers would re-form in place (``--restart-mode live``);
+    ``store``: the address they get as the store's until they are placed (no round's:
+    see ``tripwire``)."""
+    r = glance.round
+    if not in_place:
+        return Ahead((), "--restart-mode respawn: the members restart with it anyway")
+    if static:
+        return Ahead((), "this node asks for its rank (--node-rank)")
+    if glance.closed:
+        return Ahead((), "the job is over")
+    if r is None:
+        return Ahead((), "no round runs yet: the first forms with this node")
+    if r.size >= max_nodes:
+        return Ahead((), f"round {r.number} is full: this node waits as a standby")
+    leader = glance.leader
+    if leader is None or not leader.in_place:
+        return Ahead((), "the leader's workers do not re-form in place: the members restart")
+    placements = tuple(
+        Placement(
+            local_rank=lr,
+            rank=r.world_size + lr,
+            group_rank=r.size,
+            local_world_size=nproc,
+            world_size=r.world_size + nproc,
+            group_world_size=r.size + 1,
+            master_addr=store[0],
+            master_port=store[1],
+            restart_count=0,  # a node's first round
+        )
+        for lr in range(nproc)
+    )
+    return Ahead(
+        placements,
+        f"round {r.number} trains with room for this node: its workers start now and wait "
+        f"for their place in round {r.number + 1} (group rank {r.size}, world size "
+        f"{r.world_size + nproc})",
+    )
+
+
+def fits(started: Sequence[Placement], placed: Sequence[Placement]) -> bool:
+    """The round placed the workers as they were started ahead: every variable a script
+    may read before ``init_process_group`` but the store's address, which they take as
+    they form."""
+
+    def key(p: Placement) -> Placement:
+        return replace(p, master_addr="", master_port=0)
+
+    mine = {p.local_rank: key(p) for p in started}
+    return mine == {p.local_rank: key(p) for p in placed}

@@ -1,0 +1,96 @@
+"""A newcomer's workers started ahead of joining (``elastic.agent.lobby``): when they
+start, where, and when the round that admits the node still fits them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from elastic.agent.lobby import ahead, fits
+from rendezvous.records import Member, NodeRecord, RoundRecord
+from rendezvous.view import Glance
+
+
+def round_of(number: int, *nodes: tuple[str, int]) -> RoundRecord:
+    members = tuple(Member(n, i + 1, "10.0.0.1", nproc) for i, (n, nproc) in enumerate(nodes))
+    return RoundRecord(number, members, "10.0.0.7", 29500, 0)
+
+
+LEADER = NodeRecord("a", "10.0.0.7", 2, in_place=True)
+RUNNING = Glance(round_of(3, ("a", 2), ("b", 3)), leader=LEADER)
+WIRE = ("10.0.0.3", 41999)
+
+
+def test_the_workers_start_after_the_members_as_the_next_round_will_place_them() -> None:
+    choice = ahead(RUNNING, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
+    assert [(p.local_rank, p.rank, p.group_rank, p.world_size) for p in choice.placements] == [
+        (0, 5, 2, 7),
+        (1, 6, 2, 7),
+    ]
+    first = choice.placements[0]
+    assert (first.local_world_size, first.group_world_size, first.restart_count) == (2, 3, 0)
+    assert (first.master_addr, first.master_port) == WIRE  # no round's store: the tripwire
+    assert "round 3 trains with room" in choice.reason and "round 4" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("glance", "static", "in_place", "why"),
+    [
+        (RUNNING, False, False, "--restart-mode respawn"),
+        (RUNNING, True, True, "--node-rank"),
+        (replace(RUNNING, closed=True), False, True, "the job is over"),
+        (Glance(None, leader=LEADER), False, True, "no round runs yet"),
+        (replace(RUNNING, leader=None), False, True, "do not re-form in place"),
+        (replace(RUNNING, leader=replace(LEADER, in_place=False)), False, True, "do not re-form"),
+        (
+            Glance(round_of(3, ("a", 2), ("b", 3), ("c", 1), ("d", 1)), leader=LEADER),
+            False,
+            True,
+            "full",
+        ),
+    ],
+)
+def test_no_workers_start_ahead_where_the_next_round_is_unknown_or_restarts_anyway(
+    glance: Glance, static: bool, in_place: bool, why: str
+) -> None:
+    choice = ahead(glance, nproc=2, max_nodes=4, static=static, in_place=in_place, store=WIRE)
+    assert choice.placements == () and why in choice.reason
+
+
+def test_a_round_fits_workers_started_ahead_only_as_they_were_placed() -> None:
+    choice = ahead(RUNNING, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
+    started = choice.placements
+    store = [replace(p, master_addr="10.0.0.9", master_port=41000) for p in started]
+    assert fits(started, store)  # the store's address is taken as they form
+    assert not fits(started, [replace(p, rank=p.rank - 3, world_size=4) for p in started])
+    assert not fits(started, [replace(p, group_rank=3) for p in started])  # another joined first
+    assert not fits(started, [replace(p, restart_count=1) for p in started])
+    assert not fits(started, store[:1])
+
+
+def test_the_tripwire_is_tripped_by_a_worker_that_connects_to_it() -> None:
+    """A worker whose script reached torch's own init_process_group (elastic imported
+    later) connects to the store address it was started with; a held one never does."""
+    import socket
+
+    from elastic.agent.tripwire import Tripwire
+
+    wire = Tripwire("127.0.0.1")
+    try:
+        assert not wire.tripped()
+        worker = socket.create_connection((wire.addr, wire.port))
+        try:
+            for _ in range(100):
+                if wire.tripped():
+                    break
+                time.sleep(0.01)
+            assert wire.tripped()
+            worker.settimeout(0.1)
+            with pytest.raises(TimeoutError):
+                worker.recv(1)  # kept open, unanswered: it waits quietly until stopped
+        finally:
+            worker.close()
+    finally:
+        wire.close()
