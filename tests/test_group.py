@@ -4,6 +4,7 @@ leaving, waiting for the placement, forming, and re-forming again while it break
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from harness import ROOT, wait_until
 
@@ -110,8 +112,12 @@ def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) 
     group.leave()
     assert not dist.is_initialized() and agent_side.phase is Phase.WAITING
     agent_side.publish_placement(placement(free_port()))
+    group.timeout = datetime.timedelta(seconds=42)  # the script's group's
     group.form(group.wait_placement(lambda: False) or (0, {}))
     assert dist.is_initialized() and group.reformations == 2
+    # formed with a short connect timeout (CONNECT_TIMEOUT), it keeps the script's own
+    gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert gloo.options._timeout == datetime.timedelta(seconds=42)
 
 
 def test_asks_are_seen_until_a_placement_answers_them(
@@ -274,6 +280,50 @@ def test_an_abandon_wakes_a_collective_blocked_on_a_silent_peer(tmp_path: Path) 
                 p.kill()
                 p.wait()
         for b in blocks:
+            b.close()
+
+
+def test_a_peer_lost_as_the_group_connects_holds_the_forming_seconds_not_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0 and 2 form a group over a store the test hosts; rank 1 wrote its address
+    and was lost before it connected (the test writes rank 0's address for it, on port
+    65535, so that gloo makes rank 0 the side that waits for rank 1 to connect). That
+    wait takes no abort (there is no socket to cut): Group.form bounds it
+    (CONNECT_TIMEOUT), so rank 0, asked to abandon, leaves the round in seconds, not after
+    the group's 60 s (five times over: gloo waits about five times its timeout)."""
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    blocks = {r: ControlBlock(tmp_path / f"control-{r}", create=True) for r in (0, 2)}
+    procs: dict[int, subprocess.Popen[str]] = {}
+    key = "default_pg/0//cpu//0/{}".format  # gloo's key for a rank's addresses
+
+    def rank(r: int) -> None:
+        env = {**os.environ, "BLOCK": blocks[r].path, "RANK": str(r), "WORLD_SIZE": "3"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "group_form.py")]
+        procs[r] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+
+    try:
+        rank(0)
+        rank(2)
+        master.wait([key(0), key(2)], datetime.timedelta(seconds=60))
+        lost = bytearray(master.get(key(0)))  # a header, then a sockaddr_in: family, port, ip
+        at = lost.index(bytes([2, 0]), 16)
+        assert lost[at + 4 : at + 8] == bytes([127, 0, 0, 1]), lost.hex()
+        lost[at + 2 : at + 4] = (65535).to_bytes(2, "big")
+        master.set(key(1), bytes(lost))  # now rank 0 waits for rank 1 to connect
+        time.sleep(0.5)
+        blocks[0].request_abandon()  # the agent saw rank 1's node go
+        out, _ = procs[0].communicate(timeout=40)
+        assert out.startswith("broke True after"), out
+        assert float(out.split("after ")[1].split("s")[0]) < 20.0, out
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        for b in blocks.values():
             b.close()
 
 

@@ -53,6 +53,11 @@ from elastic.worker import comm, progress
 log = logging.getLogger("elastic.live")
 
 POLL = 0.005  # seconds between looks at the control block while waiting or watching
+# gloo's wait for a peer's connection while a group forms (it waits about five times
+# this): every peer wrote its address by then, so one that does not connect is dead or
+# frozen, and no abort wakes the wait (it takes no socket, and the round's store waits
+# are ours: roundstore). The group then gets the script's own timeout.
+CONNECT_TIMEOUT = datetime.timedelta(seconds=1)
 
 
 class Reformation(BaseException):
@@ -339,15 +344,18 @@ class Group:
             self._seen_abandon = self.block.abandon_generation
             self._seen_pause = self.block.pause_generation
             self.abandoned.clear()
+        dist = _dist()
         with self.sockets.forming():
             store, rank, world = self._meet()
-            _dist().init_process_group(
+            dist.init_process_group(
                 backend=self.backend or None,
-                timeout=self.timeout,
+                timeout=CONNECT_TIMEOUT,
                 store=store,
                 rank=rank,
                 world_size=world,
             )
+        c10d = dist.distributed_c10d
+        c10d._set_pg_timeout(self.timeout or c10d._get_default_timeout(dist.get_backend()))
         self.reformations += 1
         self.block.running(generation)
         progress.relabel()

@@ -43,8 +43,11 @@ class AbortableStore(dist.Store):
         self.check_abandoned = check_abandoned
         self.limit = limit  # the longest wait (the group's timeout)
 
-    def _until(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        limit = (timeout or self.limit).total_seconds()
+    def _until(self, keys: list[str]) -> None:
+        """Wait for ``keys`` up to the group's own timeout, whatever the caller asked: the
+        group forms with a short one (``Group.form``), which bounds gloo's wait for a
+        peer's connection, not this wait for a peer's start-up."""
+        limit = self.limit.total_seconds()
         deadline, pause = time.monotonic() + limit, POLL
         while True:
             self.check_abandoned()
@@ -75,7 +78,7 @@ class AbortableStore(dist.Store):
         return self.inner.check(keys)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._until(keys, timeout)
+        self._until(keys)
 
     def getNumKeys(self) -> int:  # the trampoline's name
         return self.inner.num_keys()
