@@ -252,6 +252,12 @@ class ControlBlock:
         )
 
     @property
+    def forming(self) -> bool:
+        """The worker forms the group of a placement published to it, and has not yet."""
+        formed, placed = self._get(_OFF["formed"]), self._get(_OFF["placement"])
+        return self.phase is Phase.WAITING and formed != placed
+
+    @property
     def uses_state(self) -> bool:
         return bool(self._get(_OFF["flags"]) & USES_STATE)
 

@@ -139,6 +139,7 @@ class FakeWorkers:
         self.restores: deque[int | None] = deque()  # successive restored() results
         self.ahead: list[Placement] = []  # started ahead of joining
         self.lobby: deque[bool] = deque()  # successive in_lobby() results (then True)
+        self.forms: deque[bool] = deque()  # successive forming() results (then False)
 
     @property
     def pids(self) -> list[int]:
@@ -154,6 +155,9 @@ class FakeWorkers:
 
     def in_lobby(self) -> bool:
         return self.lobby.popleft() if self.lobby else True
+
+    def forming(self) -> bool:
+        return self.forms.popleft() if self.forms else False
 
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
         if self.polls:
@@ -715,3 +719,13 @@ def test_the_leader_says_when_its_workers_re_form_in_place() -> None:
     workers.live = True
     assert agent(job, workers).run() == 0
     assert job.in_place_said == [True]  # once, however many turns
+
+
+def test_while_the_workers_form_in_place_the_members_are_probed() -> None:
+    """A member lost as a round forms leaves no collective to fail: the agent probes the
+    members (its agent gone: its lease revoked at once) instead of waiting for its TTL."""
+    job = FakeJob([round_of(1, "a", "b")])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.forms.extend([False, True])  # the second turn: a placement is being formed
+    assert agent(job, workers).run() == 0
+    assert job.calls.count("probe_members") == 1

@@ -102,13 +102,16 @@ def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) 
     group.leave()  # no group yet: leaving is still safe, and says so to the agent
     assert agent_side.phase is Phase.WAITING and agent_side.stranded
     assert group.wait_placement(lambda: True) is None  # asked to stop instead
+    assert not agent_side.forming
     agent_side.publish_placement(placement(free_port()))
+    assert agent_side.forming and not agent_side.stranded  # the agent probes meanwhile
     got = group.wait_placement(lambda: False)
     assert got is not None and got[0] == agent_side.placement_generation
     group.form(got)
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and group.reformations == 1
     assert agent_side.phase is Phase.RUNNING and not agent_side.stranded
+    assert not agent_side.forming
     group.leave()
     assert not dist.is_initialized() and agent_side.phase is Phase.WAITING
     agent_side.publish_placement(placement(free_port()))
@@ -327,34 +330,42 @@ def test_a_peer_lost_as_the_group_connects_holds_the_forming_seconds_not_its_tim
             b.close()
 
 
-def test_a_worker_started_ahead_waits_in_init_process_group_for_its_placement(
+def test_a_worker_started_ahead_forms_its_first_group_as_a_live_worker_does(
     agent_side: ControlBlock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Started before its node joined (agent/lobby.py): the script's init_process_group
-    waits, live and stranded for the agent to see, until the placement comes; then it
-    forms over it (the placeholder tcp:// URL the script built from its port is env://)."""
+    waits, live and stranded for the agent to see, until the placement comes. A change
+    while it forms (here: its round's rank 1 never comes, and the agent abandons the
+    round) sends it back to wait, as any live worker; the next placement forms. The
+    script's own init_method (built from the address it was started with) is not used."""
+    saved = dict(os.environ)
     monkeypatch.setenv(CONTROL_ENV, agent_side.path)
     monkeypatch.setenv(LOBBY_ENV, "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "41999")  # the agent's tripwire
-    got: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    formed: list[set[object]] = []
+    args = ("gloo",)
+    kwargs = {"init_method": "tcp://127.0.0.1:41999", "timeout": datetime.timedelta(seconds=42)}
     waiter = threading.Thread(
-        target=lambda: got.append(
-            group_module.wait_in_lobby(("gloo",), {"init_method": "tcp://127.0.0.1:41999"})
-        )
+        target=lambda: formed.append(group_module.form_from_lobby(args, kwargs))  # type: ignore[arg-type]
     )
     waiter.start()
-    wait_until(lambda: agent_side.live and agent_side.stranded, 5.0, "the worker waits")
-    time.sleep(0.05)
-    assert waiter.is_alive()  # nothing comes until the placement does
-    agent_side.publish_placement(placement(free_port()))
-    waiter.join(5.0)
-    [(args, kwargs)] = got
-    assert args == ("gloo",) and kwargs == {"init_method": "env://"}
-    assert LOBBY_ENV not in os.environ and os.environ["RANK"] == "0"
-    assert not agent_side.live and not agent_side.stranded  # State.run says it again
-    dist.init_process_group(*args, **kwargs)  # type: ignore[arg-type]
     try:
-        assert dist.get_world_size() == 1
+        wait_until(lambda: agent_side.live and agent_side.stranded, 10.0, "the worker waits")
+        agent_side.publish_placement({**placement(free_port()), "WORLD_SIZE": "2"})
+        wait_until(lambda: agent_side.forming, 5.0, "it forms a round of two")
+        time.sleep(0.2)  # in the round's store, for a rank 1 that never comes
+        agent_side.request_abandon()
+        wait_until(lambda: agent_side.stranded, 10.0, "it waits again")
+        assert waiter.is_alive() and agent_side.live
+        agent_side.publish_placement(placement(free_port()))
+        waiter.join(10.0)
+        assert not waiter.is_alive() and formed, "it formed the round of one"
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert LOBBY_ENV not in os.environ and os.environ["RANK"] == "0"
+        assert not agent_side.live  # State.run says it again
+        gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert gloo.options._timeout == datetime.timedelta(seconds=42)  # the script's
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -107,6 +107,7 @@ class Workers(Protocol):
     def reform(self, placements: list[Placement]) -> None: ...
     def fits(self, placements: list[Placement]) -> bool: ...  # started ahead as placed
     def in_lobby(self) -> bool: ...  # started ahead, all wait for their placement
+    def forming(self) -> bool: ...  # one forms its new group in place, not yet formed
 
 
 class Store(Protocol):
@@ -365,6 +366,10 @@ class Agent:
                 self._failures = tuple(hung)
                 return LocalEvent.WORKERS_HUNG
             self.rdzv.upkeep()
+            if self.workers.forming():
+                # a member lost now leaves nothing broken for the workers to notice (they
+                # wait in the round's store, or connect to a store host that is gone)
+                self.rdzv.probe_members()
             change = self.rdzv.check()
             if change is not None:
                 self._change = change

@@ -312,6 +312,10 @@ class WorkerGroup:
         can take any."""
         return not self.ahead or lobby.fits(self.ahead, placements)
 
+    def forming(self) -> bool:
+        """A worker forms its new group in place and has not yet."""
+        return any(w.proc.poll() is None and w.control.forming for w in self.workers)
+
     def in_lobby(self) -> bool:
         """Every worker started ahead waits in its ``init_process_group``."""
         return bool(self.workers) and all(

@@ -99,6 +99,12 @@ class GroupSockets:
                 before, self._before = self._before, None
                 self._conns = _connections() - (before or set())
 
+    @property
+    def formed(self) -> set[Conn]:
+        """The connections of the group as it formed (or was adopted)."""
+        with self._lock:
+            return set(self._conns)
+
     def adopt(self, formed: set[Conn] | None) -> None:
         """Take over a group formed before this object watched (the script's own, before
         ``State.run``): the connections it was seen to make (``formed``; see
@@ -147,8 +153,9 @@ def watch_first_group() -> None:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         global _first_formed
-        if os.environ.get(LOBBY_ENV):
-            args, kwargs = wait_in_lobby(args, kwargs)
+        if os.environ.get(LOBBY_ENV) and _first_formed is None:
+            _first_formed = form_from_lobby(args, kwargs)
+            return None
         first = _group is None and _first_formed is None
         before = _connections() if first else set()
         try:
@@ -161,40 +168,43 @@ def watch_first_group() -> None:
     dist.init_process_group = init_process_group
 
 
-Args = tuple[tuple[Any, ...], dict[str, Any]]
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, name: str) -> Any:
+    """``init_process_group``'s argument ``name`` (position ``at``) as the script gave it."""
+    return kwargs.get(name, args[at] if len(args) > at else None)
 
 
-def wait_in_lobby(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
-    """A worker started before its node joined the job (``agent/lobby.py``) waits here,
-    where the script first needs the round, for the placement its agent publishes once the
-    round forms, and takes it into ``os.environ``; the arguments of the script's
-    ``init_process_group`` as they are, but a ``tcp://`` URL it built from the address it
-    was started with (no round's) becomes ``env://``."""
-    placeholder = f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+def form_from_lobby(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Conn]:
+    """The script's first ``init_process_group`` in a worker started before its node
+    joined the job (``agent/lobby.py``): wait, live and stranded for the agent to see,
+    for the placement it publishes once the round forms, and form the group as a
+    re-forming worker does (``Group.form``: over the round's store, abortable, with the
+    script's backend and timeout; a ``store`` or ``init_method`` of the script's, built
+    from the address it was started with, is not the round's). A change while it forms
+    (a member lost) sends it back to wait for the next placement, as any live worker.
+    Returns the connections the group made (the script's first group, for ``adopt``)."""
     # DDP's constructor imports torch._dynamo (1.5-2.5 s): here, while the others train,
     # not once placed, while they wait for this worker
     import torch._dynamo  # noqa: F401
 
-    block = ControlBlock(os.environ[CONTROL_ENV])
+    g = Group(ControlBlock(os.environ[CONTROL_ENV]))  # live: the agent may hold it
+    g.backend = str(_argument(args, kwargs, 0, "backend") or "")
+    g.timeout = _argument(args, kwargs, 2, "timeout")
     try:
-        started = block.placement_generation
-        block.mark(LIVE)  # it forms the round's group in place: the agent may publish to it
-        block.waiting(started)
-        while block.placement_generation == started:
-            block.beat()  # waiting for the agent is not hanging
-            time.sleep(POLL)
-        os.environ.update(read_placement(block.path))
+        g.leave()  # no group yet: it waits for its placement
+        while True:
+            placement = g.wait_placement(lambda: False)
+            assert placement is not None
+            try:
+                g.form(placement)
+                break
+            except Exception as e:
+                if not g.breaks(e):
+                    raise
+                g.leave()
         del os.environ[LOBBY_ENV]
-        block.unmark(LIVE)  # State.run says it again, if the script goes there
+        return set(g.sockets.formed)
     finally:
-        block.close()
-    url = kwargs.get("init_method", args[1] if len(args) > 1 else None)
-    if url == placeholder:
-        if "init_method" in kwargs:
-            kwargs = {**kwargs, "init_method": "env://"}
-        else:
-            args = (args[0], "env://", *args[2:])
-    return args, kwargs
+        g.close()  # State.run says it again, if the script goes there
 
 
 # -- aborting: policies per backend ------------------------------------------------------------
@@ -345,9 +355,10 @@ class Group:
             self._seen_pause = self.block.pause_generation
             self.abandoned.clear()
         dist = _dist()
-        with self.sockets.forming():
+        init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+        with self.sockets.forming():  # the group's connections: no need for the script's wrap
             store, rank, world = self._meet()
-            dist.init_process_group(
+            init(
                 backend=self.backend or None,
                 timeout=CONNECT_TIMEOUT,
                 store=store,

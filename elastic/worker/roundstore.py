@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 POLL = 0.002  # the first pause between polls; it doubles up to LONGEST
 LONGEST = 0.05
+TRY = 0.25  # seconds of one try to connect: an abandon is looked for between tries
 
 
 class Abandoned(RuntimeError):
@@ -99,21 +100,21 @@ def connect(
     check_abandoned: Callable[[], None],
     timeout: datetime.timedelta,
 ) -> AbortableStore:
-    """The round's store, in tries of ``LONGEST`` seconds with a look for an abandon
-    between them (torch logs every refused connect of its own loop: a plain socket
-    tries first)."""
+    """The round's store, in tries of ``TRY`` seconds with a look for an abandon between
+    them (torch logs every refused connect of its own loop: a plain socket tries
+    first)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         check_abandoned()
         try:
             if hosted_by_agent:
-                socket.create_connection((addr, port), timeout=1.0).close()
+                socket.create_connection((addr, port), timeout=TRY).close()
             inner = dist.TCPStore(
                 addr,
                 port,
                 world,
                 is_master=rank == 0 and not hosted_by_agent,
-                timeout=datetime.timedelta(seconds=1),
+                timeout=datetime.timedelta(seconds=TRY),
                 wait_for_workers=False,
             )
             inner.set_timeout(timeout)
