@@ -171,7 +171,7 @@ def test_the_examples_run(tmp_path: Path) -> None:
     """Each framework's example, as the README's examples table runs it, to the end; and
     beside them Lightning's sharded strategy (FSDP2), whose checkpoint no rank holds
     whole: the adapter stands aside, and Lightning's own checkpoints go on."""
-    sharded = ("--strategy", "model_parallel", "--live", "--epochs", "1")
+    sharded = ("--strategy", "model_parallel", "--live", "--epochs", "1", "--samples", "32")
     runs = {
         "lightning": ("examples/lightning_ddp.py", "--epochs", "1", "--dir", str(tmp_path / "l")),
         "transformers": ("examples/hf_trainer.py", "--epochs", "1", "--dir", str(tmp_path / "h")),
@@ -179,10 +179,11 @@ def test_the_examples_run(tmp_path: Path) -> None:
         "sharded": (str(SCRIPTS / "lightning_train.py"), *sharded),
     }
 
-    def run(args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    def run(name: str) -> subprocess.CompletedProcess:
+        nproc = "1" if name == "sharded" else "2"  # one worker: the strategy is what matters
         return subprocess.run(
-            [sys.executable, "-m", "elastic", "--nproc-per-node", "2", "--metrics-port", "0",
-             *args],
+            [sys.executable, "-m", "elastic", "--nproc-per-node", nproc, "--metrics-port", "0",
+             *runs[name]],
             capture_output=True,
             text=True,
             timeout=240,
@@ -190,7 +191,7 @@ def test_the_examples_run(tmp_path: Path) -> None:
             env={**os.environ, "RESULT_DIR": str(tmp_path)},
         )  # fmt: skip
 
-    done = at_once(lambda name: run(runs[name]), runs)
+    done = at_once(run, runs)
     for name, d in done.items():
         assert d.returncode == 0, f"{name}: {d.stderr[-3000:]}"
     assert "step 16 epoch 0" in done["lightning"].stdout, done["lightning"].stdout
@@ -200,5 +201,5 @@ def test_the_examples_run(tmp_path: Path) -> None:
     assert (tmp_path / "h" / "checkpoint-16").is_dir()  # the Trainer's own checkpoints go on
     assert "(step 8, 2 processes)" in done["accelerate"].stdout, done["accelerate"].stdout
     said = done["sharded"].stderr
-    assert said.count("ModelParallelStrategy keeps sharded checkpoints of its own") == 2, said
+    assert said.count("ModelParallelStrategy keeps sharded checkpoints of its own") == 1, said
     assert (tmp_path / "ckpt" / "last.ckpt").exists()  # Lightning's own checkpoint
