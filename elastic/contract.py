@@ -57,18 +57,23 @@ def placement_path(control: str | Path) -> Path:
     return Path(f"{control}.placement")
 
 
-def write_placement(control: str | Path, env: dict[str, str]) -> None:
-    """The torchrun variables of the worker's new round; atomic (written, then renamed),
-    and published only when the agent bumps the block's placement generation."""
+def write_placement(control: str | Path, env: dict[str, str], asked: tuple[int, int]) -> None:
+    """The torchrun variables of the worker's new round, and the (abandon, pause)
+    generations the agent had asked for when it published them: the asks this placement
+    answers (one made after it, before the worker read it, is for this placement's
+    round). Atomic (written, then renamed), and published only when the agent bumps the
+    block's placement generation."""
     path = placement_path(control)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(env, sort_keys=True))
+    tmp.write_text(json.dumps({"env": env, "asked": list(asked)}, sort_keys=True))
     tmp.replace(path)
 
 
-def read_placement(control: str | Path) -> dict[str, str]:
-    env: dict[str, str] = json.loads(placement_path(control).read_text())
-    return env
+def read_placement(control: str | Path) -> tuple[dict[str, str], tuple[int, int]]:
+    """(the torchrun variables, the asks it answers): see ``write_placement``."""
+    found = json.loads(placement_path(control).read_text())
+    abandon, pause = found["asked"]
+    return dict(found["env"]), (int(abandon), int(pause))
 
 
 # What a collective says when a peer vanished under it (gloo, NCCL, the store, torch's
@@ -232,7 +237,7 @@ class ControlBlock:
     def publish_placement(self, env: dict[str, str]) -> None:
         """Write the next placement and bump its generation: the worker forms it."""
         self._put(_OFF["restored"], 0)  # it says again where the new group resumed
-        write_placement(self.path, env)
+        write_placement(self.path, env, (self.abandon_generation, self.pause_generation))
         self._put(_OFF["placement"], self._get(_OFF["placement"]) + 1)
 
     @property

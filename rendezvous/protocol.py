@@ -306,8 +306,10 @@ class Rendezvous:
         if self.round is not None:
             self.session.mark_done(self.round.number)
 
-    def report_failure(self, report: FailureReport) -> None:
-        """Record this node's worker failure for the current round and leave the round."""
+    def report_failure(self, report: FailureReport, done: bool = True) -> None:
+        """Record this node's worker failure for the current round and (``done``) leave
+        the round; a node that is about to leave the job says nothing more, so that no
+        round forms with it in between (it is LEFT once it has gone)."""
         if self.round is None:
             return
         rec = FailureRecord(
@@ -318,7 +320,8 @@ class Rendezvous:
         # shown at once, like the record's "done" below: a view with the done and without
         # the report (still on its way through the watch) plans a restart nobody pays for
         self.mirror.record_own(KV(key, value, revision, revision, 0))
-        self.finish_round()
+        if done:
+            self.finish_round()
 
     def announce_in_place(self, in_place: bool) -> None:
         """Say whether this node's workers re-form in place now: a newcomer starts its

@@ -22,7 +22,7 @@ from elastic.agent.core import (
 from rendezvous.rules import RoundEnd
 
 P, J, H, R = AgentState.PREPARING, AgentState.JOINING, AgentState.HOLDING, AgentState.RUNNING
-RZ, RS = AgentState.RESIZING, AgentState.RESTARTING
+RZ, RS, OUT = AgentState.RESIZING, AgentState.RESTARTING, AgentState.OUT
 L = LocalEvent
 C = RestartCause
 Row = tuple[Stop, AgentState, RestartCause | None, Exit | None, Start]
@@ -63,6 +63,9 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (R, L.WORKERS_SAVED, False): (Stop.NONE, RZ, C.RESIZE, None, N),
     (R, L.WORKERS_FAILED, False): (Stop.URGENT, RS, C.FAILURE, None, N),
     (R, L.WORKERS_HUNG, False): (Stop.URGENT, RS, C.HANG, None, N),
+    # its own failure, the others going on in place without it: out, back as a newcomer
+    (R, L.WORKERS_FAILED, True): (Stop.URGENT, OUT, C.FAILURE, None, N),
+    (R, L.WORKERS_HUNG, True): (Stop.URGENT, OUT, C.HANG, None, N),
     (R, L.SIGNALLED, False): (Stop.DRAIN, AgentState.LEFT, None, Exit.SIGNALLED, N),
     (R, RoundEnd.JOB_SUCCEEDED, False): (
         Stop.FINISH,
@@ -98,6 +101,8 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (RS, L.WORKERS_STOPPED, False): (Stop.NONE, J, None, None, N),
     (RS, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
     (RS, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
+    (OUT, L.WENT_ON, False): (Stop.NONE, J, None, None, N),
+    (OUT, L.SIGNALLED, False): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED, N),
 }
 
 
@@ -125,12 +130,13 @@ def test_the_table_covers_every_event_each_state_can_see() -> None:
     for s, e, _ in TABLE:
         seen.setdefault(s, set()).add(e)
     outcomes = {L.WORKERS_STOPPED, L.WORKERS_HELD, L.HOLD_FAILED}
-    local = set(L) - outcomes
+    local = set(L) - outcomes - {L.WENT_ON}
     assert seen[R] == {*local, *RoundEnd} - {L.ROUND_FORMED, L.JOIN_TIMED_OUT}
     waiting_events = {L.ROUND_FORMED, L.SIGNALLED, L.JOIN_TIMED_OUT}
     assert seen[J] == seen[H] == waiting_events | {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
     assert seen[RZ] == outcomes | {L.WORKERS_SUCCEEDED} and seen[RS] == outcomes
     assert seen[P] == {L.WORKERS_HELD, L.HOLD_FAILED, L.SIGNALLED}
+    assert seen[OUT] == {L.WENT_ON, L.SIGNALLED}
 
 
 def test_impossible_combinations_are_refused() -> None:
@@ -165,6 +171,15 @@ def test_side_effects_of_the_rows() -> None:
     assert decide(P, L.WORKERS_HELD).register and decide(P, L.HOLD_FAILED).register
     assert not decide(P, L.SIGNALLED).register
     assert not any(decide(s, e, i).register for s, e, i in TABLE if s is not P)
+    # going OUT, and only then, leaves the job (reported first); leaving it rejoins
+    assert (
+        decide(R, L.WORKERS_HUNG, True).leave and decide(R, L.WORKERS_FAILED, True).report_failure
+    )
+    assert decide(OUT, L.WENT_ON).rejoin and not decide(OUT, L.SIGNALLED).rejoin
+    assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).leave] == [
+        (R, L.WORKERS_FAILED, True),
+        (R, L.WORKERS_HUNG, True),
+    ]
     plain = Reaction("x", R)
     assert not (plain.report_failure or plain.announce_leaving or plain.close_job)
     assert plain.start is Start.NONE
@@ -190,7 +205,7 @@ def _doc_rows() -> list[tuple[AgentState, str, str, str, str, str]]:
         if len(cells) != 6 or not cells[0] or cells[0] == "state" or cells[0].startswith("-"):
             continue
         state, event, in_place, stop, nxt, cause = cells
-        rows.append((AgentState[state], event, in_place, stop, nxt, cause))
+        rows.append((AgentState[state], event, in_place, stop, nxt, cause))  # a/b: no/yes
     return rows
 
 
@@ -200,11 +215,11 @@ def test_the_docstring_table_is_what_decide_does() -> None:
     for state, event_name, in_place, stop, nxt, cause in rows:
         event = L[event_name] if event_name in L.__members__ else RoundEnd[event_name]
         places = in_place.split("/") if in_place else ["no"]
-        stops = stop.split("/")
+        stops, nexts = stop.split("/"), nxt.split("/")
         for i, place in enumerate(places):
             r = decide(state, event, place == "yes")
             assert r.stop is _STOPS[stops[min(i, len(stops) - 1)]], (state, event, place)
-            assert r.next is AgentState[nxt], (state, event, place)
+            assert r.next is AgentState[nexts[min(i, len(nexts) - 1)]], (state, event, place)
             assert (r.cause.value if r.cause else "") == cause, (state, event, place)
             checked += 1
     assert checked == len(TABLE)  # every row of the test's table is in the docstring

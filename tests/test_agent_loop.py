@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ class FakeJob:
         self.reported: list[FailureReport] = []
         self.closed_as: list[JobOutcome] = []
         self.closed_record: ClosedRecord | None = None
+        self.glances: deque[Glance] = deque()  # successive glance() results, then glance_view
 
     node_id = "a"
     run_id = "job"
@@ -69,7 +71,7 @@ class FakeJob:
 
     def glance(self) -> Glance:
         self.calls.append("glance")
-        return self.glance_view
+        return self.glances.popleft() if self.glances else self.glance_view
 
     def start(self) -> None:
         self.calls.append("start")
@@ -104,8 +106,9 @@ class FakeJob:
     def poke(self) -> None:
         self.calls.append("poke")
 
-    def report_failure(self, report: FailureReport) -> None:
+    def report_failure(self, report: FailureReport, done: bool = True) -> None:
         self.reported.append(report)
+        self.calls.append("report" if done else "report, not done")
 
     def finish_round(self) -> None:
         self.calls.append("finish_round")
@@ -611,10 +614,32 @@ def test_the_job_failing_while_the_workers_are_held_stops_them() -> None:
 
 
 # -- a newcomer's workers started ahead of joining (lobby.py) ------------------------------------
-def _ahead(glance: Glance) -> lobby.Ahead:
+def _ahead(glance: Glance, restart_count: int, live: bool) -> lobby.Ahead:
     return lobby.ahead(
-        glance, nproc=2, max_nodes=4, static=False, in_place=True, store=("10.0.0.2", 41999)
+        glance,
+        restart_count,
+        live,
+        nproc=2,
+        max_nodes=4,
+        static=False,
+        in_place=True,
+        store=("10.0.0.2", 41999),
     )
+
+
+class FakeWire:
+    def __init__(self, tripped: bool = False) -> None:
+        self.trips, self.resets = tripped, 0
+
+    def tripped(self) -> bool:
+        return self.trips
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def ahead_agent(job: FakeJob, workers: FakeWorkers, tripped: bool = False, **kw: Any) -> Agent:
+    return agent(job, workers, prepare=_ahead, tripwire=FakeWire(tripped), **kw)
 
 
 def _running_round() -> Glance:
@@ -634,7 +659,7 @@ def test_a_newcomer_starts_its_workers_before_it_joins_and_they_re_form_in_place
     workers.live = True
     workers.lobby.extend([False, False])  # two looks (and polls) before they all wait
     with caplog.at_level(logging.INFO):
-        assert agent(job, workers, prepare=_ahead).run() == 0
+        assert ahead_agent(job, workers).run() == 0
     assert job.calls[:2] == ["glance", "start"]  # registered after the workers started
     [ahead] = workers.started
     assert [(p.rank, p.group_rank, p.world_size, p.master_port) for p in ahead] == [
@@ -657,7 +682,7 @@ def test_a_newcomer_placed_otherwise_than_its_workers_were_started_replaces_them
     workers = FakeWorkers([RUNNING, SUCCEEDED])
     workers.live = True
     with caplog.at_level(logging.WARNING):
-        assert agent(job, workers, prepare=_ahead).run() == 0
+        assert ahead_agent(job, workers).run() == 0
     assert workers.actions == ["stop 0"] and workers.reformed == []
     assert [p.rank for p in workers.started[1]] == [4, 5]
     assert "places this node otherwise than its workers were started ahead" in caplog.text
@@ -671,7 +696,7 @@ def test_a_worker_started_ahead_that_exits_gives_a_plain_join(
     workers = FakeWorkers([(GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
     workers.lobby.append(False)
     with caplog.at_level(logging.WARNING):
-        assert agent(job, workers, prepare=_ahead).run() == 0
+        assert ahead_agent(job, workers).run() == 0
     assert workers.actions[0] == "stop 0" and job.calls[:2] == ["glance", "start"]
     assert len(workers.started) == 2 and workers.reformed == []  # new workers in round 2
     assert "joining without them, new workers start in the round" in caplog.text
@@ -688,7 +713,7 @@ def test_a_worker_started_ahead_that_went_past_the_hook_gives_a_plain_join_at_on
     workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
     workers.lobby.extend([False] * 1000)  # never all in the lobby
     with caplog.at_level(logging.WARNING):
-        assert agent(job, workers, prepare=_ahead, tripped=lambda: True).run() == 0
+        assert ahead_agent(job, workers, tripped=True).run() == 0
     assert workers.actions[0] == "stop 0" and len(workers.started) == 2
     assert "import elastic before init_process_group" in caplog.text
 
@@ -698,7 +723,7 @@ def test_a_signal_while_the_workers_start_ahead_stops_them_and_never_joins() -> 
     job.glance_view = _running_round()
     workers = FakeWorkers([])
     workers.lobby.extend([False] * 1000)
-    a = agent(job, workers, prepare=_ahead)
+    a = ahead_agent(job, workers)
     a.on_signal(signal.SIGTERM)
     assert a.run() == 128 + signal.SIGTERM
     assert workers.actions == ["stop 0"] and "start" not in job.calls
@@ -707,7 +732,7 @@ def test_a_signal_while_the_workers_start_ahead_stops_them_and_never_joins() -> 
 def test_without_a_running_round_the_node_joins_first() -> None:
     job = FakeJob([round_of(1, "a")])
     workers = FakeWorkers([SUCCEEDED])
-    assert agent(job, workers, prepare=_ahead).run() == 0
+    assert ahead_agent(job, workers).run() == 0
     assert job.calls[:2] == ["glance", "start"] and len(workers.started) == 1
     assert workers.ahead == []
 
@@ -729,3 +754,81 @@ def test_while_the_workers_form_in_place_the_members_are_probed() -> None:
     workers.forms.extend([False, True])  # the second turn: a placement is being formed
     assert agent(job, workers).run() == 0
     assert job.calls.count("probe_members") == 1
+
+
+# -- a node whose own worker fails steps out while the others go on (lobby.step_out) -------------
+def _step_out(were_live: bool, size: int) -> lobby.StepOut:
+    return lobby.step_out(were_live, size, in_place=True, min_nodes=1, static=False)
+
+
+def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started_ahead(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """c's worker hangs: c reports it (the restart is charged) and leaves the job, so a
+    and b re-form in place without it at once; once they have (a round newer than the
+    one c left), c joins again as a newcomer, its new workers started ahead with the
+    ranks of round 3 and the restart count one up."""
+    old = FakeJob([round_of(1, "a", "b", "c")])
+    old.node_id = "c"
+    new = FakeJob([round_of(3, "a", "b", "c", cause=RoundCause.RESIZE)])
+    new.node_id = "c"
+    two = round_of(2, "a", "b", cause=RoundCause.FAILURE)
+    leader = NodeRecord("a", "10.0.0.1", 2, in_place=True)
+    # round 2 formed; its new leader has not said yet that its workers re-form in place
+    new.glances.extend([Glance(round_of(1, "a", "b", "c"), leader=leader), Glance(two)])
+    new.glance_view = Glance(two)
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.hangs = [CRASH]
+    hung = iter([True])
+
+    def frozen() -> list[WorkerFailure]:
+        return [CRASH] if next(hung, False) else []
+
+    workers.frozen = frozen  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new)
+        assert a.run() == 0
+    assert old.calls[-2:] == ["report, not done", "shutdown"]  # reported, then left
+    assert new.calls[:4] == ["glance", "glance", "glance", "start"]  # out, ahead, registered
+    (ahead,) = workers.started[1:]
+    assert [(p.rank, p.group_rank, p.restart_count) for p in ahead] == [(4, 2, 1), (5, 2, 1)]
+    assert [p.master_port for p in workers.reformed[0]] == [29503, 29503]  # round 3's store
+    assert "leaving the job for now: the other 2 node(s) re-form in place" in caplog.text
+
+
+def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_in_it() -> None:
+    """Two nodes, at least two: without this one no round forms, so it stays in."""
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", "b", restarts=1)])
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+
+    def two_at_least(were_live: bool, size: int) -> lobby.StepOut:
+        return lobby.step_out(were_live, size, in_place=True, min_nodes=2, static=False)
+
+    rejoined: list[FakeJob] = []
+    a = agent(job, workers, step_out=two_at_least, rejoin=lambda: rejoined.append(job) or job)
+    assert a.run() == 0
+    assert rejoined == [] and len(workers.started) == 2 and "shutdown" not in job.calls[:-1]
+
+
+def test_a_node_out_of_the_job_joins_again_when_no_one_is_left_to_re_form(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every node's worker failed at once (a bug in the script): all stepped out, the lead
+    is vacant and no round will form without them; c joins again within a second, not
+    after OUT_MAX."""
+    old = FakeJob([round_of(1, "a", "c")])
+    old.node_id = "c"
+    new = FakeJob([round_of(2, "a", "c", restarts=1)])
+    new.node_id = "c"
+    new.glance_view = Glance(round_of(1, "a", "c"))  # no newer round, no leader
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        a = agent(old, workers, step_out=_step_out, rejoin=lambda: new)
+        assert a.run() == 0
+    assert time.monotonic() - started < 5.0
+    assert "no node leads the job: joining again" in caplog.text
+    assert new.calls[-3:] == ["start", "next_round", "shutdown"] and len(workers.started) == 2

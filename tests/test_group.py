@@ -21,7 +21,15 @@ from harness import ROOT, wait_until
 
 from elastic.contract import CONTROL_ENV, LOBBY_ENV, ControlBlock, Phase
 from elastic.worker import group as group_module
-from elastic.worker.group import AbortNccl, CutReads, Group, GroupSockets, Reformation, aborts_for
+from elastic.worker.group import (
+    AbortNccl,
+    CutReads,
+    Group,
+    GroupSockets,
+    Placement,
+    Reformation,
+    aborts_for,
+)
 from rendezvous.net import free_port
 
 
@@ -116,7 +124,7 @@ def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) 
     assert not dist.is_initialized() and agent_side.phase is Phase.WAITING
     agent_side.publish_placement(placement(free_port()))
     group.timeout = datetime.timedelta(seconds=42)  # the script's group's
-    group.form(group.wait_placement(lambda: False) or (0, {}))
+    group.form(group.wait_placement(lambda: False) or Placement(0, {}))
     assert dist.is_initialized() and group.reformations == 2
     # formed with a short connect timeout (CONNECT_TIMEOUT), it keeps the script's own
     gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
@@ -133,8 +141,25 @@ def test_asks_are_seen_until_a_placement_answers_them(
     wait_until(group.abandoned.is_set, 2.0, "the watcher sees the abandon")
     assert group.breaks(RuntimeError("anything at all, once abandoned"))
     agent_side.publish_placement(placement(free_port()))
-    group.form(group.wait_placement(lambda: False) or (0, {}))
+    group.form(group.wait_placement(lambda: False) or Placement(0, {}))
     assert not group.pause_asked and not group.abandoned.is_set()
+
+
+def test_an_abandon_asked_after_the_placement_was_published_is_not_answered_by_it(
+    group: Group, agent_side: ControlBlock
+) -> None:
+    """The round breaks between the agent publishing its placement and the worker reading
+    it: the worker must not form that round (its rank 1 will never come) but give it up
+    at once. The placement says which asks it answers: those made before it."""
+    group.leave()
+    agent_side.publish_placement({**placement(free_port()), "WORLD_SIZE": "2"})
+    agent_side.request_abandon()
+    got = group.wait_placement(lambda: False)
+    assert got is not None
+    started = time.monotonic()
+    with pytest.raises(Exception) as raised:
+        group.form(got)
+    assert group.breaks(raised.value) and time.monotonic() - started < 5.0
 
 
 def test_what_breaks_a_round_and_what_ends_the_job(group: Group) -> None:

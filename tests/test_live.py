@@ -265,17 +265,23 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
 def test_a_worker_crash_on_one_node(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
-    """Node c's worker dies: c starts a new one, a and b keep theirs and re-form."""
-    agents = three(procs, etcd, run_id, tmp_path)
+    """Node c's worker dies: c reports it and steps out, so a and b re-form without it at
+    once, in their own processes, and train on while c's new worker starts (ahead of
+    c's joining again); then the three re-form with it. One restart is charged."""
+    agents = three(procs, etcd, run_id, tmp_path, "--slow-below-world", "3")  # c comes back
     kept = [worker_pids(a) for a in agents[:2]]
+    killed = time.time()
     os.kill(worker_pids(agents[2])[0], signal.SIGKILL)
     wait_until(lambda: len(pids_at(tmp_path, 3)) > 3, 60, "a new worker on c", interval=0.1)
-    wait_world(tmp_path, 3, after=time.time(), timeout=60)
     assert [worker_pids(a) for a in agents[:2]] == kept
     for a in agents:
         assert a.wait(120) == 0, a.transcript()
-    assert "workers re-form live" in agents[0].transcript()
-    check_run(tmp_path, changes=1)
+    meanwhile = {r["step"] for r in rows(tmp_path) if r["world"] == 2 and r["t"] > killed}
+    assert len(meanwhile) >= 2, agents[0].transcript() + agents[2].transcript()
+    said = agents[2].transcript()
+    assert "leaving the job for now" in said and "starting workers before joining" in said
+    assert "restart 1 after a worker failure" in agents[0].transcript()
+    check_run(tmp_path, changes=2)
 
 
 def test_a_join_after_training_ended_closes_the_job(

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic.agent.lobby import ahead, fits
+from elastic.agent.lobby import ahead, fits, step_out
 from rendezvous.records import Member, NodeRecord, RoundRecord
 from rendezvous.view import Glance
 
@@ -24,7 +24,7 @@ WIRE = ("10.0.0.3", 41999)
 
 
 def test_the_workers_start_after_the_members_as_the_next_round_will_place_them() -> None:
-    choice = ahead(RUNNING, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
+    choice = ahead(RUNNING, 0, False, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
     assert [(p.local_rank, p.rank, p.group_rank, p.world_size) for p in choice.placements] == [
         (0, 5, 2, 7),
         (1, 6, 2, 7),
@@ -55,12 +55,14 @@ def test_the_workers_start_after_the_members_as_the_next_round_will_place_them()
 def test_no_workers_start_ahead_where_the_next_round_is_unknown_or_restarts_anyway(
     glance: Glance, static: bool, in_place: bool, why: str
 ) -> None:
-    choice = ahead(glance, nproc=2, max_nodes=4, static=static, in_place=in_place, store=WIRE)
+    choice = ahead(
+        glance, 0, False, nproc=2, max_nodes=4, static=static, in_place=in_place, store=WIRE
+    )
     assert choice.placements == () and why in choice.reason
 
 
 def test_a_round_fits_workers_started_ahead_only_as_they_were_placed() -> None:
-    choice = ahead(RUNNING, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
+    choice = ahead(RUNNING, 0, False, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
     started = choice.placements
     store = [replace(p, master_addr="10.0.0.9", master_port=41000) for p in started]
     assert fits(started, store)  # the store's address is taken as they form
@@ -94,3 +96,36 @@ def test_the_tripwire_is_tripped_by_a_worker_that_connects_to_it() -> None:
             worker.close()
     finally:
         wire.close()
+
+
+@pytest.mark.parametrize(
+    ("were_live", "size", "in_place", "min_nodes", "static", "out", "why"),
+    [
+        (True, 3, True, 1, False, True, "the other 2 node(s) re-form in place"),
+        (True, 3, True, 2, False, True, "the other 2"),
+        (True, 2, True, 2, False, False, "below the minimum of 2"),
+        (False, 3, True, 1, False, False, "do not re-form in place"),
+        (True, 3, False, 1, False, False, "--restart-mode respawn"),
+        (True, 3, True, 1, True, False, "--node-rank"),
+    ],
+)
+def test_a_node_whose_own_worker_failed_steps_out_only_where_the_others_go_on_in_place(
+    were_live: bool, size: int, in_place: bool, min_nodes: int, static: bool, out: bool, why: str
+) -> None:
+    choice = step_out(were_live, size, in_place=in_place, min_nodes=min_nodes, static=static)
+    assert choice.out is out and why in choice.reason
+
+
+def test_a_node_that_stepped_out_starts_its_workers_with_its_restart_count() -> None:
+    """It knows the job's workers re-form in place: a new leader need not have said so."""
+    no_leader_yet = Glance(round_of(3, ("a", 2), ("b", 3)))
+    choice = ahead(
+        no_leader_yet, 2, True, nproc=1, max_nodes=4, static=False, in_place=True, store=WIRE
+    )
+    assert [p.restart_count for p in choice.placements] == [2]
+    assert (
+        ahead(
+            no_leader_yet, 2, False, nproc=1, max_nodes=4, static=False, in_place=True, store=WIRE
+        ).placements
+        == ()
+    )

@@ -4,55 +4,64 @@ Every rule about what an agent does when something happens lives here, as data, 
 nowhere else: ``loop.Agent`` only gathers events and carries out reactions. The table
 (``decide`` implements it; ``tests/test_agent_core.py`` checks every row). *in place*:
 the workers can re-form in place (all alive, all in ``State.run``, ``--restart-mode
-live``), the input ``decide`` takes besides the state and the event.
+live``), the input ``decide`` takes besides the state and the event; for this node's own
+failure, that the others can go on in place without it (``lobby.step_out``).
 
-| state      | event             | in place | stop           | next       | cause       |
-|------------|-------------------|----------|----------------|------------|-------------|
-| PREPARING  | WORKERS_HELD      |          | -              | HOLDING    |             |
-| PREPARING  | HOLD_FAILED       |          | kill           | JOINING    |             |
-| PREPARING  | SIGNALLED         |          | kill           | LEFT       |             |
-| JOINING    | ROUND_FORMED      |          | -              | RUNNING    |             |
-| JOINING    | SIGNALLED         |          | -              | LEFT       |             |
-| JOINING    | JOB_SUCCEEDED     |          | -              | SUCCEEDED  |             |
-| JOINING    | JOB_FAILED        |          | -              | FAILED     |             |
-| JOINING    | JOIN_TIMED_OUT    |          | -              | FAILED     |             |
-| HOLDING    | ROUND_FORMED      | yes      | -              | RUNNING    |             |
-| HOLDING    | ROUND_FORMED      | no       | kill           | RUNNING    |             |
-| HOLDING    | SIGNALLED         |          | drain          | LEFT       |             |
-| HOLDING    | JOB_SUCCEEDED     |          | urgent         | SUCCEEDED  |             |
-| HOLDING    | JOB_FAILED        |          | urgent         | FAILED     |             |
-| HOLDING    | JOIN_TIMED_OUT    |          | urgent         | FAILED     |             |
-| RUNNING    | WORKERS_SUCCEEDED |          | -              | SUCCEEDED  |             |
-| RUNNING    | WORKERS_SAVED     |          | - (gone)       | RESIZING   | resize      |
-| RUNNING    | WORKERS_FAILED    |          | urgent         | RESTARTING | failure     |
-| RUNNING    | WORKERS_HUNG      |          | urgent         | RESTARTING | hang        |
-| RUNNING    | SIGNALLED         |          | drain          | LEFT       |             |
-| RUNNING    | JOB_SUCCEEDED     |          | finish         | SUCCEEDED  |             |
-| RUNNING    | JOB_FAILED        |          | urgent         | FAILED     |             |
-| RUNNING    | FENCED            |          | kill           | RESTARTING | fenced      |
-| RUNNING    | LAPSED            | no/yes   | urgent/abandon | RESTARTING | fenced      |
-| RUNNING    | SUPERSEDED        | no/yes   | urgent/abandon | RESTARTING | resize      |
-| RUNNING    | LOST              | no/yes   | urgent/abandon | RESTARTING | member_lost |
-| RUNNING    | PEER_FAILED       | no/yes   | urgent/abandon | RESTARTING | failure     |
-| RUNNING    | LEFT              | no/yes   | urgent/abandon | RESTARTING | member_left |
-| RUNNING    | LEAVING           | no/yes   | drain/pause    | RESIZING   | member_left |
-| RUNNING    | STOPPING          | no/yes   | drain/pause    | RESIZING   | resize      |
-| RUNNING    | WAITING           | no/yes   | drain/pause    | RESIZING   | resize      |
-| RESIZING   | WORKERS_STOPPED   |          | -              | JOINING    |             |
-| RESIZING   | WORKERS_SUCCEEDED |          | -              | SUCCEEDED  |             |
-| RESIZING   | WORKERS_HELD      |          | -              | HOLDING    |             |
-| RESIZING   | HOLD_FAILED       |          | urgent         | JOINING    |             |
-| RESTARTING | WORKERS_STOPPED   |          | -              | JOINING    |             |
-| RESTARTING | WORKERS_HELD      |          | -              | HOLDING    |             |
-| RESTARTING | HOLD_FAILED       |          | urgent         | JOINING    |             |
+| state      | event             | in place | stop           | next           | cause       |
+|------------|-------------------|----------|----------------|----------------|-------------|
+| PREPARING  | WORKERS_HELD      |          | -              | HOLDING        |             |
+| PREPARING  | HOLD_FAILED       |          | kill           | JOINING        |             |
+| PREPARING  | SIGNALLED         |          | kill           | LEFT           |             |
+| JOINING    | ROUND_FORMED      |          | -              | RUNNING        |             |
+| JOINING    | SIGNALLED         |          | -              | LEFT           |             |
+| JOINING    | JOB_SUCCEEDED     |          | -              | SUCCEEDED      |             |
+| JOINING    | JOB_FAILED        |          | -              | FAILED         |             |
+| JOINING    | JOIN_TIMED_OUT    |          | -              | FAILED         |             |
+| HOLDING    | ROUND_FORMED      | yes      | -              | RUNNING        |             |
+| HOLDING    | ROUND_FORMED      | no       | kill           | RUNNING        |             |
+| HOLDING    | SIGNALLED         |          | drain          | LEFT           |             |
+| HOLDING    | JOB_SUCCEEDED     |          | urgent         | SUCCEEDED      |             |
+| HOLDING    | JOB_FAILED        |          | urgent         | FAILED         |             |
+| HOLDING    | JOIN_TIMED_OUT    |          | urgent         | FAILED         |             |
+| RUNNING    | WORKERS_SUCCEEDED |          | -              | SUCCEEDED      |             |
+| RUNNING    | WORKERS_SAVED     |          | - (gone)       | RESIZING       | resize      |
+| RUNNING    | WORKERS_FAILED    | no/yes   | urgent         | RESTARTING/OUT | failure     |
+| RUNNING    | WORKERS_HUNG      | no/yes   | urgent         | RESTARTING/OUT | hang        |
+| RUNNING    | SIGNALLED         |          | drain          | LEFT           |             |
+| RUNNING    | JOB_SUCCEEDED     |          | finish         | SUCCEEDED      |             |
+| RUNNING    | JOB_FAILED        |          | urgent         | FAILED         |             |
+| RUNNING    | FENCED            |          | kill           | RESTARTING     | fenced      |
+| RUNNING    | LAPSED            | no/yes   | urgent/abandon | RESTARTING     | fenced      |
+| RUNNING    | SUPERSEDED        | no/yes   | urgent/abandon | RESTARTING     | resize      |
+| RUNNING    | LOST              | no/yes   | urgent/abandon | RESTARTING     | member_lost |
+| RUNNING    | PEER_FAILED       | no/yes   | urgent/abandon | RESTARTING     | failure     |
+| RUNNING    | LEFT              | no/yes   | urgent/abandon | RESTARTING     | member_left |
+| RUNNING    | LEAVING           | no/yes   | drain/pause    | RESIZING       | member_left |
+| RUNNING    | STOPPING          | no/yes   | drain/pause    | RESIZING       | resize      |
+| RUNNING    | WAITING           | no/yes   | drain/pause    | RESIZING       | resize      |
+| RESIZING   | WORKERS_STOPPED   |          | -              | JOINING        |             |
+| RESIZING   | WORKERS_SUCCEEDED |          | -              | SUCCEEDED      |             |
+| RESIZING   | WORKERS_HELD      |          | -              | HOLDING        |             |
+| RESIZING   | HOLD_FAILED       |          | urgent         | JOINING        |             |
+| RESTARTING | WORKERS_STOPPED   |          | -              | JOINING        |             |
+| RESTARTING | WORKERS_HELD      |          | -              | HOLDING        |             |
+| RESTARTING | HOLD_FAILED       |          | urgent         | JOINING        |             |
+| OUT        | WENT_ON           |          | -              | JOINING        |             |
+| OUT        | SIGNALLED         |          | -              | LEFT           |             |
 
 Besides: leaving PREPARING registers this node in the job; ROUND_FORMED starts new
 workers (JOINING; HOLDING when a held worker died, after killing the rest) or re-forms
 the held ones in place; WORKERS_FAILED and WORKERS_HUNG report the failure to the job
-(one restart, job-wide); RUNNING | SIGNALLED announces that this node leaves;
+(one restart, job-wide), and, going OUT, leave it; leaving OUT joins again as a
+newcomer (its workers started ahead where they can be); RUNNING | SIGNALLED announces
+that this node leaves;
 WORKERS_SUCCEEDED closes the job. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
 signal.
 
+OUT: this node's own worker failed or hung, and the others go on in place without it
+(``lobby.step_out``): it reported the failure, left the job, and waits until they have
+re-formed (WENT_ON; or a bound passed, or the job ended), then joins again as a newcomer,
+its new workers started ahead (PREPARING) where they can be.
 PREPARING is a newcomer's first state when its workers start before it joins
 (``lobby``): it observes only them and signals, until they all wait for their placement
 (WORKERS_HELD: join with them held) or one exits or ``lobby.LOBBY_MAX`` passes
@@ -93,6 +102,8 @@ class AgentState(enum.Enum):
     """Where the agent is. Transitions (see the table above)::
 
     PREPARING -> HOLDING | JOINING        a newcomer's workers, started ahead, wait or not
+    RUNNING -> OUT -> PREPARING | JOINING its own worker failed: out until the others
+                                          re-formed, then back as a newcomer
     JOINING -> RUNNING                    a round formed with this node in it
     RUNNING -> RESIZING -> JOINING        a graceful change: workers save and stop
     RUNNING -> RESTARTING -> JOINING      the round broke: workers stop at once
@@ -109,6 +120,7 @@ class AgentState(enum.Enum):
     RUNNING = "running"
     RESIZING = "resizing"
     RESTARTING = "restarting"
+    OUT = "out"  # its own worker failed: out of the job until the others re-formed
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     LEFT = "left"
@@ -128,6 +140,7 @@ class LocalEvent(enum.Enum):
     WORKERS_STOPPED = "workers stopped"  # they are gone
     WORKERS_HELD = "workers held"  # they let go of their group and wait for a placement
     HOLD_FAILED = "hold failed"  # one did not let go in time, or exited
+    WENT_ON = "went on"  # OUT: the others re-formed without this node (or did not in time)
 
 
 Event = LocalEvent | RoundEnd  # RoundEnd: what the job did (rendezvous.rules.round_end)
@@ -205,6 +218,8 @@ class Reaction:
     announce_leaving: bool = False  # before stopping: the others drain now
     close_job: bool = False  # mark the job finished for everyone
     register: bool = False  # join the job now (a newcomer whose workers started ahead)
+    leave: bool = False  # leave the job for now, reported (OUT: it joins again later)
+    rejoin: bool = False  # join again as a newcomer, its workers started ahead if they can
     exit: Exit | None = None
 
 
@@ -244,6 +259,8 @@ def decide(state: AgentState, event: Event, in_place: bool = False) -> Reaction:
             return _running(event, in_place)
         case AgentState.RESIZING | AgentState.RESTARTING:
             return _stopping(state, event)
+        case AgentState.OUT:
+            return _out(event)
     raise ValueError(f"an agent in state {state.name} does not observe {event}")
 
 
@@ -356,6 +373,21 @@ def _stopping(state: AgentState, event: Event) -> Reaction:
     raise ValueError(f"an agent in state {state.name} does not observe {event}")
 
 
+def _out(event: Event) -> Reaction:
+    match event:
+        case LocalEvent.WENT_ON:
+            return Reaction(
+                "the others went on without this node: it joins again as a newcomer",
+                AgentState.JOINING,
+                rejoin=True,
+            )
+        case LocalEvent.SIGNALLED:
+            return Reaction(
+                "signalled while out of the job: leave", AgentState.LEFT, exit=Exit.SIGNALLED
+            )
+    raise ValueError(f"an agent out of the job cannot see {event}")
+
+
 def _running(event: Event, in_place: bool) -> Reaction:
     match event:
         case LocalEvent.WORKERS_SUCCEEDED:
@@ -373,12 +405,14 @@ def _running(event: Event, in_place: bool) -> Reaction:
             )
         case LocalEvent.WORKERS_FAILED | LocalEvent.WORKERS_HUNG:
             hung = event is LocalEvent.WORKERS_HUNG
+            what = "a worker hung" if hung else "a worker failed"
             return Reaction(
-                "a worker hung" if hung else "a worker failed",
-                AgentState.RESTARTING,
+                f"{what}: this node steps out while the others go on" if in_place else what,
+                AgentState.OUT if in_place else AgentState.RESTARTING,
                 stop=Stop.URGENT,
                 cause=RestartCause.HANG if hung else RestartCause.FAILURE,
                 report_failure=True,
+                leave=in_place,
             )
         case LocalEvent.SIGNALLED:
             return Reaction(

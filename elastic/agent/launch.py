@@ -164,7 +164,9 @@ def launch(cfg: RunConfig) -> int:
         tripwire = Tripwire(me.addr)  # the store of workers started ahead (lobby)
         stack.callback(tripwire.close)
         rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
-        stack.callback(rdzv.shutdown, leave=True)
+        # the agent's rendezvous at the end: a node that stepped out joined with another
+        stack.callback(lambda: (agent.rdzv if agent is not None else rdzv).shutdown(leave=True))
+        in_place = cfg.restart_mode is RestartMode.LIVE
         agent = Agent(
             rdzv,
             workers,
@@ -182,10 +184,14 @@ def launch(cfg: RunConfig) -> int:
                 nproc=cfg.nproc_per_node,
                 max_nodes=cfg.max_nodes,
                 static=cfg.static,
-                in_place=cfg.restart_mode is RestartMode.LIVE,
+                in_place=in_place,
                 store=(tripwire.addr, tripwire.port),
             ),
-            tripped=tripwire.tripped,
+            tripwire=tripwire,
+            step_out=functools.partial(
+                lobby.step_out, in_place=in_place, min_nodes=cfg.min_nodes, static=cfg.static
+            ),
+            rejoin=lambda: Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts),
         )
         job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
         mn, mx = cfg.min_nodes, cfg.max_nodes

@@ -13,7 +13,12 @@ script having imported elastic later, is seen at once: ``tripwire``), or after
 ``LOBBY_MAX``; the members then pause once, for the forming of the group alone.
 
 A round that places the newcomer otherwise (another node joined or was lost meanwhile)
-gets new workers: the ones started ahead may have read their ranks already. The rules
+gets new workers: the ones started ahead may have read their ranks already.
+
+A member whose own worker fails or hangs comes back the same way (``step_out``): it
+reports the failure (the job's restart budget pays it), leaves, and once the others
+have re-formed without it, in place, joins again with new workers started ahead; the
+others train on through their start-up instead of waiting for them, paused. The rules
 are here; the agent carries them out.
 """
 
@@ -38,6 +43,8 @@ class Ahead:
 
 def ahead(
     glance: Glance,
+    restart_count: int,
+    live: bool,
     nproc: int,
     max_nodes: int,
     *,
@@ -46,10 +53,13 @@ def ahead(
     store: tuple[str, int],
 ) -> Ahead:
     """Whether a node of ``nproc`` workers starts them before joining the job ``glance``
-    shows, and where it expects them. ``static``: it asks for its rank (``--node-rank``);
-    ``in_place``: its own workers would re-form in place (``--restart-mode live``);
-    ``store``: the address they get as the store's until they are placed (no round's:
-    see ``tripwire``)."""
+    shows, and where it expects them. ``restart_count``: its workers' next
+    TORCHELASTIC_RESTART_COUNT (0 but for a node that stepped out); ``live``: it knows the
+    job's workers re-form in place (it stepped out of a round whose workers did; a new
+    leader may not have said so yet), else the leader's record says; ``static``: it asks
+    for its rank (``--node-rank``); ``in_place``: its own workers would re-form in place
+    (``--restart-mode live``); ``store``: the address they get as the store's until they
+    are placed (no round's: see ``tripwire``)."""
     r = glance.round
     if not in_place:
         return Ahead((), "--restart-mode respawn: the members restart with it anyway")
@@ -62,7 +72,7 @@ def ahead(
     if r.size >= max_nodes:
         return Ahead((), f"round {r.number} is full: this node waits as a standby")
     leader = glance.leader
-    if leader is None or not leader.in_place:
+    if not live and (leader is None or not leader.in_place):
         return Ahead((), "the leader's workers do not re-form in place: the members restart")
     placements = tuple(
         Placement(
@@ -74,7 +84,7 @@ def ahead(
             group_world_size=r.size + 1,
             master_addr=store[0],
             master_port=store[1],
-            restart_count=0,  # a node's first round
+            restart_count=restart_count,
         )
         for lr in range(nproc)
     )
@@ -83,6 +93,38 @@ def ahead(
         f"round {r.number} trains with room for this node: its workers start now and wait "
         f"for their place in round {r.number + 1} (group rank {r.size}, world size "
         f"{r.world_size + nproc})",
+    )
+
+
+@dataclass(frozen=True)
+class StepOut:
+    """Whether a node whose own workers failed leaves the job for now, and why."""
+
+    out: bool
+    reason: str
+
+
+def step_out(
+    were_live: bool, size: int, *, in_place: bool, min_nodes: int, static: bool
+) -> StepOut:
+    """For a member of a round of ``size`` nodes whose own worker failed or hung.
+    ``were_live``: its workers re-formed in place this round (``State.run``; the script
+    is the same on every node: the others' do too); ``in_place``: ``--restart-mode
+    live``; ``static``: it asks for its rank (``--node-rank``)."""
+    if not in_place:
+        return StepOut(False, "--restart-mode respawn: every node restarts anyway")
+    if not were_live:
+        return StepOut(False, "the workers do not re-form in place: every node restarts anyway")
+    if static:
+        return StepOut(False, "this node asks for its rank (--node-rank)")
+    if size - 1 < min_nodes:
+        return StepOut(
+            False, f"without it {size - 1} node(s), below the minimum of {min_nodes}: no round"
+        )
+    return StepOut(
+        True,
+        f"the other {size - 1} node(s) re-form in place without this node and train on "
+        "while its new workers start; then it joins again with them",
     )
 
 

@@ -29,7 +29,7 @@ from elastic.agent.core import (
     decide,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
-from elastic.agent.lobby import LOBBY_MAX, Ahead
+from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
 from elastic.agent.resumed import redone
@@ -49,6 +49,8 @@ log = logging.getLogger("elastic.agent")
 
 FINISHED = "job finished: all workers succeeded"
 URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
+OUT_MAX = 10.0  # seconds a node that stepped out waits for the others to re-form without it
+VACANT_MAX = 1.0  # seconds of a vacant lead after which no one is left to re-form (all out)
 
 
 class Membership(Protocol):
@@ -75,7 +77,7 @@ class Membership(Protocol):
     def closed(self) -> ClosedRecord | None: ...
     def wait(self, version: int, timeout: float | None) -> int: ...
     def poke(self) -> None: ...
-    def report_failure(self, report: FailureReport) -> None: ...
+    def report_failure(self, report: FailureReport, done: bool = True) -> None: ...
     def finish_round(self) -> None: ...
     def announce_leaving(self) -> None: ...
     def announce_in_place(self, in_place: bool) -> None: ...
@@ -110,6 +112,13 @@ class Workers(Protocol):
     def forming(self) -> bool: ...  # one forms its new group in place, not yet formed
 
 
+class Wire(Protocol):
+    """The store address of workers started ahead (``tripwire.Tripwire``)."""
+
+    def tripped(self) -> bool: ...  # a worker reached torch's own init_process_group
+    def reset(self) -> None: ...  # for the next workers started ahead
+
+
 class Store(Protocol):
     """The round's TCPStore, hosted by the rank-0 agent (``storehost.StoreHost``)."""
 
@@ -135,15 +144,22 @@ class Agent:
         store: Store | None = None,
         checkpoint_dir: str | None = None,
         restart_mode: RestartMode = RestartMode.LIVE,
-        prepare: Callable[[Glance], Ahead] | None = None,
-        tripped: Callable[[], bool] = lambda: False,
+        prepare: Callable[[Glance, int, bool], Ahead] | None = None,
+        tripwire: Wire | None = None,
+        step_out: Callable[[bool, int], StepOut] | None = None,
+        rejoin: Callable[[], Membership] | None = None,
     ) -> None:
         """``prepare``: this node's ``lobby.ahead`` (whether its workers start before it
-        joins, and where); None: they never do. ``tripped``: a worker started ahead
-        reached torch's own ``init_process_group`` (``tripwire``)."""
+        joins, and where); None: they never do; ``tripwire``: the store address they get
+        (see ``tripwire``), which it must be given with. ``step_out``: this
+        node's ``lobby.step_out`` (whether it leaves for now when its own worker fails)
+        given whether its workers were live and the round's size; ``rejoin`` makes the
+        rendezvous it joins again with; without both it never steps out."""
         self.rdzv = rdzv
         self.prepare = prepare
-        self.tripped = tripped
+        self.tripwire = tripwire
+        self.step_out = step_out
+        self.rejoin = rejoin
         self.restart_mode = restart_mode
         self.workers = workers
         self.monitor_interval = monitor_interval
@@ -177,6 +193,9 @@ class Agent:
         self._resuming: tuple[int, int] | None = None  # (step committed before, round) to judge
         self._prepared_at = 0.0  # when workers started ahead of joining (lobby)
         self._announced = False  # what this node's record says: its workers re-form in place
+        self._live_seen = False  # the workers re-formed in place this round (State.run)
+        self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
+        self._stepping = ""  # why this node steps out (or not) on its own failure
         self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
         self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
@@ -240,18 +259,19 @@ class Agent:
                 event = self._gather()
             else:
                 event, pending = pending, None
-            reaction = decide(self.state, event, self._in_place())
+            reaction = decide(self.state, event, self._in_place(event))
             result = self._carry_out(reaction, event)
             if isinstance(result, int):
                 return result
             pending = result
 
-    def _prepare(self) -> None:
-        """Start this node's workers before it joins, where ``lobby.ahead`` says so."""
-        if self.prepare is None:
+    def _prepare(self, live: bool = False) -> None:
+        """Start this node's workers before it joins, where ``lobby.ahead`` says so
+        (``live``: it knows the job's workers re-form in place)."""
+        if self.prepare is None or self.tripwire is None:
             return
         try:
-            choice = self.prepare(self.rdzv.glance())
+            choice = self.prepare(self.rdzv.glance(), self._restart_count, live)
         except RendezvousError as e:  # registering says what is wrong with etcd
             log.debug("could not read the job before joining: %s", e)
             return
@@ -259,6 +279,7 @@ class Agent:
             log.debug("workers start once this node joins: %s", choice.reason)
             return
         log.info("starting workers before joining: %s", choice.reason)
+        self.tripwire.reset()
         self._prepared_at = time.monotonic()
         self.workers.start(list(choice.placements), ahead=True)
         self.state = AgentState.PREPARING
@@ -279,21 +300,62 @@ class Agent:
         match self.state:
             case AgentState.PREPARING:
                 return self._lobby()
+            case AgentState.OUT:
+                return self._out()
             case AgentState.JOINING | AgentState.HOLDING:
                 return self._join()
             case AgentState.RUNNING:
                 return self._watch()
         raise AssertionError(f"the loop never rests in {self.state}")
 
-    def _in_place(self) -> bool:
+    def _in_place(self, event: Event) -> bool:
         """The workers can re-form in place: all alive and in ``State.run`` (and, while
-        running, ``--restart-mode live``); held, as the round places them."""
+        running, ``--restart-mode live``); held, as the round places them. For this
+        node's own failure: the others go on in place without it (``lobby.step_out``)."""
+        if event in (LocalEvent.WORKERS_FAILED, LocalEvent.WORKERS_HUNG):
+            return self._steps_out()
         if self.state is AgentState.HOLDING:
             r = self.round
             return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
         return self.restart_mode is RestartMode.LIVE and self.workers.live
 
+    def _steps_out(self) -> bool:
+        if self.step_out is None or self.rejoin is None or self.round is None:
+            return False
+        choice = self.step_out(self._live_seen, self.round.size)
+        self._stepping = choice.reason
+        return choice.out
+
     # -- gathering events ---------------------------------------------------------------------
+    def _out(self) -> Event:
+        """Out of the job (its own worker failed): wait until the others re-formed
+        without this node (a round newer than the one it left), the job ended, no one is
+        left to re-form (the lead vacant: every node's workers failed at once), or
+        ``OUT_MAX`` passed."""
+        left, since = self._out_of
+        led = time.monotonic()  # when the lead was last seen held
+        while True:
+            now = self._beat = time.monotonic()
+            if self.signal is not None:
+                return LocalEvent.SIGNALLED
+            try:
+                glance = self.rdzv.glance()
+            except RendezvousError as e:
+                log.debug("could not read the job while out of it: %s", e)
+            else:
+                r = glance.round
+                if glance.closed or (r is not None and r.number > left):
+                    return LocalEvent.WENT_ON
+                if glance.leader is not None:
+                    led = now
+                elif now - led > VACANT_MAX:
+                    log.info("no node leads the job: joining again")
+                    return LocalEvent.WENT_ON
+            if now - since > OUT_MAX:
+                log.warning("the others did not re-form within %gs: joining again", OUT_MAX)
+                return LocalEvent.WENT_ON
+            time.sleep(0.05)
+
     def _lobby(self) -> Event:
         """Wait until the workers started ahead all wait for their placement, one exits,
         or ``LOBBY_MAX`` passes."""
@@ -311,7 +373,7 @@ class Agent:
                 how = failures[0].how if failures else "exited"
                 self._hold_failed = f"a worker started ahead {how}"
                 return LocalEvent.HOLD_FAILED
-            if self.tripped():
+            if self.tripwire is not None and self.tripwire.tripped():
                 self._hold_failed = (
                     "a worker started ahead reached init_process_group before its script "
                     "imported elastic, so it cannot wait for its place (import elastic "
@@ -356,7 +418,9 @@ class Agent:
             if state is GroupState.STOPPED:
                 return LocalEvent.WORKERS_SAVED
             self._judge_resume()
-            self._announce_in_place()
+            live = self.workers.live
+            self._live_seen = self._live_seen or live
+            self._announce_in_place(live)
             hung = (
                 self.workers.hung(self.hang_timeout)
                 if self.hang_timeout > 0
@@ -397,11 +461,11 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.steps_redone.inc(verdict.steps)
 
-    def _announce_in_place(self) -> None:
-        """The leader's record says whether its workers re-form in place: a newcomer
-        starts its own before it joins only then (``lobby``). Only the leader's is read,
-        so only a leader writes it (one write when it changes, whatever the job's size)."""
-        live = self.workers.live
+    def _announce_in_place(self, live: bool) -> None:
+        """The leader's record says whether its workers re-form in place (``live``): a
+        newcomer starts its own before it joins only then (``lobby``). Only the leader's
+        is read, so only a leader writes it (one write when it changes, whatever the
+        job's size)."""
         if live == self._announced or not self.rdzv.leads:
             return
         try:
@@ -464,14 +528,16 @@ class Agent:
                 self.rdzv.announce_leaving()
             except RendezvousError as e:
                 log.warning("could not announce leaving: %s", e)
+        if r.report_failure:  # first: the others need not wait for the failed ones to end
+            self._report(done=not r.leave)  # leaving: no round may form with it meanwhile
+        if r.leave:
+            self._leave_for_now()
         outcome = self._stop(r.stop, leaving=r.announce_leaving)
         ended = outcome not in (LocalEvent.WORKERS_HELD, LocalEvent.HOLD_FAILED) and (
             r.stop is not Stop.NONE or running  # stopped now, or ended by themselves
         )
         if ended:
             self._tell_consequences()
-        if r.report_failure:
-            self._report(event)
         if r.close_job:
             self._close_succeeded()
         if r.register:
@@ -483,6 +549,11 @@ class Agent:
             self._held(pids)
         elif ended:
             self._stopped(pids)
+        if r.rejoin:  # it stepped out of a round whose workers re-formed in place
+            self._prepare(live=True)  # PREPARING where its new workers can start ahead
+            if self.state is not AgentState.PREPARING:
+                return self._register()
+            return None
         if r.start is not Start.NONE:
             self._start(r.start)
             return None
@@ -493,6 +564,18 @@ class Agent:
         if r.next in (AgentState.RESIZING, AgentState.RESTARTING):
             return outcome
         return None
+
+    def _leave_for_now(self) -> None:
+        """Step out (``lobby.step_out``): leave the job, as a departure, so that the others
+        re-form without this node at once; it joins again later as a newcomer, with a
+        rendezvous of its own (a shut-down one never joins again). Its workers' restart
+        count goes up by one, as torchrun's agent counts a restart of its failed workers."""
+        assert self.rejoin is not None and self.round is not None
+        log.warning("leaving the job for now: %s", self._stepping)
+        self.rdzv.shutdown(leave=True)
+        self.rdzv = self.rejoin()
+        self._restart_count += 1
+        self._out_of = (self.round.number, time.monotonic())
 
     def _held(self, pids: list[int]) -> None:
         """The metrics' side of workers held for a re-formation in place."""
@@ -540,6 +623,7 @@ class Agent:
         group_rank, nproc, count = first.group_rank, len(placements), first.restart_count
         in_place = how is Start.REFORM
         self._resuming = (self.workers.last_step(), r.number)
+        self._live_seen = False  # this round's workers say it again
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None
@@ -698,11 +782,11 @@ class Agent:
             )
         self._consequences = ()  # told once
 
-    def _report(self, event: Event) -> None:
+    def _report(self, done: bool) -> None:
         report = summarize(list(self._failures), self.node_id, self.host)
         log.error("workers failed: %s", report.summary)
         try:
-            self.rdzv.report_failure(report)
+            self.rdzv.report_failure(report, done)
         except RendezvousError as e:
             log.warning("could not report the failure to etcd: %s", e)
 

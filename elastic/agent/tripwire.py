@@ -31,8 +31,14 @@ class Tripwire:
                 return bool(self._caught)
             self._caught.append(conn)
 
-    def close(self) -> None:
-        for s in (*self._caught, self._listener):
+    def reset(self) -> None:
+        """Forget what connected (its workers were stopped): for the next workers."""
+        for s in self._caught:
             with contextlib.suppress(OSError):
                 s.close()
         self._caught = []
+
+    def close(self) -> None:
+        self.reset()
+        with contextlib.suppress(OSError):
+            self._listener.close()

@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import psutil
 
@@ -67,7 +67,14 @@ class Reformation(BaseException):
 
 
 Conn = tuple[int, Any, Any]  # (fd, local address, remote address)
-Placement = tuple[int, dict[str, str]]  # (its generation, the torchrun variables)
+
+
+class Placement(NamedTuple):
+    """A round the agent placed this worker in."""
+
+    generation: int
+    env: dict[str, str]  # the torchrun variables
+    asked: tuple[int, int] | None = None  # the (abandon, pause) asks it answers
 
 
 def _connections() -> set[Conn]:
@@ -342,18 +349,22 @@ class Group:
             self.block.beat()  # waiting for the agent is not hanging (--worker-hang-timeout)
             time.sleep(POLL)
         generation = self.block.placement_generation  # first: the file is at least as new
-        return generation, read_placement(self.block.path)
+        env, asked = read_placement(self.block.path)
+        return Placement(generation, env, asked)
 
     def form(self, placement: Placement) -> None:
         """Take the placement into ``os.environ`` and form the new default group (a
         collective that fails here breaks the group again: see ``reform``)."""
-        generation, env = placement
+        generation, env, asked = placement
         self.generation = generation  # consumed, formed or not: a given-up round is not retried
         os.environ.update(env)
-        with self._lock:  # asks made before this placement are answered by it
-            self._seen_abandon = self.block.abandon_generation
-            self._seen_pause = self.block.pause_generation
-            self.abandoned.clear()
+        with self._lock:  # asks made before this placement are answered by it: not later ones
+            now = (self.block.abandon_generation, self.block.pause_generation)
+            self._seen_abandon, self._seen_pause = asked or now
+            if self._seen_abandon == now[0]:
+                self.abandoned.clear()
+            else:  # asked after the agent published it: this round is given up already
+                self.abandoned.set()
         dist = _dist()
         init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
         with self.sockets.forming():  # the group's connections: no need for the script's wrap

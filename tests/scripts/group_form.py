@@ -9,7 +9,7 @@ import os
 import time
 
 from elastic.contract import ControlBlock
-from elastic.worker.group import Group
+from elastic.worker.group import Group, Placement
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
     started = time.monotonic()
     try:
-        g.form((1, {k: os.environ[k] for k in keys}))
+        g.form(Placement(1, {k: os.environ[k] for k in keys}))
         print("formed", flush=True)
     except Exception as e:
         took = time.monotonic() - started
