@@ -32,8 +32,6 @@ RESTART_MODE_ENV = "ELASTIC_RUN_RESTART_MODE"  # live | respawn (--restart-mode)
 # waits for the placement the agent publishes, and takes it
 LOBBY_ENV = "ELASTIC_RUN_LOBBY"
 
-WORKER_ENV = (CONTROL_ENV, NODE_DIR_ENV, NODE_ID_ENV, POLICY_ENV, MULTIPROC_ENV, RESTART_MODE_ENV)
-
 
 class RestartMode(enum.Enum):
     """What follows a membership change for workers that run ``State.run``."""
