@@ -61,6 +61,11 @@ class Record(TrainerCallback):
         self.out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
         self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        # a live round's new Trainer: the step a lost peer cut short is rolled back, and
+        # so are the samples its forward saw (kept, they would be logged twice)
+        self.net.seen, self.net.losses = [], []
+
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         row = {
             "t": time.time(),
