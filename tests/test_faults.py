@@ -29,7 +29,6 @@ from agents import (
     wait_workers,
     wait_world,
 )
-from etcd_servers import EtcdCluster
 from faults import isolated_node, sh, small_tmpfs
 from harness import ROOT, Proc, wait_until
 
@@ -151,10 +150,13 @@ def _two_training(procs: list[Proc], endpoint: str, run_id: str, out: Path) -> l
     return agents
 
 
-@pytest.mark.parametrize("away", [1.0, 2.5 * TTL], ids=["within-ttl", "longer-than-ttl"])
-def test_etcd_restart_leaves_training_alone(
-    run_id: str, procs: list[Proc], tmp_path: Path, away: float
+def test_etcd_restart_longer_than_the_ttl_leaves_training_alone(
+    run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
+    """etcd SIGKILLed and back after more than twice the lease TTL (the harder case of a
+    restart: within the TTL, no lease is even at risk; test_rendezvous restarts it mid-job
+    too). One of three members killed: test_rendezvous_security."""
+    away = 2.5 * TTL
     with EtcdServer() as etcd:
         agents = _two_training(procs, etcd.endpoint, run_id, tmp_path)
         pids = {pid for a in agents for pid in wait_workers(a, 1)}
@@ -176,20 +178,6 @@ def test_etcd_restart_leaves_training_alone(
         samples_lost=0,
         note="no worker restarted; steps during the outage",
     )
-
-
-def test_etcd_cluster_member_down_goes_unnoticed(
-    run_id: str, procs: list[Proc], tmp_path: Path
-) -> None:
-    with EtcdCluster(3) as cluster:
-        agents = _two_training(procs, cluster.endpoints, run_id, tmp_path)
-        pids = {pid for a in agents for pid in wait_workers(a, 1)}
-        cluster.members[0].stop(signal.SIGKILL)
-        time.sleep(TTL + 2)
-        finish(*agents)
-        assert {r["pid"] for r in steps(tmp_path)} == pids, "a worker was restarted"
-        assert all(rounds_seen(a) == [1] for a in agents)
-    record("one of three etcd members killed", recover_s=0, steps_redone=0, samples_lost=0)
 
 
 # -- hung workers -----------------------------------------------------------------------------
@@ -411,6 +399,7 @@ def test_crash_loop_on_one_node_stops_after_the_job_budget(
     for a in agents:
         err = "\n".join(a.err)
         assert "restart budget spent" in err and "injected crash at step 3 on rank 2" in err
+        assert "rank      : 2" in err  # the root cause, named by every node
     record(
         "a worker crashing on every attempt, on one of 3 nodes, --max-restarts 2",
         attempts=len(attempts),

@@ -154,6 +154,7 @@ def test_three_two_three_nodes_every_sample_exactly_once(
     joined = time.time()
     d = node("d")
     wait_world(out, 3, after=joined, timeout=60)
+    a.wait_output("joined d", timeout=5)
     for n in (a, b, d):
         assert n.wait(120) == 0, n.transcript()
 
