@@ -89,12 +89,12 @@ class LeaseKeeper:
         log.warning("etcd unreachable for %ss; workers keep running: %s", self.ttl, why)
         return True
 
-    def revoke(self) -> None:
+    def revoke(self, timeout: float = 2.0) -> None:
         """Drop the lease now: the node's record disappears for everyone at once."""
         lease_id, self.lease_id = self.lease_id, 0
         if lease_id:
             try:
-                self._client.revoke(lease_id, timeout=2.0)
+                self._client.revoke(lease_id, timeout=timeout)
             except RendezvousError as e:
                 log.warning(
                     "could not revoke lease %x (it expires in %ss): %s", lease_id, self.ttl, e

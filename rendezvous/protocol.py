@@ -132,7 +132,7 @@ class Rendezvous:
         if self.session.closed:
             return
         resign = self.lead.resignation(self.mirror.view()) if leave else None
-        self.session.close(leave, resign)
+        self.session.close(leave, resign, reachable=self.mirror.connected)
         self.mirror.stop()
 
     # -- rounds ---------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class Rendezvous:
     def finish_round(self) -> None:
         """Tell the others this node has stopped the workers of its current round."""
         if self.round is not None:
-            self.session.mark_done(self.round.number)
+            self.session.mark_done(self.round.number, reachable=self.mirror.connected)
 
     def report_failure(self, report: FailureReport, done: bool = True) -> None:
         """Record this node's worker failure for the current round and (``done``) leave
@@ -331,7 +331,7 @@ class Rendezvous:
     def announce_leaving(self) -> None:
         """Say this node is about to leave, so the others drain for a resize (a leader
         gives the notice itself: nobody else reads its record)."""
-        if self.session.mark_leaving() and self.mirror.complete:
+        if self.session.mark_leaving(self.mirror.connected) and self.mirror.complete:
             self.lead.give_notice(self.mirror.view())
 
     # -- watching a running round ---------------------------------------------------------

@@ -29,6 +29,9 @@ from rendezvous.view import KV, JobView
 log = logging.getLogger(__name__)
 
 GONE_TTL = 60  # seconds a departed node's tombstone stays
+# seconds each write of a leaving node may retry: saying goodbye is a courtesy (the lease
+# expires anyway), and a SIGTERM's grace period (Kubernetes: 30 s) is not for etcd to spend
+LEAVE_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class Session:
         self.record: NodeRecord | None = None
         self._probe: ProbeListener | None = None
         self.closed = False
+        self.leaving = False  # said it leaves (or tried to): its writes are last words
+        self._silent = ""  # why a leaving node writes to etcd no more
 
     def key(self, rel: str) -> str:
         return self.options.job_prefix + rel
@@ -182,27 +187,64 @@ class Session:
         )
 
     # -- the record -------------------------------------------------------------------------------
-    def mark_done(self, number: int) -> None:
-        """Say this node stopped the workers of round ``number``."""
+    def mark_done(self, number: int, reachable: bool = True) -> None:
+        """Say this node stopped the workers of round ``number`` (a leaving node: if it
+        can; ``reachable``: etcd's watch is up, as far as this node knows)."""
         if self.record is not None and self.record.done < number:
-            self._put(replace(self.record, done=number))
+            rec = replace(self.record, done=number)
+            if self.leaving:
+                self._last_words("say its workers stopped", reachable, lambda: self._put(rec))
+            else:
+                self._put(rec)
 
     def mark_in_place(self, in_place: bool) -> None:
         """Say whether this node's workers re-form in place now (see ``lobby``)."""
         if self.record is not None and self.record.in_place != in_place:
             self._put(replace(self.record, in_place=in_place))
 
-    def mark_leaving(self) -> bool:
-        """Say this node is about to leave; False if it said so already."""
-        if self.record is None or self.record.state is NodeState.LEAVING:
+    def mark_leaving(self, reachable: bool = True) -> bool:
+        """Say this node is about to leave; False if it said so already, or could not."""
+        if self.leaving or self.record is None or self.record.state is NodeState.LEAVING:
             return False
-        self._put(replace(self.record, state=NodeState.LEAVING))
+        self.leaving = True
+        rec = replace(self.record, state=NodeState.LEAVING)
+        return self._last_words("announce leaving", reachable, lambda: self._put(rec))
+
+    def _last_words(self, what: str, reachable: bool, write: Callable[[], object]) -> bool:
+        """A leaving node's write, if etcd answers: the first that fails (or a watch
+        that is down) ends them all, so a node cut off from etcd leaves at once, its
+        lease left to expire, instead of waiting out a timeout per write."""
+        if not self._silent and not reachable:
+            self._silent = "etcd's watch is down"
+            log.warning(
+                "etcd unreachable (%s): this node leaves without telling it; the others "
+                "see its lease expire within %gs",
+                self._silent,
+                self.options.lease_ttl,
+            )
+        if self._silent:
+            return False
+        try:
+            write()
+        except RendezvousError as e:
+            self._silent = str(e)
+            log.warning(
+                "could not %s: %s; this node leaves without telling etcd more: the others "
+                "see its lease expire within %gs",
+                what,
+                e,
+                self.options.lease_ttl,
+            )
+            return False
         return True
 
     def _put(self, rec: NodeRecord) -> None:
         value = rec.encode()
+        timeout = LEAVE_TIMEOUT if self.leaving else None
         try:
-            revision = self.client.put(self.node_key, value, lease=self.lease.lease_id)
+            revision = self.client.put(
+                self.node_key, value, lease=self.lease.lease_id, timeout=timeout
+            )
         except RendezvousError as e:
             if "lease not found" in str(e):
                 self.lease.lost = True
@@ -212,20 +254,22 @@ class Session:
         self._on_record(KV(self.node_key, value, self.rev, revision, self.lease.lease_id))
 
     # -- leaving -----------------------------------------------------------------------------------
-    def close(self, leave: bool = True, resign: tuple[Any, Any] | None = None) -> None:
+    def close(
+        self, leave: bool = True, resign: tuple[Any, Any] | None = None, reachable: bool = True
+    ) -> None:
         """End the session. With ``leave`` the others see this node go at once, as a
         departure (its tombstone, and ``resign``: a compare and an operation that give
-        up the lead in the same transaction), not a loss; the lease is revoked."""
+        up the lead in the same transaction), not a loss; the lease is revoked. Unless
+        etcd does not answer (``reachable``: its watch is up): then the lease expires."""
         if self.closed:
             return
         self.closed = True
         if leave:
+            self.leaving = True
             if self.record is not None and self.lease.lease_id and not self.lease.lost:
-                try:
-                    self._leave(resign)
-                except RendezvousError as e:
-                    log.warning("could not tell etcd this node leaves: %s", e)
-            self.lease.revoke()
+                self._last_words("tell etcd it leaves", reachable, lambda: self._leave(resign))
+            if not self._silent:  # else it is left to expire
+                self.lease.revoke(timeout=LEAVE_TIMEOUT)
         self.lease.stop()
         if self._probe is not None:
             self._probe.close()
@@ -234,7 +278,7 @@ class Session:
         """In one transaction: this node's tombstone (on a short lease of its own, so it
         goes away by itself) and the removal of its record."""
         ttl = max(GONE_TTL, 2 * self.options.lease_ttl)
-        gone_lease = self.client.grant(ttl, timeout=2.0)
+        gone_lease = self.client.grant(ttl, timeout=LEAVE_TIMEOUT)
         rec = GoneRecord(rev=self.rev, host=self.me.host, at=time.time())
         ops = self.client.ops
         leave = [
@@ -243,6 +287,6 @@ class Session:
         ]
         if resign is not None:
             still_leads, drop = resign
-            self.client.txn([still_leads], [*leave, drop], leave, 2.0)
+            self.client.txn([still_leads], [*leave, drop], leave, LEAVE_TIMEOUT)
         else:
-            self.client.txn([], leave, timeout=2.0)
+            self.client.txn([], leave, timeout=LEAVE_TIMEOUT)
