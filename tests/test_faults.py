@@ -408,7 +408,7 @@ def test_crash_loop_on_one_node_stops_after_the_job_budget(
     )
 
 
-# -- jobs, ids, standbys ----------------------------------------------------------------------
+# -- jobs and ids -----------------------------------------------------------------------------
 def test_two_jobs_share_an_etcd_and_a_finished_id_does_not_run_again(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -452,34 +452,4 @@ def test_two_jobs_share_an_etcd_and_a_finished_id_does_not_run_again(
         "two jobs on one etcd; a finished job's id launched again",
         recover_s=0,
         note="isolated; the second launch exits 0 at once: a finished job stays finished",
-    )
-
-
-def test_standby_is_admitted_when_a_member_dies(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
-) -> None:
-    env = {"RESULT_DIR": str(tmp_path)}
-    a, b = (
-        start_agent(procs, etcd.endpoint, run_id, n, TRAIN, *TRAIN_ARGS, nnodes="1:2", env=env)
-        for n in "ab"
-    )
-    wait_world(tmp_path, 2, timeout=60)
-    spare = start_agent(
-        procs, etcd.endpoint, run_id, "spare", TRAIN, *TRAIN_ARGS, nnodes="1:2", env=env
-    )
-    spare.wait_output("registered as spare", timeout=30)
-    time.sleep(1)
-    assert rounds_seen(spare) == [], "a standby must wait while the round is full"
-    killed = time.time()
-    b.signal(signal.SIGKILL)
-    spare.wait_output("round 2", timeout=TTL + 10)
-    resumed = wait_world(tmp_path, 2, after=killed + 0.5, timeout=30)
-    finish(a, spare)
-    history = steps(tmp_path)
-    samples_once(history, SAMPLES, EPOCHS)
-    record(
-        "a member SIGKILLed while a standby waits (nnodes 1:2, 3 agents)",
-        recover_s=round(resumed - killed, 1),
-        steps_redone=redone(history, killed),
-        samples_lost=0,
     )
