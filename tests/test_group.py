@@ -26,7 +26,6 @@ from elastic.worker.group import (
     CutReads,
     Group,
     GroupSockets,
-    Placement,
     Reformation,
     aborts_for,
 )
@@ -124,7 +123,9 @@ def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) 
     assert not dist.is_initialized() and agent_side.phase is Phase.WAITING
     agent_side.publish_placement(placement(free_port()))
     group.timeout = datetime.timedelta(seconds=42)  # the script's group's
-    group.form(group.wait_placement(lambda: False) or Placement(0, {}))
+    got = group.wait_placement(lambda: False)
+    assert got is not None
+    group.form(got)
     assert dist.is_initialized() and group.reformations == 2
     # formed with a short connect timeout (CONNECT_TIMEOUT), it keeps the script's own
     gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
@@ -141,7 +142,9 @@ def test_asks_are_seen_until_a_placement_answers_them(
     wait_until(group.abandoned.is_set, 2.0, "the watcher sees the abandon")
     assert group.breaks(RuntimeError("anything at all, once abandoned"))
     agent_side.publish_placement(placement(free_port()))
-    group.form(group.wait_placement(lambda: False) or Placement(0, {}))
+    got = group.wait_placement(lambda: False)
+    assert got is not None
+    group.form(got)
     assert not group.pause_asked and not group.abandoned.is_set()
 
 

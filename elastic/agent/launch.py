@@ -163,7 +163,11 @@ def launch(cfg: RunConfig) -> int:
         )
         tripwire = Tripwire(me.addr)  # the store of workers started ahead (lobby)
         stack.callback(tripwire.close)
-        rdzv = Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
+
+        def join() -> Rendezvous:  # the first, and another for each time it steps out
+            return Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
+
+        rdzv = join()
         # the agent's rendezvous at the end: a node that stepped out joined with another
         stack.callback(lambda: (agent.rdzv if agent is not None else rdzv).shutdown(leave=True))
         in_place = cfg.restart_mode is RestartMode.LIVE
@@ -191,7 +195,7 @@ def launch(cfg: RunConfig) -> int:
             step_out=functools.partial(
                 lobby.step_out, in_place=in_place, min_nodes=cfg.min_nodes, static=cfg.static
             ),
-            rejoin=lambda: Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts),
+            rejoin=join,
         )
         job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
         mn, mx = cfg.min_nodes, cfg.max_nodes

@@ -74,7 +74,7 @@ class Placement(NamedTuple):
 
     generation: int
     env: dict[str, str]  # the torchrun variables
-    asked: tuple[int, int] | None = None  # the (abandon, pause) asks it answers
+    asked: tuple[int, int]  # the (abandon, pause) asks it answers
 
 
 def _connections() -> set[Conn]:
@@ -359,9 +359,8 @@ class Group:
         self.generation = generation  # consumed, formed or not: a given-up round is not retried
         os.environ.update(env)
         with self._lock:  # asks made before this placement are answered by it: not later ones
-            now = (self.block.abandon_generation, self.block.pause_generation)
-            self._seen_abandon, self._seen_pause = asked or now
-            if self._seen_abandon == now[0]:
+            self._seen_abandon, self._seen_pause = asked
+            if asked[0] == self.block.abandon_generation:
                 self.abandoned.clear()
             else:  # asked after the agent published it: this round is given up already
                 self.abandoned.set()

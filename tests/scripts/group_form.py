@@ -19,7 +19,8 @@ def main() -> None:
     keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
     started = time.monotonic()
     try:
-        g.form(Placement(1, {k: os.environ[k] for k in keys}))
+        asked = (block.abandon_generation, block.pause_generation)  # as the agent publishes
+        g.form(Placement(1, {k: os.environ[k] for k in keys}, asked))
         print("formed", flush=True)
     except Exception as e:
         took = time.monotonic() - started
