@@ -308,15 +308,22 @@ class EtcdClient:
         return self.call(f"join as {key}", run, timeout)
 
     def create(
-        self, key: str, value: bytes, lease: int = 0, timeout: float | None = None
+        self,
+        key: str,
+        value: bytes,
+        lease: int = 0,
+        timeout: float | None = None,
+        unchanged: tuple[str, int] | None = None,
     ) -> tuple[int, KV | None]:
-        """Write ``key`` only if absent, in one round trip: (revision, None) when written,
-        (0, the existing KV) when the key was there already."""
+        """Write ``key`` only if absent (and ``unchanged``'s key last written at its
+        revision), in one round trip: (revision, None) when written, (0, the existing KV
+        or None) when not."""
 
         def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[int, KV | None]:
             t = c.transactions
+            guard = [t.mod(unchanged[0]) == unchanged[1]] if unchanged else []
             ok, resp = c.transaction(
-                [t.create(key) == 0], [t.put(key, value, lease=lease)], [t.get(key)]
+                [t.create(key) == 0, *guard], [t.put(key, value, lease=lease)], [t.get(key)]
             )
             if ok:
                 return resp[0].response_put.header.revision, None

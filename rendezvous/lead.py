@@ -124,7 +124,8 @@ class Lead:
         leader sees in everyone's records, the others cannot."""
         options = self.session.options
         last_call = (time.monotonic(), options.last_call_timeout)
-        rec = rules.notice_to_give(view, options.max_nodes, self._noticed, last_call)
+        outage = self.session.outage()
+        rec = rules.notice_to_give(view, options.max_nodes, self._noticed, last_call, outage)
         if rec is None:
             return
         ops = self.client.ops

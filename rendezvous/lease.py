@@ -51,11 +51,33 @@ class LeaseKeeper:
         self.last_ok = 0.0
         self.next_at = 0.0  # monotonic time of the next keep-alive
         self.was_reachable = True
+        self.last_heard = 0.0  # monotonic time etcd last answered for this lease
+        self.back_at = 0.0  # ... after it had not for a while (see ``quiet``)
+
+    @property
+    def quiet(self) -> float:
+        """Seconds without an answer that are more than a late keep-alive: etcd is away
+        (or this node is cut off), and whole TTLs of it may drop every lease."""
+        return max(self.ttl / 2, self.interval * 1.25)
+
+    def _heard(self, now: float) -> None:
+        if self.last_heard and now - self.last_heard > self.quiet:
+            self.back_at = now
+        self.last_heard = now
+
+    def outage_until(self, now: float) -> float:
+        """Until when a node that vanished from etcd may be coming back (0: no outage
+        lately): while etcd does not answer this node, and a TTL after it does again,
+        since an outage that dropped another node's lease may well have dropped them all."""
+        if self.last_heard and now - self.last_heard > self.quiet:
+            return now + self.ttl
+        return self.back_at + self.ttl if self.back_at else 0.0
 
     def grant(self, timeout: float | None = None) -> int:
         self.lease_id = self._client.grant(self.ttl, timeout)
         self.lost = False
         self.last_ok = self.next_at = time.monotonic()
+        self._heard(self.last_ok)
         self.next_at += self.interval
         self.was_reachable = True
         self._client.shared(KeepAlives).add(self)
@@ -68,6 +90,7 @@ class LeaseKeeper:
     def answered(self, lease_id: int, ttl: int, now: float) -> bool:
         """etcd answered a keep-alive of ``lease_id`` with ``ttl`` left (<= 0: gone).
         True when the waiters should look again (the lease is lost, or etcd is back)."""
+        self._heard(now)
         if lease_id != self.lease_id or self.lost:
             return False  # an answer for the lease before a re-registration
         if ttl <= 0:
@@ -92,7 +115,7 @@ class LeaseKeeper:
     def revoke(self, timeout: float = 2.0) -> None:
         """Drop the lease now: the node's record disappears for everyone at once."""
         lease_id, self.lease_id = self.lease_id, 0
-        if lease_id:
+        if lease_id and not self.lost:  # a lost lease is gone already
             try:
                 self._client.revoke(lease_id, timeout=timeout)
             except RendezvousError as e:

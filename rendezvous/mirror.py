@@ -253,10 +253,13 @@ class JobMirror:
         if value is None:
             return
         kv = KV(key, value, create_rev, mod_rev, lease)
-        if seen and rel.startswith(records.NODES) and key not in self._kvs:
-            self._last_join = time.monotonic()
+        new = key not in self._kvs
         self._kvs[key] = kv
         self._decoded.put(rel, kv)
+        if seen and new and rel.startswith(records.NODES):
+            node = self._decoded.nodes.get(rel[len(records.NODES) :])
+            if node is None or not node.record.resumes:  # one that resumes joins nothing
+                self._last_join = time.monotonic()
 
     def _apply(self, events: list[Event], epoch: int) -> bool:
         """Apply a batch of watched events. True when a new round's header puts this lean

@@ -372,7 +372,18 @@ class Rendezvous:
             self.options.max_nodes,
             fenced,
             (time.monotonic(), self.options.last_call_timeout),
+            self.session.outage(),
         )
+
+    def resume(self) -> bool:
+        """Carry this node's incarnation on after etcd dropped its lease in an outage
+        (``check`` said LAPSED): False while the view is not one read since etcd came
+        back, so cannot tell whether a round formed without this node. Raises
+        RendezvousError if etcd does not answer, or the job moved on meanwhile."""
+        if not self.mirror.connected:
+            return False
+        self.session.resume(self.mirror.view().round_mod_revision)
+        return True
 
     def nodes_waiting(self) -> int:
         """How many nodes wait to join this node's round while it has room, read by this

@@ -278,6 +278,9 @@ class NodeRecord:
     max_nodes: int = 0
     rank: int = -1  # the group rank it asks for (torchrun's --node-rank); -1: none
     in_place: bool = False  # its workers re-form in place (State.run): a newcomer's can wait ahead
+    # the incarnation it carries on (0: none): etcd dropped its lease in an outage while no
+    # round formed without it, so it came back as it was (``Session.resume``)
+    resumes: int = 0
 
     def encode(self) -> bytes:
         return dumps(_shallow(self))
@@ -300,6 +303,7 @@ class NodeRecord:
             max_nodes=_int(obj, "max_nodes"),
             rank=_int(obj, "rank", -1),
             in_place=obj.get("in_place") is True,
+            resumes=_int(obj, "resumes"),
         )
         if rec.nproc < 1:
             raise _bad(key, "nproc must be >= 1")

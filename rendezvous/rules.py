@@ -295,14 +295,19 @@ def _settled(
         )
         return True, Change(end, f"job {closed.state.value}: {closed.reason}".rstrip(": "))
     r = view.round
-    if fenced and (mine is None or r is None or r.number <= mine.number):
-        # etcd was away longer than the lease TTL (or this node was): its lease is gone,
-        # but no round formed without it, so nothing its workers hold is stale yet
-        return True, Change(
-            RoundEnd.LAPSED,
-            "etcd dropped this node's lease, but no round has formed without it",
-        )
     if fenced:
+        node = view.nodes.get(me)
+        if node is not None and node.rev != rev:
+            return True, Change(
+                RoundEnd.FENCED, f"node id {me} was registered again (incarnation {node.rev})"
+            )
+        if mine is None or r is None or r.number <= mine.number:
+            # etcd was away longer than the lease TTL (or this node was): its lease is
+            # gone, but no round formed without it, so nothing its workers hold is stale
+            return True, Change(
+                RoundEnd.LAPSED,
+                "etcd dropped this node's lease, but no round has formed without it",
+            )
         return True, Change(
             RoundEnd.FENCED, "etcd dropped this node's lease; the job moved on without it"
         )
@@ -330,6 +335,7 @@ def round_end(
     max_nodes: int,
     fenced: bool,
     last_call: tuple[float, float] | None = None,
+    outage: tuple[float, float] | None = None,
 ) -> Change | None:
     """What, if anything, ends round ``mine`` for node ``me`` (incarnation ``rev``), read
     from the whole job; ``fenced``: etcd has dropped this incarnation (see
@@ -337,7 +343,10 @@ def round_end(
     (the leader's notice). ``last_call``: (now, last_call_timeout), monotonic: nodes
     waiting to join end the round only once no round would wait for more (the members
     train on meanwhile, where pausing at once would leave them idle through it, as
-    ``plan`` forms a round below MAX only then); None: at once."""
+    ``plan`` forms a round below MAX only then); None: at once. ``outage``: (now, until):
+    etcd did not answer this node lately (``LeaseKeeper.outage_until``), and an outage
+    that drops one lease drops them all: a member gone counts as lost only from ``until``
+    on, if it has not come back by then (``Session.resume``)."""
     decided, change = _settled(view, me, rev, mine, fenced)
     if decided or mine is None:
         return change
@@ -347,7 +356,8 @@ def round_end(
     def having(*wanted: MemberState) -> tuple[str, ...]:
         return tuple(i for i in others if states[i] in wanted)
 
-    if lost := having(MemberState.LOST):
+    lost = having(MemberState.LOST)
+    if lost and (outage is None or outage[0] >= outage[1]):
         return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
     if failed := _peer_failed(view, me, mine.number):
         return failed
@@ -484,13 +494,14 @@ def notice_to_give(
     max_nodes: int,
     given: tuple[int, RoundEnd] | None,
     last_call: tuple[float, float] | None = None,
+    outage: tuple[float, float] | None = None,
 ) -> NoticeRecord | None:
     """The notice the leader writes now, if any: what ends the running round for all its
     members, once per round, and once more only to make it urgent (``given``: the last
-    notice this node wrote, which its view may not show yet; ``last_call`` as for
-    ``round_end``)."""
+    notice this node wrote, which its view may not show yet; ``last_call`` and
+    ``outage`` as for ``round_end``)."""
     r = view.round
-    c = round_end(view, "", 0, r, max_nodes, False, last_call) if r is not None else None
+    c = round_end(view, "", 0, r, max_nodes, False, last_call, outage) if r else None
     if r is None or c is None or c.end not in NOTICED:
         return None
 

@@ -4,7 +4,9 @@ As etcd's ``concurrency.Session``: the session owns the lease (granted when the 
 registers, kept alive in the background, revoked when it leaves); whatever else this
 node keeps on that lease (the lead, see ``lead.py``) takes the session and never owns
 the lease. A node whose lease expired (frozen, cut off) is *fenced*: it registers again
-as a new incarnation (``rev``, its record's create revision), never as the old one.
+as a new incarnation (``rev``, its record's create revision), never as the old one, unless
+no round formed without it (an etcd outage drops every lease): then it *resumes*, the same
+incarnation on a new lease.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class Session:
         )
         self._on_record = on_record
         self.rev = 0  # create revision of this node's record: its incarnation
-        self.registered_at = 0  # etcd revision of the registration
+        self.registered_at = 0  # etcd revision of the registration (or resumption)
+        self.created = 0  # create revision of the record now (``resume`` keeps ``rev``)
         self.record: NodeRecord | None = None
         self._probe: ProbeListener | None = None
         self.closed = False
@@ -132,6 +135,35 @@ class Session:
             self._refused([existing] if existing is not None else [])
         self._registered(rec, revision, lease_id)
 
+    def resume(self, round_mod_revision: int) -> None:
+        """Carry this incarnation on under a new lease: etcd dropped the old one in an
+        outage, but no round formed without this node (``rules.round_end``: LAPSED), so
+        nothing it holds is stale. Its record comes back as it was, naming the incarnation
+        it ``resumes``, and its round goes on: no worker stops. Only while the round key
+        is as the view saw it (``round_mod_revision``): never into a job that moved on.
+        Raises RendezvousError when etcd does not answer or either key changed (then the
+        view tells what happened)."""
+        assert self.record is not None, "only a registered node resumes"
+        self.lease.lost = True  # its record is gone, so is the lease: nothing to revoke
+        self.lease.revoke()
+        lease_id = self.lease.grant()
+        rec = replace(self.record, resumes=self.rev)
+        round_key = (self.key(records.ROUND), round_mod_revision)
+        try:
+            revision, _ = self.client.create(
+                self.node_key, rec.encode(), lease=lease_id, unchanged=round_key
+            )
+        except RendezvousError:
+            self.lease.revoke()
+            raise
+        if not revision:
+            self.lease.revoke()
+            raise RendezvousError("its record or the round changed meanwhile")
+        self.registered_at = self.created = revision
+        self.record = rec
+        self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
+        log.info("carries on as incarnation %d on lease %x", self.rev, lease_id)
+
     def _new_record(self) -> NodeRecord:
         return NodeRecord(
             id=self.me.id,
@@ -167,8 +199,7 @@ class Session:
         )
 
     def _registered(self, rec: NodeRecord, revision: int, lease_id: int) -> None:
-        self.rev = revision
-        self.registered_at = revision
+        self.rev = self.registered_at = self.created = revision
         self.record = rec
         self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
         job = "" if self.options.run_id == "none" else f" in job {self.options.run_id}"
@@ -185,6 +216,13 @@ class Session:
         return rules.fenced(
             view, self.me.id, self.rev, self.registered_at, self.lease.lost, connected
         )
+
+    def outage(self) -> tuple[float, float] | None:
+        """(now, until) while etcd's answers to this node lapsed lately (see
+        ``rules.round_end``), else None."""
+        now = time.monotonic()
+        until = self.lease.outage_until(now)
+        return (now, until) if until > now else None
 
     # -- the record -------------------------------------------------------------------------------
     def mark_done(self, number: int, reachable: bool = True) -> None:
@@ -251,7 +289,7 @@ class Session:
                 raise LeaseLostError("etcd dropped this node's lease") from None
             raise
         self.record = rec
-        self._on_record(KV(self.node_key, value, self.rev, revision, self.lease.lease_id))
+        self._on_record(KV(self.node_key, value, self.created, revision, self.lease.lease_id))
 
     # -- leaving -----------------------------------------------------------------------------------
     def close(

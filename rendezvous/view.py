@@ -39,7 +39,7 @@ class KV:
 @dataclass(frozen=True)
 class PresentNode:
     record: NodeRecord
-    rev: int  # create revision: join order, and the incarnation
+    rev: int  # the incarnation, and join order: the create revision (or what it resumes)
     lease: int = 0
 
 
@@ -109,7 +109,12 @@ class Decoded:
         try:
             if rel.startswith(records.NODES):
                 rec = NodeRecord.decode(kv.key, kv.value)
-                self.nodes[rec.id] = PresentNode(rec, kv.create_revision, kv.lease)
+                if not 0 <= rec.resumes < kv.create_revision:
+                    raise MalformedRecordError(
+                        f"malformed etcd key {kv.key}: it resumes incarnation {rec.resumes}, "
+                        f"not one before its own ({kv.create_revision})"
+                    )
+                self.nodes[rec.id] = PresentNode(rec, rec.resumes or kv.create_revision, kv.lease)
             elif rel.startswith(records.GONE):
                 self.gone[rel[len(records.GONE) :]] = GoneRecord.decode(kv.key, kv.value)
             elif rel == records.ROUND:

@@ -76,7 +76,8 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     ),
     (R, RoundEnd.JOB_FAILED, False): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED, N),
     (R, RoundEnd.FENCED, False): (Stop.KILL, RS, C.FENCED, None, N),
-    (R, RoundEnd.LAPSED, False): (Stop.URGENT, RS, C.FENCED, None, N),
+    # etcd dropped its lease, the job did not move on: it carries on, so do its workers
+    (R, RoundEnd.LAPSED, False): (Stop.NONE, R, None, None, N),
     (R, RoundEnd.SUPERSEDED, False): (Stop.URGENT, RS, C.RESIZE, None, N),
     (R, RoundEnd.LOST, False): (Stop.URGENT, RS, C.MEMBER_LOST, None, N),
     (R, RoundEnd.PEER_FAILED, False): (Stop.URGENT, RS, C.FAILURE, None, N),
@@ -86,7 +87,6 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (R, RoundEnd.WAITING, False): (Stop.DRAIN, RZ, C.RESIZE, None, N),
     # running, in place: the changes of other nodes keep the processes
     (R, RoundEnd.SUPERSEDED, True): (Stop.ABANDON, RS, C.RESIZE, None, N),
-    (R, RoundEnd.LAPSED, True): (Stop.ABANDON, RS, C.FENCED, None, N),
     (R, RoundEnd.LOST, True): (Stop.ABANDON, RS, C.MEMBER_LOST, None, N),
     (R, RoundEnd.PEER_FAILED, True): (Stop.ABANDON, RS, C.FAILURE, None, N),
     (R, RoundEnd.LEFT, True): (Stop.ABANDON, RS, C.MEMBER_LEFT, None, N),
@@ -176,6 +176,11 @@ def test_side_effects_of_the_rows() -> None:
         decide(R, L.WORKERS_HUNG, True).leave and decide(R, L.WORKERS_FAILED, True).report_failure
     )
     assert decide(OUT, L.WENT_ON).rejoin and not decide(OUT, L.SIGNALLED).rejoin
+    # only a lapse resumes, whatever the workers can do
+    assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).resume] == [
+        (R, RoundEnd.LAPSED, False)
+    ]
+    assert decide(R, RoundEnd.LAPSED, True).resume
     assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).leave] == [
         (R, L.WORKERS_FAILED, True),
         (R, L.WORKERS_HUNG, True),

@@ -42,7 +42,13 @@ def start(
 
 
 def start_on(
-    procs: list[Proc], endpoint: str, run_id: str, out: Path, node: str, *args: str
+    procs: list[Proc],
+    endpoint: str,
+    run_id: str,
+    out: Path,
+    node: str,
+    *args: str,
+    extra: tuple[str, ...] = (),
 ) -> Proc:
     out.mkdir(exist_ok=True)
     return start_agent(
@@ -53,7 +59,7 @@ def start_on(
         SCRIPT,
         *args,
         nnodes="2:3",
-        extra=("--max-restarts", "2"),
+        extra=("--max-restarts", "2", *extra),
         env={"RESULT_DIR": str(out)},
     )
 
@@ -145,15 +151,20 @@ def test_sigstop_of_a_node(
     check_run(tmp_path, changes=1)
 
 
-@pytest.mark.parametrize("outage", ["frozen", "quorum-lost"])
+@pytest.mark.parametrize(
+    ("outage", "mode", "kill"), [("frozen", "live", True), ("quorum-lost", "respawn", False)]
+)
 def test_etcd_away_past_the_lease_ttl_restarts_no_one(
-    run_id: str, procs: list[Proc], tmp_path: Path, outage: str
+    run_id: str, procs: list[Proc], tmp_path: Path, outage: str, mode: str, kill: bool
 ) -> None:
     """etcd SIGSTOPped, or two of a three-member cluster (quorum lost: the leader left
     alone revokes the leases once quorum is back), for more than twice the lease TTL:
     training goes on meanwhile; when etcd answers again the nodes' leases are gone (or
     not, if a new leader renewed them), but no round formed without them, so each node
-    joins again with its workers held and they re-form in place: no worker restarted."""
+    carries on as it was, on a new lease: no round ends, the same workers train on, in
+    either restart mode (``respawn`` stands for every script without ``State.run``).
+    ``kill``: a third node SIGKILLed during the outage as well: it does not come back,
+    and the others re-form without it, in their own processes, a TTL after the thaw."""
     with contextlib.ExitStack() as stack:
         if outage == "frozen":
             server = stack.enter_context(EtcdServer(name="frozen"))
@@ -162,29 +173,45 @@ def test_etcd_away_past_the_lease_ttl_restarts_no_one(
             cluster = stack.enter_context(EtcdCluster(3))
             endpoint, members = cluster.endpoints, cluster.members[1:]
         slow = ("--step-time", "0.3")  # training outlasts the outage
-        agents = [start_on(procs, endpoint, run_id, tmp_path, n, *slow) for n in "ab"]
-        wait_world(tmp_path, 2, timeout=90)
-        before = pids_at(tmp_path, 2)
+        names = "abc" if kill else "ab"
+        agents = [
+            start_on(procs, endpoint, run_id, tmp_path, n, *slow, extra=("--restart-mode", mode))
+            for n in names
+        ]
+        wait_world(tmp_path, len(names), timeout=90)
+        before = pids_at(tmp_path, len(names))
         pids = [m.proc.pid for m in members if m.proc is not None]
         frozen = time.time()
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(2 * TTL + 1)  # the fault itself: an outage longer than the TTL
+            time.sleep(TTL)  # the fault itself: an outage longer than the TTL...
             during = [r for r in rows(tmp_path) if frozen + 0.5 < r["t"]]
+            if kill:  # ... with a node lost in it
+                before -= set(worker_pids(agents[2]))
+                agents[2].kill_tree()
+            time.sleep(TTL + 1)
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
             thawed = time.time()
         assert during, "training stopped while etcd was away"
-        for a in agents:
+        if kill:
+            back = wait_world(tmp_path, 2, after=thawed, timeout=60) - thawed
+            print(f"training at world size 2 {back:.2f}s after etcd answered again")
+        for a in agents[:2]:
             assert a.wait(120) == 0, a.transcript()
-            assert "killing stale workers" not in a.transcript()
-    assert pids_at(tmp_path, 2) == before and {r["world"] for r in rows(tmp_path)} == {2}
-    check_run(tmp_path, changes=1)
-    times = [r["t"] for r in rows(tmp_path) if r["rank"] == 0 and r["t"] > thawed - 1]
-    pause = max(b - a for a, b in itertools.pairwise(times))
-    print(f"longest pause after etcd answered again: {pause:.2f}s")
+            said = a.transcript()
+            assert "stopping workers" not in said and ("re-form" in said) is kill, said
+            if outage == "frozen":  # its leases are gone for sure
+                assert "no round has formed without it: it carries on" in said, said
+    assert pids_at(tmp_path, 2) == before
+    assert {r["world"] for r in rows(tmp_path)} == ({3, 2} if kill else {2})
+    check_run(tmp_path, changes=int(kill))
+    if not kill:
+        times = [r["t"] for r in rows(tmp_path) if r["rank"] == 0 and r["t"] > thawed - 1]
+        pause = max(b - a for a, b in itertools.pairwise(times))
+        print(f"longest pause after etcd answered again: {pause:.2f}s")
 
 
 def test_sigterm_leave_then_a_join(

@@ -17,6 +17,7 @@ from rendezvous.records import (
     FailureReport,
     JobOutcome,
     Member,
+    NodeRecord,
     RoundRecord,
     WorkerFailure,
     bucket_of,
@@ -169,3 +170,21 @@ def test_the_lead_key_holds_a_live_leader_only_on_a_lease(
     view = decoded.view(6, 0.0)
     assert (view.leader is not None) is live and view.leader_kv == kv
     assert bool(view.problems) is not live
+
+
+@pytest.mark.parametrize(
+    ("resumes", "rev", "ok"), [(0, 7, True), (3, 3, True), (7, 7, False), (9, 9, False)]
+)
+def test_a_record_that_resumes_is_that_incarnation_and_never_a_later_one(
+    resumes: int, rev: int, ok: bool
+) -> None:
+    """A node back from a lapse (``Session.resume``) is the incarnation it names, which
+    must be older than its own record: a value naming another is ignored, by name."""
+    decoded = Decoded()
+    rec = NodeRecord(id="a", addr="h", nproc=1, resumes=resumes)
+    decoded.put(records.NODES + "a", KV("/j/nodes/a", rec.encode(), 7, 7, 1))
+    view = decoded.view(7, 0.0)
+    if ok:
+        assert view.nodes["a"].rev == rev and not view.problems
+    else:
+        assert "a" not in view.nodes and "resumes incarnation" in view.problems[0]

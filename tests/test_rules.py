@@ -251,6 +251,10 @@ def test_round_end_in_order_of_urgency() -> None:
     assert end(view(a, b, c, r=r, closed=done), r) == (RoundEnd.JOB_SUCCEEDED, ())
     # fenced with no round formed without it (etcd was away): nothing is stale yet
     assert end(view(a, b, c, r=r), r, fenced=True) == (RoundEnd.LAPSED, ())
+    assert end(view(b, c, r=r), r, fenced=True) == (RoundEnd.LAPSED, ())  # its record gone
+    # ... unless another incarnation of its id registered: that one is the node now
+    again = end(view(node("a", 9), b, c, r=r), r, fenced=True)
+    assert again == (RoundEnd.FENCED, ())
     assert end(view(a, b, r=rnd(2, a, b)), r, fenced=True) == (RoundEnd.FENCED, ())
     assert end(view(b, c, r=r), r, me="b") == (RoundEnd.LOST, ("a",))
     assert end(view(a, c, r=r, gone=(b,)), r) == (RoundEnd.LEFT, ("b",))
@@ -264,6 +268,32 @@ def test_round_end_in_order_of_urgency() -> None:
     leaving = node("b", 2, state=LEAVING)
     assert end(view(a, leaving, c, r=r), r) == (RoundEnd.LEAVING, ("b",))
     assert end(view(a, b, node("c", 3, done=1), r=r), r) == (RoundEnd.STOPPING, ("c",))
+
+
+def test_after_an_etcd_outage_a_vanished_member_has_until_the_grace_ends_to_come_back() -> None:
+    """An outage that dropped one lease dropped them all: the others come back as they
+    were (``resumes``) within moments, and a round re-formed meanwhile would be for nothing."""
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b, c)
+    vanished = view(a, b, r=r)
+
+    def ends(now: float, until: float) -> object:
+        change = round_end(vanished, "a", 1, r, 3, False, outage=(now, until))
+        return None if change is None else (change.end, change.nodes)
+
+    assert ends(10.0, 13.0) is None
+    assert ends(13.0, 13.0) == (RoundEnd.LOST, ("c",))
+    assert end(vanished, r) == (RoundEnd.LOST, ("c",))  # no outage: lost at once
+    # the grace defers losses only: a departure, or a failure, ends the round as ever
+    left = view(a, b, r=r, gone=(c,))
+    assert round_end(left, "a", 1, r, 3, False, outage=(10.0, 13.0)) is not None
+    # the leader's notice waits as well
+    assert notice_to_give(vanished, 3, None, outage=(10.0, 13.0)) is None
+    notice = notice_to_give(vanished, 3, None, outage=(13.5, 13.0))
+    assert notice is not None and notice.end is RoundEnd.LOST
+    # back as it was, it is a member again: nothing ends the round
+    back = PresentNode(replace(c.record, resumes=3), 3)
+    assert end(view(a, b, back, r=r), r) is None
 
 
 def test_round_end_for_newcomers_and_newer_rounds() -> None:

@@ -31,7 +31,7 @@ failure, that the others can go on in place without it (``lobby.step_out``).
 | RUNNING    | JOB_SUCCEEDED     |          | finish         | SUCCEEDED      |             |
 | RUNNING    | JOB_FAILED        |          | urgent         | FAILED         |             |
 | RUNNING    | FENCED            |          | kill           | RESTARTING     | fenced      |
-| RUNNING    | LAPSED            | no/yes   | urgent/abandon | RESTARTING     | fenced      |
+| RUNNING    | LAPSED            |          | -              | RUNNING        |             |
 | RUNNING    | SUPERSEDED        | no/yes   | urgent/abandon | RESTARTING     | resize      |
 | RUNNING    | LOST              | no/yes   | urgent/abandon | RESTARTING     | member_lost |
 | RUNNING    | PEER_FAILED       | no/yes   | urgent/abandon | RESTARTING     | failure     |
@@ -55,7 +55,9 @@ the held ones in place; WORKERS_FAILED and WORKERS_HUNG report the failure to th
 (one restart, job-wide), and, going OUT, leave it; leaving OUT joins again as a
 newcomer (its workers started ahead where they can be); RUNNING | SIGNALLED announces
 that this node leaves;
-WORKERS_SUCCEEDED closes the job. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
+WORKERS_SUCCEEDED closes the job; RUNNING | LAPSED (etcd dropped this node's lease in an
+outage, but no round formed without it) resumes the node as it was, on a new lease, and
+its workers train on. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
 signal.
 
 OUT: this node's own worker failed or hung, and the others go on in place without it
@@ -220,6 +222,7 @@ class Reaction:
     register: bool = False  # join the job now (a newcomer whose workers started ahead)
     leave: bool = False  # leave the job for now, reported (OUT: it joins again later)
     rejoin: bool = False  # join again as a newcomer, its workers started ahead if they can
+    resume: bool = False  # carry on this node's incarnation on a new lease (see LAPSED)
     exit: Exit | None = None
 
 
@@ -231,7 +234,6 @@ _END = {
 # RUNNING, a change in the job: (stop, next state, restart cause)
 _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
     RoundEnd.FENCED: (Stop.KILL, AgentState.RESTARTING, RestartCause.FENCED),
-    RoundEnd.LAPSED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.FENCED),
     RoundEnd.SUPERSEDED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.RESIZE),
     RoundEnd.LOST: (Stop.URGENT, AgentState.RESTARTING, RestartCause.MEMBER_LOST),
     RoundEnd.PEER_FAILED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.FAILURE),
@@ -432,6 +434,13 @@ def _running(event: Event, in_place: bool) -> Reaction:
         case RoundEnd.JOB_FAILED:
             return Reaction(
                 "the job failed elsewhere", AgentState.FAILED, stop=Stop.URGENT, exit=Exit.FAILED
+            )
+        case RoundEnd.LAPSED:
+            return Reaction(
+                "etcd dropped this node's lease, but the job did not move on: it resumes, "
+                "its workers train on",
+                AgentState.RUNNING,
+                resume=True,
             )
         case RoundEnd():
             stop, next_state, cause = _CHANGES[event]

@@ -79,6 +79,7 @@ class Membership(Protocol):
     def poke(self) -> None: ...
     def report_failure(self, report: FailureReport, done: bool = True) -> None: ...
     def finish_round(self) -> None: ...
+    def resume(self) -> bool: ...  # carry this incarnation on after a lapse (LAPSED)
     def announce_leaving(self) -> None: ...
     def announce_in_place(self, in_place: bool) -> None: ...
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
@@ -516,6 +517,10 @@ class Agent:
     def _carry_out(self, r: Reaction, event: Event) -> int | Event | None:
         """Do what ``r`` says: an int is the exit code; an event is what the stop came to
         (the next turn's event, in RESIZING or RESTARTING); None: gather the next one."""
+        if r.resume:
+            self._explain(r, event)
+            self._resume()
+            return None
         running = self.state is AgentState.RUNNING
         if running:  # a change begins: the workers stop or let go
             self._change_at = time.monotonic()
@@ -564,6 +569,17 @@ class Agent:
         if r.next in (AgentState.RESIZING, AgentState.RESTARTING):
             return outcome
         return None
+
+    def _resume(self) -> None:
+        """Carry this node on in its round after etcd dropped its lease (LAPSED); if that
+        cannot be done yet, look again after the next change."""
+        version = self.rdzv.version
+        try:
+            if self.rdzv.resume():
+                return
+        except RendezvousError as e:
+            log.warning("could not carry this node on yet: %s", e)
+        self.rdzv.wait(version, self.monitor_interval)
 
     def _leave_for_now(self) -> None:
         """Step out (``lobby.step_out``): leave the job, as a departure, so that the others
@@ -717,9 +733,7 @@ class Agent:
                 log.warning("fenced: %s; killing stale workers and joining again", change.detail)
                 self._change_why = change.detail
             case RoundEnd.LAPSED if change is not None:
-                kept = "workers held" if r.stop.keeps_workers else "stopping workers"
-                log.warning("fenced: %s; joining again, %s", change.detail, kept)
-                self._change_why = change.detail
+                log.warning("%s: it carries on, its workers train on", change.detail)
             case RoundEnd() if change is not None and r.stop is Stop.URGENT:
                 log.warning("%s: stopping workers now", change.detail)
                 self._change_why = change.detail

@@ -1,0 +1,125 @@
+"""An etcd outage longer than the lease TTL is not a node going away, against a real etcd
+frozen for real: each node finds its lease dropped, sees that no round formed without
+it, and carries on as the same incarnation on a new lease; the others do not count it
+lost meanwhile. A node the job did move on without is fenced as before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import cast
+
+import pytest
+from harness import wait_until
+
+from elastic.agent.etcd_server import EtcdServer
+from rendezvous import records
+from rendezvous.client import EtcdClient
+from rendezvous.config import RdzvConf, build_options
+from rendezvous.errors import RendezvousError
+from rendezvous.lease import LeaseKeeper
+from rendezvous.protocol import NodeSpec, Rendezvous
+from rendezvous.records import NodeRecord
+from rendezvous.rules import RoundEnd
+
+TTL = 2
+
+
+@pytest.fixture
+def pair(fresh_etcd: EtcdServer, run_id: str) -> Iterator[list[Rendezvous]]:
+    """Nodes a and b of a two-node job, in round 1, on an etcd of the test's own."""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
+    nodes, clients = [], []
+    for name in "ab":
+        e, opts = build_options(fresh_etcd.endpoint, run_id, 2, 2, conf)
+        clients.append(EtcdClient(e))
+        nodes.append(Rendezvous(clients[-1], opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
+    for n in nodes:
+        n.start()
+    threads = [threading.Thread(target=n.next_round, kwargs={"timeout": 10}) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert [n.round.number if n.round else 0 for n in nodes] == [1, 1]
+    yield nodes
+    for n in nodes:
+        n.shutdown(leave=False)
+    for c in clients:
+        c.close()
+
+
+def freeze(server: EtcdServer, seconds: float) -> None:
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)  # the fault itself: etcd away for longer than the TTL
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def check(n: Rendezvous) -> RoundEnd | None:
+    n.upkeep()
+    change = n.check()
+    return None if change is None else change.end
+
+
+def record(n: Rendezvous) -> NodeRecord | None:
+    kv = n.client.get(n.session.node_key)
+    return None if kv is None else NodeRecord.decode(kv.key, kv.value)
+
+
+def test_after_an_outage_past_the_ttl_each_node_carries_on_in_its_round(
+    pair: list[Rendezvous], fresh_etcd: EtcdServer
+) -> None:
+    a, b = pair
+    revs = [a.rev, b.rev]
+    freeze(fresh_etcd, 2 * TTL + 0.5)
+    wait_until(lambda: check(a) is RoundEnd.LAPSED, 10, "a to find its lease dropped")
+    wait_until(a.resume, 10, "a to carry on")
+    # b has not come back yet: a, just out of the outage itself, does not count it lost
+    assert record(b) is None and check(a) is None
+    wait_until(lambda: check(b) is RoundEnd.LAPSED, 10, "b to find its lease dropped")
+    wait_until(b.resume, 10, "b to carry on")
+    for n, rev in zip(pair, revs, strict=True):
+        rec = record(n)
+        assert rec is not None and rec.resumes == rev and n.rev == rev
+        assert check(n) is None  # the same round goes on, for both
+    assert a.client.get(a.key(records.ROUND)) is not None
+    assert a.mirror.view().round is not None and a.mirror.view().round.number == 1
+
+
+def test_a_node_does_not_resume_into_a_job_that_moved_on(
+    pair: list[Rendezvous], fresh_etcd: EtcdServer
+) -> None:
+    """The round changed between the view and the resumption: refused in etcd itself."""
+    a = pair[0]
+    freeze(fresh_etcd, 2 * TTL + 0.5)
+    wait_until(lambda: check(a) is RoundEnd.LAPSED, 10, "a to find its lease dropped")
+    view = a.mirror.view()
+    header = a.client.get(a.key(records.ROUND))
+    assert header is not None
+    a.client.put(a.key(records.ROUND), header.value)  # as a leader writing a round would
+    with pytest.raises(RendezvousError, match="changed meanwhile"):
+        a.session.resume(view.round_mod_revision)
+    assert record(a) is None
+
+
+def test_a_vanished_member_is_lost_at_once_when_etcd_was_not_away() -> None:
+    """No outage, no grace: a member whose lease expired while etcd answered froze or
+    was cut off, and the others re-form without it at the TTL, as ever."""
+    keeper = LeaseKeeper(cast(EtcdClient, None), ttl=4, interval=4 / 3)
+    keeper.answered(0, 4, now=100.0)  # heard, for whatever lease
+    assert keeper.outage_until(101.0) == 0.0
+    keeper.answered(0, 4, now=101.3)
+    assert keeper.outage_until(101.5) == 0.0
+    # quiet for longer than a late keep-alive: etcd is away, the grace runs from now
+    assert keeper.outage_until(104.0) == 108.0
+    keeper.answered(0, -1, now=106.0)  # etcd is back (the lease gone or not)
+    assert keeper.outage_until(107.0) == 110.0
+    for t in (107.2, 108.5, 109.8):
+        keeper.answered(0, 4, now=t)
+    assert keeper.outage_until(110.5) == 110.0  # over: Session.outage() says None
