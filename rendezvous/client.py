@@ -70,6 +70,7 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
         self._shared: dict[object, Any] = {}
+        self.answered = False  # some call was answered: the endpoint is etcd
 
     def shared(self, kind: Callable[[EtcdClient], T]) -> T:
         """The one ``kind(self)`` of this client: its shared watch and keep-alive streams
@@ -128,16 +129,21 @@ class EtcdClient:
     def stream(self, what: str, method: Callable[[Any], Any], requests: Iterator[Any]) -> Any:
         """A streaming call, ``method(channel)``, fed by ``requests``, on the current
         channel and with the auth token python3-etcd3 sends with its own calls."""
-        raw = self.call(what, lambda c: c, timeout=2.0)
-        return method(raw.channel)(
-            requests, credentials=raw.call_credentials, metadata=raw.metadata
-        )
+        # the channel, too, is taken in the retrying call: with every endpoint marked
+        # failed (etcd away), python3-etcd3 raises for it until the client is made anew
+        raw, channel = self.call(what, lambda c: (c, c.channel), timeout=2.0)
+        return method(channel)(requests, credentials=raw.call_credentials, metadata=raw.metadata)
 
     def _hint(self) -> str:
         """What the user can check, from what answers at the endpoints at the TCP level."""
         live = [e for e in self.options.endpoints if answers(*_split(e), timeout=0.5)]
         if not live:
             return "; nothing accepts connections there: is etcd running, and is the port right?"
+        if self.answered:
+            return (
+                f"; {', '.join(live)} accepts connections, and etcd answered there before: "
+                "it may be frozen, overloaded or without quorum"
+            )
         o = self.options
         if o.secure:
             why = tlsprobe.diagnose(*_split(live[0]), o.ca_cert, o.cert, o.key)
@@ -160,7 +166,9 @@ class EtcdClient:
         delay = 0.05
         while True:
             try:
-                return fn(self.raw())
+                result = fn(self.raw())
+                self.answered = True
+                return result
             except _RETRYABLE as e:
                 last = str(e) or type(e).__name__
                 if isinstance(e, etcd3.exceptions.NoServerAvailableError):

@@ -176,11 +176,16 @@ class KeepAlives:
                 # those due within half an interval go along: the leases of a process come
                 # into step, and one wake-up a round keeps them all (no more requests)
                 due = [k for k in live if k.next_at <= now + k.interval / 2]
-            if due:
-                changed += self._send(due, now)
-            for k in changed:
-                k.on_change()
-            self._receive({k.lease_id: k for k in keepers if k.lease_id and not k.lost})
+            try:
+                if due:
+                    changed += self._send(due, now)
+                for k in changed:
+                    k.on_change()
+                self._receive({k.lease_id: k for k in keepers if k.lease_id and not k.lost})
+            except Exception:  # the leases' only thread: it must never die silently
+                log.exception("keeping the leases alive failed; retrying")
+                self._close()
+                time.sleep(RETRY)
 
     def _send(self, due: list[LeaseKeeper], now: float) -> list[LeaseKeeper]:
         """Send the due keep-alives; returns the keepers whose waiters should look again

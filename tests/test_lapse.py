@@ -19,7 +19,7 @@ from elastic.agent.etcd_server import EtcdServer
 from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.config import RdzvConf, build_options
-from rendezvous.errors import RendezvousError
+from rendezvous.errors import EtcdUnavailableError, RendezvousError
 from rendezvous.lease import LeaseKeeper
 from rendezvous.protocol import NodeSpec, Rendezvous
 from rendezvous.records import NodeRecord
@@ -123,3 +123,23 @@ def test_a_vanished_member_is_lost_at_once_when_etcd_was_not_away() -> None:
     for t in (107.2, 108.5, 109.8):
         keeper.answered(0, 4, now=t)
     assert keeper.outage_until(110.5) == 110.0  # over: Session.outage() says None
+
+
+def test_an_etcd_that_stops_answering_is_not_called_a_wrong_port(
+    pair: list[Rendezvous], fresh_etcd: EtcdServer
+) -> None:
+    """It answered before, so the hint is not "is this etcd's client port?" (what a port
+    that never answered as etcd gets: test_first_hour). And the leases' keep-alive
+    thread lives through the failed call (it died, on python3-etcd3's "no endpoint
+    available", and no lease of the process was kept alive again)."""
+    a = pair[0]
+    assert fresh_etcd.proc is not None
+    os.kill(fresh_etcd.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EtcdUnavailableError, match="answered there before: it may be frozen"):
+            a.client.get(a.session.node_key, timeout=1)
+    finally:
+        os.kill(fresh_etcd.proc.pid, signal.SIGCONT)
+    thawed = time.monotonic()
+    keeper = a.session.lease
+    wait_until(lambda: keeper.last_heard > thawed, 10, "etcd to answer a keep-alive again")
