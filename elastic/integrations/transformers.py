@@ -23,7 +23,8 @@ counts are set to match (``max_steps`` too, when the run is given in epochs).
 The Trainer's accelerator holds the process group, so a Trainer serves one round: with
 ``attach`` a membership change restarts the workers; with ``ElasticCallback.run(make)``
 (``make`` builds a Trainer) the group re-forms in the same process and the next Trainer
-resumes from the newest snapshot (``State.run``). FSDP and DeepSpeed keep sharded
+resumes from the newest committed state: the last Trainer's own, in memory, where no
+rank holds a newer one (``State.run``). FSDP and DeepSpeed keep sharded
 checkpoints of their own: with them the callback stands aside (it says so once) and the
 Trainer's own resume is used.
 """
@@ -69,16 +70,23 @@ _RESUME_STEPS = (
 
 
 class _Snapshot:
-    """What a Trainer checkpoint folder holds, as the one object ``State`` saves. Its
-    ``live_state`` is False: after a step cut short by a fault the Trainer is half-way
-    through it, so a live re-formation takes the newest snapshot instead."""
-
-    live_state = False
+    """What a Trainer checkpoint folder holds, as the one object ``State`` saves, as of
+    the last commit: a step cut short by a fault dies in its gradients' all-reduce, before
+    the optimizer, so the model, optimizer, scheduler and ``TrainerState`` are still the
+    committed step's, and the data position is the one ``committed`` at that step (the
+    live one counts the cut step's micro-batches). Until this Trainer has committed a step
+    its objects hold no committed state (``live_state`` False): a live re-formation then
+    takes the newest snapshot."""
 
     def __init__(self, trainer: Trainer | None, position: Callable[[], Position]) -> None:
         self.trainer = trainer
         self.position = position
+        self.committed: Position | None = None  # at this Trainer's last commit
         self.loaded: dict[str, Any] | None = None
+
+    @property
+    def live_state(self) -> bool:
+        return self.committed is not None
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -94,7 +102,7 @@ class _Snapshot:
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "trainer_state": json.dumps(state),  # what a restart reads runs no code
-            "position": dataclasses.asdict(self.position()),
+            "position": dataclasses.asdict(self.committed or self.position()),
         }
         if t.lr_scheduler is not None:
             out["scheduler"] = t.lr_scheduler.state_dict()
@@ -182,6 +190,11 @@ class ElasticCallback(TrainerCallback):
             # accelerate keeps the world size of the first Accelerator in the process:
             # the Trainer (through TrainingArguments) would see the old group's
             AcceleratorState._reset_state(reset_partial_state=True)
+            if snapshot.loaded is None and snapshot.live_state:
+                # the re-formation kept this rank's own state, the newest: the last
+                # Trainer hands it to the next one in memory
+                snapshot.loaded = snapshot.state_dict()
+            snapshot.committed = None
             t = make()
             cls._check(t)
             cb._trainer = snapshot.trainer = t
@@ -404,6 +417,8 @@ class ElasticCallback(TrainerCallback):
     ) -> None:
         self._batches += 1
         if self._state is not None:
+            if self._live is not None:
+                self._live.committed = self._position()
             self._state.step = state.global_step - 1
             self._state.commit()
 

@@ -1,7 +1,9 @@
 """A Hugging Face Trainer script as torchrun users write it, for the adapter's tests.
 
-Logs, per optimizer step and rank, the sample indices it trained on to
-``$RESULT_DIR/w<pid>.jsonl`` (the rows ``agents.samples_once`` reads); rank 0 saves the
+Logs, per batch and rank, the sample indices it trains on to ``$RESULT_DIR/w<pid>.jsonl``
+(the rows ``agents.samples_once`` reads), as its forward sees them: a rank killed after
+its step's all-reduce, whose samples the others commit, has logged them (logged at the
+step's end, they were missing, though trained on); rank 0 saves the
 final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` attaches
 ``ElasticCallback``; ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end
 of that step, on the first attempt only. The Trainer's own checkpoints go to
@@ -14,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,14 +46,12 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
-        self.seen: list[int] = []  # the indices of the optimizer step being trained
-        self.losses: list[float] = []
+        self.record: Callable[[list[int], float], None] | None = None
 
     def forward(self, idx: torch.Tensor, x: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         loss = nn.functional.mse_loss(self.net(x), labels)
-        if self.training:
-            self.seen += idx.tolist()
-            self.losses.append(float(loss.detach()))
+        if self.training and self.record is not None:
+            self.record(idx.tolist(), float(loss.detach()))
         return {"loss": loss}
 
 
@@ -60,28 +60,40 @@ class Record(TrainerCallback):
         self.a, self.net = a, net
         self.out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
         self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.epoch, self.substep = 0, 0
+        self.state: Any = None
+        self.args: Any = None
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
-        # a live round's new Trainer: the step a lost peer cut short is rolled back, and
-        # so are the samples its forward saw (kept, they would be logged twice)
-        self.net.seen, self.net.losses = [], []
+        self.state, self.args, self.substep = state, args, 0
+        self.net.record = self.write  # this Trainer's: a live round makes a new one
 
-    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+    def on_epoch_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        self.epoch = int(state.epoch)  # a resumed epoch's fraction, or the whole one ended
+
+    def write(self, indices: list[int], loss: float) -> None:
+        state, args = self.state, self.args
         row = {
             "t": time.time(),
             "pid": os.getpid(),
-            "epoch": math.ceil(state.epoch) - 1,
-            "step": state.global_step,
+            "epoch": self.epoch,
+            "step": state.global_step + 1,  # the optimizer step this batch is for
+            "batch": state.global_step * args.gradient_accumulation_steps + self.substep,
             "rank": args.process_index,
             "world": args.world_size,
             "port": int(os.environ.get("MASTER_PORT", 0)),
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "indices": self.net.seen,
-            "loss": sum(self.net.losses),
+            "indices": indices,
+            "loss": loss,
         }
-        self.net.seen, self.net.losses = [], []
         self.out.write(json.dumps(row) + "\n")
         self.out.flush()
+
+    def on_substep_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        self.substep += 1
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        self.substep = 0
         a = self.a
         if (
             self.first_attempt
