@@ -22,11 +22,13 @@ too (as a stateful loader's), so Lightning's own checkpoint files resume exactly
 Lightning's DDP holds the process group, so a Trainer serves one round: with ``trainer
 .fit`` a membership change restarts the workers; with ``ElasticLightning.run(fit)``
 (``fit`` makes a Trainer and fits) the process group re-forms in the same process and
-``fit`` runs again from the newest snapshot (``State.run``).
+``fit`` runs again from the newest committed state: the last fit's own, kept in memory,
+where no rank holds a newer one (``State.run``).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -37,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
@@ -126,17 +129,56 @@ class ResumableSampler(Sampler[int]):
 
 
 class _Checkpoint:
-    """Lightning's whole checkpoint as the one object ``State`` saves and loads. Its
-    ``live_state`` is False: after a step cut short by a fault, Lightning's loops are
-    half-way through it, so a live re-formation takes the newest snapshot instead."""
+    """Lightning's whole checkpoint as the one object ``State`` saves and loads.
 
-    live_state = False
+    Live (``ElasticLightning.run``), a fault that ends a fit keeps it as of the last
+    commit (``kept``), for the next Trainer or a rank behind: the cut step died in its
+    gradients' all-reduce, before the optimizer, so the model and optimizers are still
+    the committed step's; what moves on between a commit and the next all-reduce (the
+    loops' progress, the schedulers, the callbacks' states: the batch's end, validation,
+    the epoch's end) is taken as ``committed`` at the commit. Without it (before a
+    Trainer's first commit, or if keeping failed) ``live_state`` is False: a live
+    re-formation takes the newest snapshot."""
 
     def __init__(self, trainer: pl.Trainer | None) -> None:
         self.trainer = trainer
         self.loaded: dict[str, Any] | None = None
+        self.committed: dict[str, Any] | None = None
+        self.kept: dict[str, Any] | None = None
+
+    @property
+    def live_state(self) -> bool:
+        return self.kept is not None
+
+    def commit(self) -> None:
+        """Note the moving parts of the checkpoint as of this step (small: counters,
+        scheduler and callback states)."""
+        t = self.trainer
+        assert t is not None
+        self.committed = copy.deepcopy(
+            {
+                "epoch": t.current_epoch,
+                "global_step": t.global_step,
+                "loops": t._checkpoint_connector._get_loops_state_dict(),
+                "callbacks": call._call_callbacks_state_dict(t),
+                "lr_schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs],
+            }
+        )
+
+    def keep(self) -> None:
+        """A fault ends the fit: keep the checkpoint of the last commit, while the Trainer
+        is still whole (before its teardown)."""
+        if self.committed is None:
+            return
+        try:
+            self.kept = {**self._dump(), **copy.deepcopy(self.committed)}
+        except Exception as e:  # a hook that needs the broken group, say: snapshots instead
+            log.warning("could not keep the state of the last step in memory: %s", e)
 
     def state_dict(self) -> dict[str, Any]:
+        return self.kept if self.kept is not None else self._dump()
+
+    def _dump(self) -> dict[str, Any]:
         assert self.trainer is not None, "no Trainer is fitting"
         connector = self.trainer._checkpoint_connector
         ckpt: dict[str, Any] = connector.dump_checkpoint(weights_only=False)
@@ -216,10 +258,12 @@ class ElasticLightning(Callback):
             self._stand_aside(trainer, strategy)
             return
         if self._live:  # run(): restored already, or again after a re-formation
-            assert self._checkpoint is not None
-            self._checkpoint.trainer = trainer
+            cp = self._checkpoint
+            assert cp is not None
+            # a newer state a rank sent, else this rank's own, kept from the last fit
+            loaded = cp.loaded if cp.loaded is not None else cp.kept
+            cp.trainer, cp.loaded, cp.kept, cp.committed = trainer, None, None, None
             self._wrap_loaders(trainer)
-            loaded, self._checkpoint.loaded = self._checkpoint.loaded, None
             if loaded is not None:
                 self._resume_from(trainer, loaded)
                 self._rng = rng.capture()
@@ -345,8 +389,16 @@ class ElasticLightning(Callback):
             return  # no optimizer step (gradient accumulation)
         self._state.step = trainer.global_step - 1
         self._committed = trainer.global_step
+        if self._live and self._checkpoint is not None:
+            self._checkpoint.commit()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self._state.commit(float(loss) if isinstance(loss, torch.Tensor) else None)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._live and self._checkpoint is not None and not self._aside:
+            self._checkpoint.keep()  # before the teardown: the next fit starts from it
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         while self._unwrap:  # a later fit() starts as the first did

@@ -1,7 +1,9 @@
 """A Lightning DDP script as torchrun users write it, for the adapter's tests.
 
-Logs, per optimizer step and rank, the sample indices it trained on to
-``$RESULT_DIR/w<pid>.jsonl`` (the rows ``agents.samples_once`` reads); rank 0 saves the
+Logs, per batch and rank, the sample indices it trains on to ``$RESULT_DIR/w<pid>.jsonl``
+(the rows ``agents.samples_once`` reads), in ``training_step``, before the gradients'
+all-reduce: a rank killed after it, whose samples the others commit, has logged them;
+rank 0 saves the
 final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
 ``ElasticLightning``; ``--live`` fits through its ``run()`` (a new Trainer in the same
 process after each membership change); ``--strategy model_parallel`` shards the model
@@ -19,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -35,6 +38,7 @@ class Net(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+        self.record: Callable[[int, list[int], float], None] | None = None
 
     def configure_model(self) -> None:  # ModelParallelStrategy (FSDP2) only
         if self.device_mesh is not None:
@@ -42,7 +46,10 @@ class Net(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         idx, x, y = batch
-        return {"loss": nn.functional.mse_loss(self.net(x), y), "idx": idx}
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.record is not None:
+            self.record(batch_idx, idx.tolist(), float(loss.detach()))
+        return {"loss": loss}
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.Adam(self.parameters(), lr=0.01)
@@ -55,24 +62,31 @@ class Record(Callback):
         self.out = open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a")  # noqa: SIM115
         self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
-    def on_train_batch_end(
-        self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int
-    ) -> None:
+    def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
+        self.trainer = trainer
+        module.record = self.write  # this Trainer's: a live round makes a new one
+
+    def write(self, batch: int, indices: list[int], loss: float) -> None:
+        trainer = self.trainer
         row = {
             "t": time.time(),
             "pid": os.getpid(),
             "epoch": trainer.current_epoch,
-            "step": trainer.global_step,
-            "batch": i,
+            "step": trainer.global_step + 1,  # the optimizer step this batch is for
+            "batch": batch,
             "rank": trainer.global_rank,
             "world": trainer.world_size,
             "port": int(os.environ["MASTER_PORT"]),
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "indices": outputs["idx"].tolist(),
-            "loss": float(outputs["loss"]),
+            "indices": indices,
+            "loss": loss,
         }
         self.out.write(json.dumps(row) + "\n")
         self.out.flush()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
         a = self.a
         if (
             self.first_attempt
