@@ -140,8 +140,9 @@ class _Checkpoint:
     Trainer's first commit, or if keeping failed) ``live_state`` is False: a live
     re-formation takes the newest snapshot."""
 
-    def __init__(self, trainer: pl.Trainer | None) -> None:
+    def __init__(self, trainer: pl.Trainer | None, live: bool = False) -> None:
         self.trainer = trainer
+        self.live = live
         self.loaded: dict[str, Any] | None = None
         self.committed: dict[str, Any] | None = None
         self.kept: dict[str, Any] | None = None
@@ -150,11 +151,12 @@ class _Checkpoint:
     def live_state(self) -> bool:
         return self.kept is not None
 
-    def commit(self) -> None:
-        """Note the moving parts of the checkpoint as of this step (small: counters,
-        scheduler and callback states)."""
+    def on_commit(self) -> None:
+        """Live, note the moving parts of the checkpoint as of this step (``State`` calls
+        this at each commit; small: counters, scheduler and callback states)."""
         t = self.trainer
-        assert t is not None
+        if not self.live or t is None:
+            return
         self.committed = copy.deepcopy(
             {
                 "epoch": t.current_epoch,
@@ -240,7 +242,7 @@ class ElasticLightning(Callback):
         ``accelerator="auto"``: NCCL where this local rank has a GPU, else gloo; a CPU
         Trainer on a GPU machine passes "gloo"), and every Trainer finds it made."""
         ensure_group(backend)
-        self._checkpoint = _Checkpoint(None)
+        self._checkpoint = _Checkpoint(None, live=True)
         self._state = State(self._policy, lightning=self._checkpoint)
         self._live = True
         try:
@@ -389,8 +391,6 @@ class ElasticLightning(Callback):
             return  # no optimizer step (gradient accumulation)
         self._state.step = trainer.global_step - 1
         self._committed = trainer.global_step
-        if self._live and self._checkpoint is not None:
-            self._checkpoint.commit()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self._state.commit(float(loss) if isinstance(loss, torch.Tensor) else None)
 

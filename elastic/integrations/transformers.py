@@ -88,6 +88,10 @@ class _Snapshot:
     def live_state(self) -> bool:
         return self.committed is not None
 
+    def on_commit(self) -> None:
+        """``State`` calls this at each commit, before any snapshot of the step."""
+        self.committed = self.position()
+
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
         assert t is not None, "no Trainer is training"
@@ -417,8 +421,6 @@ class ElasticCallback(TrainerCallback):
     ) -> None:
         self._batches += 1
         if self._state is not None:
-            if self._live is not None:
-                self._live.committed = self._position()
             self._state.step = state.global_step - 1
             self._state.commit()
 
