@@ -60,8 +60,12 @@ class LeaseKeeper:
         (or this node is cut off), and whole TTLs of it may drop every lease."""
         return max(self.ttl / 2, self.interval * 1.25)
 
+    def _silent_at(self, now: float) -> bool:
+        """etcd has not answered for longer than ``quiet`` (once it has answered at all)."""
+        return bool(self.last_heard) and now - self.last_heard > self.quiet
+
     def _heard(self, now: float) -> None:
-        if self.last_heard and now - self.last_heard > self.quiet:
+        if self._silent_at(now):
             self.back_at = now
         self.last_heard = now
 
@@ -69,7 +73,7 @@ class LeaseKeeper:
         """Until when a node that vanished from etcd may be coming back (0: no outage
         lately): while etcd does not answer this node, and a TTL after it does again,
         since an outage that dropped another node's lease may well have dropped them all."""
-        if self.last_heard and now - self.last_heard > self.quiet:
+        if self._silent_at(now):
             return now + self.ttl
         return self.back_at + self.ttl if self.back_at else 0.0
 
@@ -119,6 +123,9 @@ class LeaseKeeper:
             try:
                 self._client.revoke(lease_id, timeout=timeout)
             except RendezvousError as e:
+                if "lease not found" in str(e):  # expired before this node heard of it
+                    log.debug("lease %x was gone already", lease_id)
+                    return
                 log.warning(
                     "could not revoke lease %x (it expires in %ss): %s", lease_id, self.ttl, e
                 )

@@ -126,12 +126,9 @@ class Session:
 
     def register_again(self) -> None:
         """Join again as a new incarnation (the old lease is gone): new lease, new record."""
-        self.lease.revoke()
-        lease_id = self.lease.grant()
         rec = self._new_record()
-        revision, existing = self.client.create(self.node_key, rec.encode(), lease=lease_id)
+        revision, existing, lease_id = self._recreate(rec)
         if not revision:
-            self.lease.revoke()
             self._refused([existing] if existing is not None else [])
         self._registered(rec, revision, lease_id)
 
@@ -144,25 +141,29 @@ class Session:
         Raises RendezvousError when etcd does not answer or either key changed (then the
         view tells what happened)."""
         assert self.record is not None, "only a registered node resumes"
-        self.lease.lost = True  # its record is gone, so is the lease: nothing to revoke
-        self.lease.revoke()
-        lease_id = self.lease.grant()
         rec = replace(self.record, resumes=self.rev)
         round_key = (self.key(records.ROUND), round_mod_revision)
-        try:
-            revision, _ = self.client.create(
-                self.node_key, rec.encode(), lease=lease_id, unchanged=round_key
-            )
-        except RendezvousError:
-            self.lease.revoke()
-            raise
+        revision, _, lease_id = self._recreate(rec, round_key)
+        if not revision:
+            raise RendezvousError("its record or the round changed meanwhile")
+        self._written(rec, revision, lease_id)
+        log.info("carries on as incarnation %d on lease %x", self.rev, lease_id)
+
+    def _recreate(
+        self, rec: NodeRecord, unchanged: tuple[str, int] | None = None
+    ) -> tuple[int, KV | None, int]:
+        """``rec`` on a new lease in place of the old one, written only if its key is
+        absent (and ``unchanged`` holds): (revision or 0, what holds the key, lease id).
+        A new lease that carries nothing is revoked at once; one a failed call left is
+        revoked by the next attempt, as the old one is here."""
+        self.lease.revoke()
+        lease_id = self.lease.grant()
+        revision, existing = self.client.create(
+            self.node_key, rec.encode(), lease=lease_id, unchanged=unchanged
+        )
         if not revision:
             self.lease.revoke()
-            raise RendezvousError("its record or the round changed meanwhile")
-        self.registered_at = self.created = revision
-        self.record = rec
-        self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
-        log.info("carries on as incarnation %d on lease %x", self.rev, lease_id)
+        return revision, existing, lease_id
 
     def _new_record(self) -> NodeRecord:
         return NodeRecord(
@@ -199,9 +200,8 @@ class Session:
         )
 
     def _registered(self, rec: NodeRecord, revision: int, lease_id: int) -> None:
-        self.rev = self.registered_at = self.created = revision
-        self.record = rec
-        self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
+        self.rev = revision
+        self._written(rec, revision, lease_id)
         job = "" if self.options.run_id == "none" else f" in job {self.options.run_id}"
         log.info(
             "registered as %s%s (lease %x, ttl %ss)",
@@ -210,6 +210,12 @@ class Session:
             lease_id,
             self.options.lease_ttl,
         )
+
+    def _written(self, rec: NodeRecord, revision: int, lease_id: int) -> None:
+        """``rec`` was created at ``revision`` (a registration or a resumption)."""
+        self.registered_at = self.created = revision
+        self.record = rec
+        self._on_record(KV(self.node_key, rec.encode(), revision, revision, lease_id))
 
     def fenced(self, view: JobView, connected: bool) -> bool:
         """etcd has dropped this incarnation (see ``rules.fenced``)."""
