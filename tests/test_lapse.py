@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import cast
 
+import psutil
 import pytest
 from harness import wait_until
 
@@ -56,6 +57,8 @@ def freeze(server: EtcdServer, seconds: float, during: Callable[[], None]) -> No
     assert server.proc is not None
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
+        stopped = psutil.Process(server.proc.pid)  # the signal lands a moment later
+        wait_until(lambda: stopped.status() == psutil.STATUS_STOPPED, 5, "etcd to stop")
         left = time.monotonic() + seconds
         during()
         time.sleep(max(left - time.monotonic(), 0))  # the fault: etcd away past the TTL
@@ -77,7 +80,8 @@ def record(n: Rendezvous) -> NodeRecord | None:
 def test_after_an_outage_past_the_ttl_each_node_carries_on_in_its_round(
     pair: list[Rendezvous], fresh_etcd: EtcdServer
 ) -> None:
-    """Also: a call during the outage is not told "is this etcd's client port?" (what a
+    """etcd away again while a resumes fails that try, and the next one carries it on.
+    Also: a call during the outage is not told "is this etcd's client port?" (what a
     port that never answered as etcd is told: test_first_hour), and the leases'
     keep-alive thread lives through it (it died on python3-etcd3's "no endpoint
     available", and no lease of the process was kept alive again)."""
@@ -88,8 +92,15 @@ def test_after_an_outage_past_the_ttl_each_node_carries_on_in_its_round(
         with pytest.raises(EtcdUnavailableError, match="answered there before: it may be frozen"):
             a.client.get(a.session.node_key, timeout=1)
 
-    freeze(fresh_etcd, 2 * TTL + 0.5, call)
+    def resume_fails() -> None:
+        with pytest.raises(RendezvousError):
+            a.resume()
+
+    freeze(fresh_etcd, TTL + 1, call)  # every lease expires: none renewed for a TTL
     wait_until(lambda: check(a) is RoundEnd.LAPSED, 10, "a to find its lease dropped")
+    wait_until(lambda: a.mirror.connected, 10, "a's view to be read again")
+    freeze(fresh_etcd, 0, resume_fails)  # a second outage, during the recovery: tried again
+    assert check(a) is RoundEnd.LAPSED
     wait_until(a.resume, 10, "a to carry on")
     # b has not come back yet: a, just out of the outage itself, does not count it lost
     assert record(b) is None and check(a) is None
