@@ -291,7 +291,13 @@ def test_refused_command_lines_exit_as_under_torchrun(args: tuple[str, ...]) -> 
 
 
 def test_record_and_restart_count(tmp_path: Path) -> None:
-    got = both("--nproc-per-node", "2", "--max-restarts", "1", ECHO, "--fail-first")
+    got = each(
+        lambda who: run(
+            who,
+            *("--nproc-per-node", "2", "--max-restarts", "1", ECHO, "--fail-first"),
+            ECHO_SYNC=str(tmp_path / who),  # rank 0's first line is printed before the fault
+        )
+    )
     assert got["torchrun"].returncode == got["elastic-run"].returncode == 0
     assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)  # both attempts
     plain = both("--nproc-per-node", "2", ECHO, "--fail-first")  # exit 3, no @record
