@@ -18,7 +18,8 @@ DEFAULT = "elastic.agent.main"
 
 def setup_logging(node: str = "") -> None:
     level = os.environ.get("LOGLEVEL", "INFO").upper()
-    fmt = f"%(asctime)s %(levelname).1s elastic-run{f'[{node}]' if node else ''}: %(message)s"
+    when = "%(asctime)s.%(msecs)03d" if level == "DEBUG" else "%(asctime)s"  # debug: to the ms
+    fmt = f"{when} %(levelname).1s elastic-run{f'[{node}]' if node else ''}: %(message)s"
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
