@@ -24,7 +24,7 @@ from rendezvous.view import KV, JobView
 
 log = logging.getLogger(__name__)
 
-PROBE_EVERY = 0.5  # seconds between probes of one node
+PROBE_EVERY = 0.2  # seconds between probes of one node
 
 
 class Lead:

@@ -26,7 +26,7 @@ from rendezvous.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from rendezvous.lead import Lead
+from rendezvous.lead import PROBE_EVERY, Lead
 from rendezvous.mirror import JobMirror, glance
 from rendezvous.net import free_port
 from rendezvous.records import (
@@ -66,6 +66,7 @@ class Rendezvous:
         )
         self.lead = Lead(self.session, client, self.mirror)
         self.round: RoundRecord | None = None  # the round this node is (or was last) in
+        self._in_place = False  # its workers re-form in place: said in its record while it leads
 
     @property
     def node_id(self) -> str:
@@ -186,10 +187,16 @@ class Rendezvous:
                 # the leader forms the round: only its writing, or its going, matters here
                 leader = view.leader.id if view.leader else "a leader"
                 note.say(f"waiting for {leader} to form round {(r.number if r else 0) + 1}")
+                if rules.successor(self.round, self.me.id, self.rev):
+                    # a leader lost while the next round forms: found now, not at its TTL
+                    self.lead.probe_leader(view)
+                    self.mirror.wait(version, PROBE_EVERY)
+                    continue
                 if time.monotonic() - waiting_since >= WAITING_PROBE:
                     self.lead.probe_leader(view, every=WAITING_PROBE)
                 self.mirror.wait(version, 1.0)
                 continue
+            self._say_in_place()
             if not self.mirror.complete:  # going full in another thread: the read is due
                 self.mirror.wait(version, 0.5)
                 continue
@@ -324,9 +331,20 @@ class Rendezvous:
             self.finish_round()
 
     def announce_in_place(self, in_place: bool) -> None:
-        """Say whether this node's workers re-form in place now: a newcomer starts its
-        workers ahead of joining only when the leader's do (``elastic.agent.lobby``)."""
-        self.session.mark_in_place(in_place)
+        """Whether this node's workers re-form in place now: a newcomer starts its workers
+        ahead of joining only when the leader's do (``elastic.agent.lobby``). Only the
+        leader's record is read, so it is written only while this node leads: now, or as
+        it claims the lead (a newcomer arriving just after a leader's loss reads it)."""
+        self._in_place = in_place
+        if self.leads:
+            self.session.mark_in_place(in_place)
+
+    def _say_in_place(self) -> None:
+        """This node leads: its record says what its workers do (a write only on a change)."""
+        try:
+            self.session.mark_in_place(self._in_place)
+        except RendezvousError as e:
+            log.debug("could not say whether the workers re-form in place: %s", e)
 
     def announce_leaving(self) -> None:
         """Say this node is about to leave, so the others drain for a resize (a leader
@@ -349,8 +367,10 @@ class Rendezvous:
         leader sees. Call it before ``check``; an unreachable etcd is left to the lease
         keeper to report."""
         try:
-            if self.lead.upkeep(self.mirror.view(), self.round) and self.mirror.complete:
-                self.lead.give_notice(self.mirror.view())
+            if self.lead.upkeep(self.mirror.view(), self.round):
+                self._say_in_place()
+                if self.mirror.complete:
+                    self.lead.give_notice(self.mirror.view())
         except RendezvousError as e:
             log.debug("lead upkeep failed: %s", e)
 

@@ -113,6 +113,9 @@ def main() -> None:
             elif cmd == "fail":
                 rdzv.report_failure(FailureReport(f"worker failed on {a.id}"))
                 emit("failed")
+            elif cmd == "in_place":  # its workers re-form in place (said while it leads)
+                rdzv.announce_in_place(True)
+                emit("in_place")
             elif cmd == "announce":
                 rdzv.announce_leaving()
                 emit("announced")

@@ -23,7 +23,7 @@ from elastic.agent.core import AgentState
 from elastic.agent.failures import FailureReport, WorkerFailure
 from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics
-from elastic.agent.placement import Placement
+from elastic.agent.placement import Placement, round_env
 from elastic.agent.storehost import StoreError
 from elastic.agent.workers import Drained, GroupState
 from rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
@@ -507,6 +507,25 @@ def test_live_workers_leave_the_group_on_a_loss_and_re_form_in_place() -> None:
     assert _sample(metrics.registry, "elastic_run_restarts_total", cause="member_lost") == 0
     reformed = _sample(metrics.registry, "elastic_run_live_reformations_total", cause="member_lost")
     assert reformed == 1
+
+
+def test_a_live_rank_0_whose_store_helper_still_starts_has_its_worker_host_the_store() -> None:
+    """a becomes rank 0 (b, rank 0, lost) before its helper has imported torch: its
+    re-forming worker, which has torch, hosts the round's store (torchrun's static form),
+    and the round forms at once instead of after the helper's import; with the helper
+    ready, the agent hosts it as usual."""
+    for ready, hosted in ((False, []), (True, [(29502, 1)])):
+        lost = Change(RoundEnd.LOST, "lost b", ("b",))
+        job = FakeJob([round_of(1, "b", "a"), round_of(2, "a")], [None, lost])
+        workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+        workers.live = True
+        store = FakeStore(workers, ready=ready)
+        assert agent(job, workers, store=store).run() == 0
+        [placements] = workers.reformed
+        assert store.hosted == hosted, ready
+        assert [p.agent_store for p in placements] == [ready, ready]
+        env = round_env(placements[0])
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == str(ready) and env["RANK"] == "0"
 
 
 def test_live_workers_pause_for_a_newcomer() -> None:

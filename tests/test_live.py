@@ -49,6 +49,7 @@ def start_on(
     node: str,
     *args: str,
     extra: tuple[str, ...] = (),
+    nnodes: str = "2:3",
 ) -> Proc:
     out.mkdir(exist_ok=True)
     return start_agent(
@@ -58,7 +59,7 @@ def start_on(
         node,
         SCRIPT,
         *args,
-        nnodes="2:3",
+        nnodes=nnodes,
         extra=("--max-restarts", "2", *extra),
         env={"RESULT_DIR": str(out)},
     )
@@ -248,21 +249,39 @@ def test_sigterm_leave_then_a_join(
     check_run(tmp_path, changes=2)
 
 
-def test_a_loss_then_a_join_in_quick_succession(
+def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
-    """c is SIGKILLed and d starts at once: the survivors re-form for each change (or
-    once, if both land in one round) and end with d, in their own processes."""
-    slow = ("--slow-below-world", "3")  # training outlasts d's start, however slow
-    agents = three(procs, etcd, run_id, tmp_path, *slow)
-    kept = [worker_pids(a) for a in agents[:2]]
-    agents[2].kill_tree()
-    agents.append(start(procs, etcd, run_id, tmp_path, "d", *slow))
-    wait_world(tmp_path, 3, after=time.time(), timeout=90)
-    assert [worker_pids(a) for a in agents[:2]] == kept
-    for a in (agents[0], agents[1], agents[3]):
-        assert a.wait(120) == 0, a.transcript()
-    check_run(tmp_path, changes=2)
+    """Three changes in quick succession: c is SIGKILLed; as b's workers re-form for it, a
+    (the leader, rank 0, the round's store host) is SIGKILLed; d starts at once. b takes
+    each change as the next one, in its own process, and ends with d; the restarts
+    charged are none (a loss is no failure)."""
+    slow = ("--slow-below-world", "2")  # training outlasts d's start, however slow
+    a = start_on(procs, etcd.endpoint, run_id, tmp_path, "a", *slow, nnodes="1:3")
+    a.wait_output("registered as a", timeout=30)  # a claims the lead as it registers
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *slow, nnodes="1:3")
+    c.wait_output("registered as c", timeout=30)  # c is rank 1, b rank 2: b's store helper
+    b = start_on(procs, etcd.endpoint, run_id, tmp_path, "b", *slow, nnodes="1:3")  # starts late
+    wait_world(tmp_path, 3, timeout=90)
+    kept = worker_pids(b)
+    killed = time.time()
+    c.kill_tree()
+    b.wait_output("workers re-form live", timeout=30)
+    a.kill_tree()
+    second = time.time()
+    d = start_on(procs, etcd.endpoint, run_id, tmp_path, "d", *slow, nnodes="1:3")
+    back = wait_world(tmp_path, 2, after=second, timeout=90)  # b with d
+    alone = [r["t"] for r in rows(tmp_path) if r["pid"] in kept and r["world"] == 1]
+    again = min([t for t in alone if t > second], default=back)  # a's loss, d's join: 1 round?
+    print(f"b trains {again - killed:.2f}s after the first kill ({second - killed:.2f}s apart)")
+    assert again - second < TTL, b.transcript()  # a's loss found by its probe port, not TTL
+    assert "rank 0's worker hosts the store" in b.transcript()  # not after the helper's import
+    assert worker_pids(b) == kept
+    for n in (b, d):
+        assert n.wait(120) == 0, n.transcript()
+        assert "no live re-formation" not in n.transcript()
+        assert "after a worker failure" not in n.transcript()
+    check_run(tmp_path, changes=3)
 
 
 def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(

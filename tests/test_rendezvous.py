@@ -373,6 +373,38 @@ def test_a_killed_member_is_revoked_by_probe_before_its_ttl(
     assert r["members"] == ["a", "b"] and r["lost"] == ["c"] and r["restarts"] == 0
 
 
+def test_a_leader_killed_while_the_next_round_forms_is_found_by_its_successor(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    """b and c wait for a, the leader, to form round 2, and a dies: its successor b finds
+    it gone through its probe port at once, where it used to wait for a's lease TTL. Its
+    record says its workers re-form in place once it leads (a newcomer reads the leader's
+    record alone), not before."""
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3", conf="lease_ttl=30")
+    start_round([a, b, c])
+    b.send("in_place")
+    b.expect("in_place")
+    e, _ = build_options(etcd.endpoint, run_id, 1, 3)
+    client = EtcdClient(e)
+
+    def says_in_place() -> bool:
+        kv = client.get(f"/elastic-run/{run_id}/{records.NODES}b")
+        assert kv is not None
+        return records.NodeRecord.decode(kv.key, kv.value).in_place
+
+    assert not says_in_place()  # a follower's is read by no one
+    b.send("next")  # a change: b and c wait for a to write round 2
+    c.send("next")
+    time.sleep(0.3)  # both wait on a now
+    a.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    r = b.expect("round", timeout=10)
+    assert time.monotonic() - killed < 4, "found by the probe, not after a wait of 5 s"
+    assert r["members"] == ["b", "c"] and r["lost"] == ["a"] and r["restarts"] == 0
+    assert says_in_place()
+    client.close()
+
+
 def test_a_frozen_member_is_not_mistaken_for_dead(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:

@@ -193,7 +193,7 @@ class Agent:
         self._step = -1
         self._resuming: tuple[int, int] | None = None  # (step committed before, round) to judge
         self._prepared_at = 0.0  # when workers started ahead of joining (lobby)
-        self._announced = False  # what this node's record says: its workers re-form in place
+        self._announced = False  # what the rendezvous was told: its workers re-form in place
         self._live_seen = False  # the workers re-formed in place this round (State.run)
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
@@ -463,11 +463,10 @@ class Agent:
                 self.metrics.steps_redone.inc(verdict.steps)
 
     def _announce_in_place(self, live: bool) -> None:
-        """The leader's record says whether its workers re-form in place (``live``): a
-        newcomer starts its own before it joins only then (``lobby``). Only the leader's
-        is read, so only a leader writes it (one write when it changes, whatever the
-        job's size)."""
-        if live == self._announced or not self.rdzv.leads:
+        """Say whether this node's workers re-form in place (``live``): a newcomer starts
+        its own before it joins only when the leader's do (``lobby``); the rendezvous
+        writes it while this node leads (one write when it changes)."""
+        if live == self._announced:
             return
         try:
             self.rdzv.announce_in_place(live)
@@ -643,6 +642,12 @@ class Agent:
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None
+        if store is not None and in_place and not store.ready:
+            # rank 0 since moments ago (rank 0 and 1 lost in quick succession): the helper
+            # still imports torch, the re-forming worker has it and hosts the store itself
+            placements = [replace(p, agent_store=False) for p in placements]
+            store = None
+            log.info("the store helper is still starting: rank 0's worker hosts the store")
         # The store is up before workers look for it (a refused connect costs torch's
         # 1 s backoff), unless its helper still imports torch: new workers import theirs
         # meanwhile, and find the store when they are ready.

@@ -22,6 +22,9 @@ class Placement:
     master_addr: str
     master_port: int
     restart_count: int
+    # the rank-0 agent hosts the round's store (torchrun's c10d backend); False: the rank-0
+    # worker hosts it itself (torchrun's static rendezvous), see Agent._start
+    agent_store: bool = True
 
 
 def restart_count(before: int, cause: RoundCause, *, first: bool) -> int:
@@ -50,6 +53,8 @@ def round_env(p: Placement) -> dict[str, str]:
         "MASTER_ADDR": p.master_addr,
         "MASTER_PORT": str(p.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(p.restart_count),
+        # a store on a port fresh to this round, so no stale worker of an older one reaches it
+        "TORCHELASTIC_USE_AGENT_STORE": str(p.agent_store),
     }
 
 
@@ -74,9 +79,6 @@ def worker_env(
             "ROLE_NAME": role,
             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
             "TORCHELASTIC_RUN_ID": run_id,
-            # the rank-0 agent hosts the store (as torchrun's c10d backend), on a port fresh to
-            # this round, so no stale worker of an older round can reach it
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": parent.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "TORCHELASTIC_ERROR_FILE": error_file,
             "LOCAL_RANK": str(p.local_rank),
