@@ -14,6 +14,8 @@ job's budget, with the nodes whose own failure they were.
     kill forming  c joins; as the round of three forms, a (rank 0, the store host) is
                   SIGKILLed
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
+    kill re-forming  c (rank 1) SIGKILLed; as b's agent re-forms for it, a (the leader,
+                  rank 0, the store host) too: b, rank 0 moments after rank 1, trains alone
     kill resized  c joins; two steps at three, then a is SIGKILLed
     hung worker   c's worker SIGSTOPped, its agent alive: found by the learned bound
     join          c joins a and b
@@ -167,6 +169,19 @@ def two_kills(job: Job) -> Outcome:
     return job.outcome(at, None if second is None else second + 0.45)
 
 
+def kill_re_forming(job: Job) -> Outcome:
+    """c is killed; as b re-forms for it, a (the leader, rank 0, the store host) is too."""
+    for name in "acb":  # c is rank 1: b becomes rank 1, then rank 0, in quick succession
+        job.start(name)
+        job.wait_log(name, f"registered as {name}")
+    job.steps_at(3, job.training(3), 5)
+    at = time.time()
+    job.nodes["c"].kill()
+    job.wait_log("b", "lost c: ")  # b's agent acts on it: its workers re-form, or stop
+    job.nodes["a"].kill()
+    return job.outcome(at, job.since(1, at))
+
+
 def kill_resized(job: Job) -> Outcome:
     start_training(job, "ab")
     job.start("c")
@@ -240,6 +255,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill": kill,
     "kill forming": kill_forming,
     "two kills": two_kills,
+    "kill re-forming": kill_re_forming,
     "kill resized": kill_resized,
     "hung worker": hung_worker,
     "join": join,
@@ -278,12 +294,12 @@ def main() -> None:
                 s = f"{out.seconds:.2f}s" if out.seconds is not None else f">{TIMEOUT:.0f}s"
                 print(f"run {i + 1} {fault} ({mode}): {s}, redone {out.redone}, "
                       f"charged {out.charged}", flush=True)  # fmt: skip
-    print(f"\n{'fault':<14}{'mode':<9}{'median':>9}   {'redone':>6}   charged   runs (s)")
+    print(f"\n{'fault':<17}{'mode':<9}{'median':>9}   {'redone':>6}   charged   runs (s)")
     for (fault, mode), outs in results.items():
         secs = [o.seconds if o.seconds is not None else TIMEOUT for o in outs]
         runs = " ".join(f"{x:.2f}" for x in secs)
         print(
-            f"{fault:<14}{mode:<9}{statistics.median(secs):>8.2f}s   "
+            f"{fault:<17}{mode:<9}{statistics.median(secs):>8.2f}s   "
             f"{max(o.redone for o in outs):>6}   {outs[-1].charged:<9} {runs}"
         )
     print(f"(logs under {base})")
