@@ -13,6 +13,7 @@ job's budget, with the nodes whose own failure they were.
     kill          SIGKILL of node c (agent and worker), a and b train on
     kill forming  c joins; as the round of three forms, a (rank 0, the store host) is
                   SIGKILLed
+    kill newcomer c joins; as the round of three forms, c is SIGKILLed
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
     kill re-forming  c (rank 1) SIGKILLed; as b's agent re-forms for it, a (the leader,
                   rank 0, the store host) too: b, rank 0 moments after rank 1, trains alone
@@ -159,6 +160,16 @@ def kill_forming(job: Job) -> Outcome:
     return job.outcome(at, job.since(2, at))
 
 
+def kill_newcomer(job: Job) -> Outcome:
+    """c joins; as the round of three forms, c itself is SIGKILLed."""
+    start_training(job, "ab")
+    job.start("c")
+    job.wait_log("b", "joined c")
+    at = time.time()
+    job.nodes["c"].kill()
+    return job.outcome(at, job.since(2, at))
+
+
 def two_kills(job: Job) -> Outcome:
     start_training(job, "abc")
     at = time.time()
@@ -254,6 +265,7 @@ def etcd_frozen(job: Job) -> Outcome:
 FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill": kill,
     "kill forming": kill_forming,
+    "kill newcomer": kill_newcomer,
     "two kills": two_kills,
     "kill re-forming": kill_re_forming,
     "kill resized": kill_resized,
