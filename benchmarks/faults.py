@@ -151,23 +151,22 @@ def kill(job: Job) -> Outcome:
     return job.outcome(at, job.since(2, at))
 
 
-def kill_forming(job: Job) -> Outcome:
+def killed_as_c_joins(job: Job, victim: str) -> Outcome:
+    """c joins a and b; as the round of three forms, ``victim`` is SIGKILLed."""
     start_training(job, "ab")
     job.start("c")
     job.wait_log("b", "joined c")
     at = time.time()
-    job.nodes["a"].kill()
+    job.nodes[victim].kill()
     return job.outcome(at, job.since(2, at))
+
+
+def kill_forming(job: Job) -> Outcome:
+    return killed_as_c_joins(job, "a")  # rank 0, the store host
 
 
 def kill_newcomer(job: Job) -> Outcome:
-    """c joins; as the round of three forms, c itself is SIGKILLed."""
-    start_training(job, "ab")
-    job.start("c")
-    job.wait_log("b", "joined c")
-    at = time.time()
-    job.nodes["c"].kill()
-    return job.outcome(at, job.since(2, at))
+    return killed_as_c_joins(job, "c")
 
 
 def two_kills(job: Job) -> Outcome:
