@@ -337,10 +337,11 @@ class Rendezvous:
         it claims the lead (a newcomer arriving just after a leader's loss reads it)."""
         self._in_place = in_place
         if self.leads:
-            self.session.mark_in_place(in_place)
+            self._say_in_place()
 
     def _say_in_place(self) -> None:
-        """This node leads: its record says what its workers do (a write only on a change)."""
+        """This node leads: its record says what its workers do (a write only on a change;
+        one that fails is tried again at the next ``upkeep``)."""
         try:
             self.session.mark_in_place(self._in_place)
         except RendezvousError as e:

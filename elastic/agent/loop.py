@@ -465,15 +465,10 @@ class Agent:
     def _announce_in_place(self, live: bool) -> None:
         """Say whether this node's workers re-form in place (``live``): a newcomer starts
         its own before it joins only when the leader's do (``lobby``); the rendezvous
-        writes it while this node leads (one write when it changes)."""
-        if live == self._announced:
-            return
-        try:
+        writes it while this node leads (one write when it changes, retried if it fails)."""
+        if live != self._announced:
             self.rdzv.announce_in_place(live)
-        except RendezvousError as e:
-            log.debug("could not say whether the workers re-form in place: %s", e)
-            return
-        self._announced = live
+            self._announced = live
 
     def _verdict(self, failures: list[WorkerFailure]) -> Event:
         """Workers failed. If every failure only says a peer vanished under it, find out
