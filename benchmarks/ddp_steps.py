@@ -8,14 +8,19 @@ their processes through membership changes (or, with ``--restart-mode respawn``,
 resume from the snapshots), and ``step`` is the job's committed step it trains: a step
 logged twice was trained again.
 
-    python benchmarks/ddp_steps.py [step seconds] [--live]
+With ``--device cuda`` the model (``--width``: four hidden Linear(width, width) layers;
+by default the tiny Linear(32, 1)) and its optimizer state live on cuda:0 (every worker
+on the same GPU: gloo ranks, several to a device), so a worker that keeps its process
+through a change keeps its CUDA context and its model on the device.
+
+    python benchmarks/ddp_steps.py [step seconds] [--live] [--device cuda] [--width 2048]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 from typing import IO
 
@@ -30,8 +35,10 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], paus
     ddp = DDP(model)  # on the process group of this round
     rank, world = dist.get_rank(), dist.get_world_size()
     pid = os.getpid()
+    first = next(model.parameters())
     for step in range(STEPS):
-        loss = ddp(torch.randn(16, 32)).pow(2).mean()
+        x = torch.randn(16, first.shape[-1], device=first.device)
+        loss = ddp(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -49,23 +56,33 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], paus
 state = None
 
 
+def build(device: str, width: int) -> torch.nn.Module:
+    if not width:
+        return torch.nn.Linear(32, 1).to(device)
+    layers = [torch.nn.Linear(width, width) for _ in range(4)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1)).to(device)
+
+
 def main() -> None:
     global state
-    args = [a for a in sys.argv[1:] if a != "--live"]
-    pause = float(args[0]) if args else 0.05
-    live = "--live" in sys.argv
-    if live:  # before the process group, as the README says: a newcomer's worker can then
-        import elastic  # start before its node joins (elastic/agent/lobby.py)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("pause", type=float, nargs="?", default=0.05)
+    ap.add_argument("--live", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--width", type=int, default=0)
+    a = ap.parse_args()
+    if a.live:  # before the process group, as the README says: a newcomer's worker can
+        import elastic  # then start before its node joins (elastic/agent/lobby.py)
     dist.init_process_group("gloo")
-    model = torch.nn.Linear(32, 1)
+    model = build(a.device, a.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     path = os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl")
     with open(path, "a") as out:
-        if not live:
-            train(model, opt, out, pause)
+        if not a.live:
+            train(model, opt, out, a.pause)
             return
         state = elastic.State(model=model, optimizer=opt)
-        state.run(train, model, opt, out, pause)
+        state.run(train, model, opt, out, a.pause)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ job's budget, with the nodes whose own failure they were.
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
 
     python benchmarks/faults.py [--repeat 1] [--only kill,join] [--modes live,respawn]
+                                [--device cuda --width 2048]
+
+With ``--device cuda`` every worker's model and optimizer state live on cuda:0 (gloo
+ranks sharing one GPU): a live survivor keeps its CUDA context and its model on the
+device, a respawned worker initialises CUDA, builds the model and restores it again.
 """
 
 from __future__ import annotations
@@ -65,8 +70,16 @@ class Outcome:
 class Job:
     """Nodes named a, b, c... of one job, their logs and their steps."""
 
-    def __init__(self, etcd: EtcdServer, work: Path, mode: str, nnodes: str = "1:3") -> None:
+    def __init__(
+        self,
+        etcd: EtcdServer,
+        work: Path,
+        mode: str,
+        nnodes: str = "1:3",
+        script_args: tuple[str, ...] = (),
+    ) -> None:
         self.etcd, self.work, self.mode, self.nnodes = etcd, work, mode, nnodes
+        self.script_args = script_args
         self.results = work / "steps"
         self.results.mkdir(parents=True)
         self.nodes: dict[str, Node] = {}
@@ -76,7 +89,7 @@ class Job:
                "1", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.work.name,
                "--rdzv-conf", CONF, "--node-id", name, "--local-addr", "127.0.0.1",
                "--restart-mode", self.mode, "--max-restarts", "3", SCRIPT, STEP_S,
-               "--live"]  # fmt: skip
+               "--live", *self.script_args]  # fmt: skip
         node = Node(cmd, {"RESULT_DIR": str(self.results)}, self.work / f"{name}.log")
         self.nodes[name] = node
         return node
@@ -280,7 +293,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--only", default=",".join(FAULTS), help="faults, comma-separated")
     ap.add_argument("--modes", default="live,respawn")
+    ap.add_argument(
+        "--device", default="cpu", help="where the workers' model lives (cuda: all on cuda:0)"
+    )
+    ap.add_argument(
+        "--width", type=int, default=0, help="the model's hidden width (0: Linear(32, 1))"
+    )
     a = ap.parse_args()
+    script_args = ("--device", a.device, "--width", str(a.width))
     faults = [f.strip() for f in a.only.split(",")]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
@@ -293,7 +313,7 @@ def main() -> None:
             for mode in modes:
                 with EtcdServer(name="faults") as etcd:
                     slug = fault.replace(" ", "-").replace("Ctrl-C", "ctrl-c")
-                    job = Job(etcd, base / f"{slug}-{mode}-{i}", mode)
+                    job = Job(etcd, base / f"{slug}-{mode}-{i}", mode, script_args=script_args)
                     try:
                         out = FAULTS[fault](job)
                     except RuntimeError as e:

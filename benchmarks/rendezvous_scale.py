@@ -24,7 +24,7 @@ it, each participant a forked process, up to ``--c10d-max`` participants.
 
     python benchmarks/rendezvous_scale.py [--sizes 8,32,128,512,1024] [--repeat 1]
                                           [--c10d-max 128] [--timeout 120]
-                                          [--rdzv-conf lease_ttl=15]
+                                          [--rdzv-conf lease_ttl=15] [--etcd-cpus 2]
 """
 
 from __future__ import annotations
@@ -395,6 +395,18 @@ def show(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}s"
 
 
+def pin(etcd: EtcdServer, k: int) -> None:
+    """etcd on the first ``k`` CPUs this process may use, this process (and so every
+    participant it forks) on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= k:
+        raise SystemExit(f"--etcd-cpus {k}: only {len(cpus)} CPUs here")
+    assert etcd.proc is not None
+    os.sched_setaffinity(etcd.proc.pid, cpus[:k])
+    os.sched_setaffinity(0, cpus[k:])
+    print(f"etcd pinned to CPUs {cpus[:k]}, the participants to {cpus[k:]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="8,32,128,512,1024")
@@ -404,10 +416,18 @@ def main() -> None:
     ap.add_argument(
         "--rdzv-conf", default="", help="as elastic-run's, e.g. lease_ttl=15 (default: none)"
     )
+    ap.add_argument(
+        "--etcd-cpus",
+        type=int,
+        default=0,
+        help="pin etcd to this many CPUs of its own, the participants to the rest (0: no pinning)",
+    )
     a = ap.parse_args()
     conf = dict(kv.split("=", 1) for kv in a.rdzv_conf.split(",") if kv)
     rows = []
     with EtcdServer(name="bench") as etcd:
+        if a.etcd_cpus:
+            pin(etcd, a.etcd_cpus)
         for n in (int(s) for s in a.sizes.split(",")):
             kills: list[Measured | float | None] = []
             leaves: list[Measured | float | None] = []

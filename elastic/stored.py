@@ -24,6 +24,7 @@ import os
 import re
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,8 @@ class SnapshotSlots:
         self.dir = Path(directory) if directory is not None else None
         self._maps: dict[int, mmap.mmap] = {}
         self.pinned: set[int] = set()
+        # told a slot's index before its map is closed (the worker unregisters it from CUDA)
+        self.on_release: Callable[[int], None] = lambda i: None
         size = 2 * self.SLOT.size
         if self.dir is None:
             self._hdr = mmap.mmap(-1, size)
@@ -156,6 +159,7 @@ class SnapshotSlots:
         if m is not None and len(m) >= size:
             return m
         if m is not None:
+            self.on_release(i)
             with contextlib.suppress(BufferError):
                 m.close()
         if self.dir is None:
@@ -200,7 +204,8 @@ class SnapshotSlots:
         return memoryview(m)[:size]
 
     def close(self) -> None:
-        for m in self._maps.values():
+        for i, m in self._maps.items():
+            self.on_release(i)
             with contextlib.suppress(BufferError):  # a view is alive: unmapped at exit
                 m.close()
         self._hdr.close()

@@ -219,3 +219,39 @@ def test_fsdp_kept_live_on_nccl(
     assert was and back[0]["checksum"] == pytest.approx(was[-1]["checksum"], rel=1e-6)
     assert all(r["device"].startswith("cuda") for r in history)
     assert "held whole in memory" not in a.transcript()
+
+
+def test_a_cuda_snapshot_goes_straight_into_the_page_locked_slot(tmp_path: Path) -> None:
+    """The slot is registered with CUDA and the tensors' bytes land in it by DMA; the
+    optimizer's next in-place write queues behind the copy on the device (the training
+    thread does not wait), so the snapshot holds the values of its step; a grown state
+    replaces the slot's map and registers the new one."""
+    from elastic.contract import SnapshotPolicy
+    from elastic.worker import snapshot
+    from elastic.worker.snapshotter import Snapshotter, Stats
+
+    w = torch.randn(8192, 8192, device="cuda")  # 256 MiB: a copy that takes a while
+    snap = Snapshotter(SnapshotPolicy(every=1), str(tmp_path), 0, Stats())
+    assert snap.slots is not None
+    snap.take({"w": w}, 1, {w.data_ptr()}, set(), lambda: False)
+    expected = w.cpu()
+    snap.wait_for_step()
+    w.add_(1.0)  # as optimizer.step() would, right after the pre-step hook
+    snap.wait_copy()
+    newest = snap.slots.newest()
+    assert newest is not None and newest[1] == 1
+    slot = newest[0]
+    assert slot in snap._pins._pinned
+    assert torch.equal(snapshot.parse(snap.slots.read(slot))["w"], expected)
+    big = torch.randn(2, 8192, 8192, device="cuda")
+    for step in (2, 3):  # both slots, grown
+        snap.take({"w": w, "big": big}, step, {w.data_ptr(), big.data_ptr()}, set(), lambda: False)
+        snap.wait_copy()
+    newest = snap.slots.newest()
+    assert newest is not None and newest[1] == 3
+    back = snapshot.parse(snap.slots.read(newest[0]))
+    assert torch.equal(back["big"], big.cpu()) and torch.equal(back["w"], w.cpu())
+    assert set(snap._pins._pinned) == {0, 1}
+    assert all(buf is snap.slots._maps[i] for i, (buf, _) in snap._pins._pinned.items())
+    snap.slots.close()
+    assert not snap._pins._pinned

@@ -2,8 +2,10 @@
 where it can be, and every so often written to a checkpoint file in the background.
 
 Parameters and optimizer state change only inside ``optimizer.step()``, so their copy
-runs in a background thread while the next forward/backward computes, and the next
-``optimizer.step()`` waits for whatever is left (a pre-step hook). The rest (buffers,
+runs in a background thread (GPU tensors: by DMA on a side stream, straight into the
+page-locked slot where CUDA allows it) while the next forward/backward computes, and
+the next ``optimizer.step()`` waits for whatever is left (a pre-step hook; for a GPU
+copy the device's stream waits, not the training thread). The rest (buffers,
 schedulers, samplers, plain values) is small and copied before ``commit()`` returns.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -23,6 +26,7 @@ import torch
 from elastic.contract import SnapshotPolicy
 from elastic.stored import CheckpointDir, SnapshotSlots, WriteResult
 from elastic.worker import progress, snapshot
+from elastic.worker.pinning import PinnedSlots
 
 log = logging.getLogger("elastic.state")
 
@@ -151,8 +155,9 @@ class Snapshotter:
         self._copy: threading.Thread | None = None
         self._host_done = threading.Event()  # the copy no longer reads host tensors
         self._host_done.set()
-        self._device_done: list[torch.cuda.Event] = []  # GPU -> pinned copies in flight
+        self._device_done: list[tuple[torch.device, torch.cuda.Event]] = []  # copies in flight
         self._pinned: dict[torch.device, torch.Tensor] = {}  # staging, per device
+        self._pins = PinnedSlots()  # slots CUDA copies into directly
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._count = 0
         self._kept: dict[int, SlotTensors] = {}  # per slot: the tensors its bytes hold
@@ -160,6 +165,7 @@ class Snapshotter:
         if local_rank == 0 and (node_dir or policy.checkpoint_dir):
             try:
                 self.slots = SnapshotSlots(node_dir)
+                self.slots.on_release = self._pins.release
             except OSError as e:
                 log.warning("no shared-memory snapshots (%s): %s", node_dir, e)
         self._writer: BackgroundWriter | None = None
@@ -209,7 +215,10 @@ class Snapshotter:
         self.stats.unchanged_bytes = sum(packed.tensors[i].nbytes for i in same)
         later = [i for i in later if i not in same]
         on_gpu = [i for i in later if packed.tensors[i].is_cuda]
-        staged = self._stage(packed, on_gpu)
+        direct = bool(on_gpu) and self._pins.ensure(slot, buf)
+        staged = self._stage(packed, on_gpu, buf if direct else None)
+        if direct:
+            on_gpu = []  # their bytes land in the slot: nothing left to copy on the host
         on_host = [i for i in later if not packed.tensors[i].is_cuda]
         self._host_done.clear()
         threads = torch.get_num_threads()
@@ -220,11 +229,12 @@ class Snapshotter:
                 snapshot.copy_tensors_background(buf, packed, on_host, threads, _idle_priority)
             finally:
                 self._host_done.set()
-            for event in self._device_done:
+            for _, event in self._device_done:
                 event.synchronize()
             snapshot.copy_tensors_background(
                 buf, packed, on_gpu, threads, _idle_priority, sources=staged
             )
+            staged.clear()  # views of the slot (direct copies) hold its map open
             self._kept[slot] = record
             slots.commit(slot, step, packed.size)
             self.stats.snapshots += 1
@@ -295,10 +305,13 @@ class Snapshotter:
                 result.error,
             )
 
-    def _stage(self, packed: snapshot.Packed, which: list[int]) -> dict[int, torch.Tensor]:
-        """Start copying GPU tensors into pinned host staging, on a side stream per device
-        that first waits for the work queued so far (the step just taken), so the copy
-        overlaps the next forward/backward. Returns the host views, by tensor index."""
+    def _stage(
+        self, packed: snapshot.Packed, which: list[int], slot: mmap.mmap | None
+    ) -> dict[int, torch.Tensor]:
+        """Start copying GPU tensors to the host, on a side stream per device that first
+        waits for the work queued so far (the step just taken), so the copy overlaps the
+        next forward/backward: into ``slot`` at their places when it is page-locked, else
+        into pinned staging. Returns the host views, by tensor index."""
         staged: dict[int, torch.Tensor] = {}
         self._device_done = []
         by_device: dict[torch.device, list[int]] = {}
@@ -307,7 +320,7 @@ class Snapshotter:
         for device, indices in by_device.items():
             sizes = [packed.tensors[i].numel() * packed.tensors[i].element_size() for i in indices]
             pinned = self._pinned.get(device)
-            if pinned is None or pinned.numel() < sum(sizes):
+            if slot is None and (pinned is None or pinned.numel() < sum(sizes)):
                 pinned = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
                 self._pinned[device] = pinned
             stream = self._streams.get(device)
@@ -319,13 +332,18 @@ class Snapshotter:
                 for i, n in zip(indices, sizes, strict=True):
                     t = packed.tensors[i]
                     src = t if t.is_contiguous() else t.contiguous()
-                    view = pinned[offset : offset + n]
+                    if slot is not None:
+                        at = packed.data_start + packed.offsets[i]
+                        view = torch.frombuffer(slot, dtype=torch.uint8, count=n, offset=at)
+                    else:
+                        assert pinned is not None
+                        view = pinned[offset : offset + n]
                     view.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
                     staged[i] = view
                     offset += n
             done = torch.cuda.Event()
             done.record(stream)
-            self._device_done.append(done)
+            self._device_done.append((device, done))
         return staged
 
     @property
@@ -335,13 +353,15 @@ class Snapshotter:
 
     def wait_for_step(self) -> None:
         """Before optimizer.step() changes the tensors in place: wait only for what still
-        reads them (the host copy, the GPU -> pinned copies), not for the rest."""
-        if self._host_done.is_set() and all(e.query() for e in self._device_done):
+        reads them, not for the rest. A GPU copy in flight is waited for by the device's
+        stream (the optimizer's kernels queue behind it), not by this thread."""
+        for device, event in self._device_done:
+            if not event.query():
+                torch.cuda.current_stream(device).wait_event(event)
+        if self._host_done.is_set():
             return
         started = time.perf_counter()
         self._host_done.wait()
-        for event in self._device_done:
-            event.synchronize()
         waited = time.perf_counter() - started
         self.stats.blocked_seconds += waited
         progress.waited(waited)
