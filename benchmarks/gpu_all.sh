@@ -6,8 +6,9 @@
 # It writes RESULTS_DIR/summary.md (the machine, then every part's figures) and each
 # part's full output beside it. The parts run in order of what matters most, each under
 # its own time limit; GPU_SUITE_SECONDS (if set) bounds the whole, and a part that would
-# start past it is skipped and says so. A part that fails or runs out of time is marked
-# in the summary and the rest still run. Without CUDA the GPU parts fail or skip at once
+# start past it is skipped and says so; GPU_SUITE_PARTS=snapshot,recovery runs only those
+# (a rerun). A part that fails or runs out of time is marked in the summary and the rest
+# still run. Without CUDA the GPU parts fail or skip at once
 # and the rest (live re-formation on CPU, the rendezvous at scale) still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ mkdir -p "$out"
 summary="$out/summary.md"
 py=${PYTHON:-python3}
 budget=${GPU_SUITE_SECONDS:-0}
+only=${GPU_SUITE_PARTS:-} # e.g. snapshot,recovery: run these parts alone (a rerun)
 cuda=$($py -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
 
 {
@@ -33,6 +35,7 @@ cuda=$($py -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu
 part() { # name, seconds, command... : stdout holds the figures, stderr the logs
     local name=$1 limit=$2
     shift 2
+    case ",${only:-$name}," in *",$name,"*) ;; *) return ;; esac
     if [ "$budget" -gt 0 ]; then
         local left=$((budget - SECONDS))
         if [ "$left" -lt 20 ]; then
@@ -67,7 +70,7 @@ part live-cuda 160 $py benchmarks/faults.py --only kill,join --repeat 2 --device
 part rendezvous-scale 200 $py benchmarks/rendezvous_scale.py --sizes 1024,4096 \
     --c10d-max 0 --etcd-cpus 2 --timeout 60
 # every-step snapshots of a model with 1 GB of parameters (3.2 GB with Adam's state)
-part snapshot-large 100 $py -m elastic benchmarks/gpu_snapshot.py --width 8192 --layers 4 \
+part snapshot-large 120 $py -m elastic benchmarks/gpu_snapshot.py --width 8192 --layers 4 \
     --batches 4096 --no-peers
 part recovery 100 $py benchmarks/gpu_recovery.py --repeat 1
 echo "summary: $summary" >&2

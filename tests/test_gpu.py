@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -221,7 +222,7 @@ def test_fsdp_kept_live_on_nccl(
     assert "held whole in memory" not in a.transcript()
 
 
-def test_a_cuda_snapshot_goes_straight_into_the_page_locked_slot(tmp_path: Path) -> None:
+def test_a_cuda_snapshot_goes_straight_into_the_page_locked_slot() -> None:
     """The slot is registered with CUDA and the tensors' bytes land in it by DMA; the
     optimizer's next in-place write queues behind the copy on the device (the training
     thread does not wait), so the snapshot holds the values of its step; a grown state
@@ -231,7 +232,8 @@ def test_a_cuda_snapshot_goes_straight_into_the_page_locked_slot(tmp_path: Path)
     from elastic.worker.snapshotter import Snapshotter, Stats
 
     w = torch.randn(8192, 8192, device="cuda")  # 256 MiB: a copy that takes a while
-    snap = Snapshotter(SnapshotPolicy(every=1), str(tmp_path), 0, Stats())
+    shm = tempfile.mkdtemp(dir="/dev/shm")  # where the agent keeps a node's slots
+    snap = Snapshotter(SnapshotPolicy(every=1), shm, 0, Stats())
     assert snap.slots is not None
     snap.take({"w": w}, 1, {w.data_ptr()}, set(), lambda: False)
     expected = w.cpu()
@@ -253,5 +255,6 @@ def test_a_cuda_snapshot_goes_straight_into_the_page_locked_slot(tmp_path: Path)
     assert torch.equal(back["big"], big.cpu()) and torch.equal(back["w"], w.cpu())
     assert set(snap._pins._pinned) == {0, 1}
     assert all(buf is snap.slots._maps[i] for i, (buf, _) in snap._pins._pinned.items())
-    snap.slots.close()
+    snap.close()
     assert not snap._pins._pinned
+    shutil.rmtree(shm)

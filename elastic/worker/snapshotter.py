@@ -215,7 +215,7 @@ class Snapshotter:
         self.stats.unchanged_bytes = sum(packed.tensors[i].nbytes for i in same)
         later = [i for i in later if i not in same]
         on_gpu = [i for i in later if packed.tensors[i].is_cuda]
-        direct = bool(on_gpu) and self._pins.ensure(slot, buf)
+        direct = bool(on_gpu) and self._pins.ensure(slot, buf, packed.tensors[on_gpu[0]].device)
         staged = self._stage(packed, on_gpu, buf if direct else None)
         if direct:
             on_gpu = []  # their bytes land in the slot: nothing left to copy on the host
@@ -383,6 +383,14 @@ class Snapshotter:
         self.wait_copy()
         if self._writer is not None:
             self._writer.wait(timeout)
+
+    def close(self) -> None:
+        """Finish, then let go of the slots (unregistered from CUDA first): another
+        State in this process maps and registers them again."""
+        self.flush()
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.close()
 
 
 def frozen_storage(modules: Iterable[torch.nn.Module]) -> set[int]:

@@ -680,7 +680,7 @@ class State:
 
     def close(self) -> None:
         """Finish background work (the process exiting does the same, less politely)."""
-        self.flush()
+        self._core.snapshotter.close()
         for h in self._core.hooks:
             h.remove()
         alive.stop()  # training is over: what follows is not judged for hangs
