@@ -1,8 +1,8 @@
 """On a real GPU: NCCL jobs, device counting, NVML metrics against nvidia-smi.
 
 Skipped where torch sees no CUDA device (this project's CI machine has none). On a GPU
-machine: ``python -m pytest -q -m gpu tests/test_gpu.py``. Nothing here has run on a GPU
-yet: the figures and a first pass are owed (issue 13).
+machine: ``python -m pytest -q -m gpu tests/test_gpu.py``, or ``benchmarks/gpu_all.sh``
+for these and every GPU benchmark at once (last run: an H200, docs/measured.md).
 """
 
 from __future__ import annotations
