@@ -2,12 +2,13 @@
 benchmark trains (a busy, changing GPU: utilisation, memory and power move).
 
 It runs ``elastic-run --metrics-port 0 benchmarks/gpu_snapshot.py ARGS`` (its output is
-passed through) and every ``--every`` seconds scrapes the agent's /metrics and then asks
-nvidia-smi. Printed at the end: per quantity, the samples compared and how far apart
-the two readings were (utilisation in percentage points: NVML averages it over a
-sampling window of its own, so two reads a moment apart can differ while the load
-changes; memory in per cent; power in watts and per cent; the worker's own GPU memory
-against nvidia-smi's compute-apps row).
+passed through) and every ``--every`` seconds asks nvidia-smi, scrapes the agent's
+/metrics, and asks nvidia-smi again. Printed at the end, per quantity (utilisation in
+percentage points, memory in MiB, power in watts, the worker's own GPU memory against
+nvidia-smi's compute-apps row): how far apart the readings were over all samples, and
+over the samples where nvidia-smi read the same before and after (utilisation
+unchanged, memory within 0.1 %, power within 2 %). While the load changes, two reads a
+moment apart differ, and NVML averages utilisation over a sampling window of its own.
 
     python benchmarks/gpu_metrics.py [--every 1.0] [-- gpu_snapshot.py arguments]
 """
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,6 +45,37 @@ def scrape(port: int) -> dict[str, list[float]]:
             for s in fam.samples:
                 out.setdefault(s.name, []).append(s.value)
     return out
+
+
+# quantity -> (the agent's metric, its scale to nvidia-smi's unit)
+QUANTITIES = {
+    "utilisation": ("elastic_run_gpu_utilization_ratio", 100.0),
+    "memory used": ("elastic_run_gpu_memory_used_bytes", 1 / MIB),
+    "power": ("elastic_run_gpu_power_watts", 1.0),
+    "worker memory": ("elastic_run_gpu_process_memory_bytes", 1 / MIB),
+}
+# quantity -> (unit, how far nvidia-smi's two reads may differ, relative, to count as steady)
+LIMITS = {
+    "utilisation": (" points", 0.0),
+    "memory used": (" MiB", 0.001),
+    "power": (" W", 0.02),
+    "worker memory": (" MiB", 0.001),
+}
+
+
+def read_smi(exe: str) -> dict[str, Any]:
+    """nvidia-smi's reading of GPU 0 (worker memory: every compute process's)."""
+    got: dict[str, Any] = {}
+    gpus = smi(exe, "utilization.gpu,memory.used,power.draw")
+    if gpus:
+        for q, v in zip(("utilisation", "memory used", "power"), gpus[0], strict=True):
+            x = number(v)
+            if x is not None:
+                got[q] = x
+    apps = [x for x in (number(row[1]) for row in smi(exe, "pid,used_memory", "compute-apps")) if x]
+    if apps:
+        got["worker memory"] = apps
+    return got
 
 
 def smi(exe: str, query: str, kind: str = "gpu") -> list[list[str]]:
@@ -63,16 +96,15 @@ def number(v: str) -> float | None:
         return None
 
 
-def spread(pairs: list[tuple[float, float]], unit: str, relative: bool = False) -> str:
+def spread(pairs: list[tuple[float, float]], unit: str) -> str:
     if not pairs:
         return "no samples"
     diffs = [abs(a - b) for a, b in pairs]
-    line = f"{len(pairs)} samples, |ours - nvidia-smi| median {statistics.median(diffs):.2f}{unit}"
+    line = f"{len(pairs)}, |ours - nvidia-smi| median {statistics.median(diffs):.2f}{unit}"
     line += f", max {max(diffs):.2f}{unit}"
-    if relative:
-        rel = [abs(a - b) / b * 100 for a, b in pairs if b]
-        if rel:
-            line += f" ({statistics.median(rel):.2f} % median, {max(rel):.2f} % max)"
+    rel = [abs(a - b) / b * 100 for a, b in pairs if b]
+    if rel and unit != " points":
+        line += f" ({statistics.median(rel):.2f} % median, {max(rel):.2f} % max)"
     return line
 
 
@@ -106,43 +138,36 @@ def main() -> None:
     readers = [threading.Thread(target=f, daemon=True) for f in (read_stderr, read_stdout)]
     for r in readers:
         r.start()
-    util: list[tuple[float, float]] = []
-    used: list[tuple[float, float]] = []
-    power: list[tuple[float, float]] = []
-    proc: list[tuple[float, float]] = []
+    # per quantity: (ours, nvidia-smi just before our scrape, nvidia-smi just after it)
+    seen: dict[str, list[tuple[float, float, float]]] = {q: [] for q in QUANTITIES}
     while job.poll() is None:
         time.sleep(a.every)
         if not port:
             continue
         try:
+            before = read_smi(exe)
             ours = scrape(port[0])
-        except OSError:
+            after = read_smi(exe)
+        except (OSError, subprocess.SubprocessError):
             continue
-        gpus = smi(exe, "utilization.gpu,memory.used,power.draw")
-        apps = smi(exe, "pid,used_memory", kind="compute-apps")
-        if not ours.get("elastic_run_gpu_utilization_ratio") or not gpus:
-            continue
-        g = gpus[0]
-        util.append((ours["elastic_run_gpu_utilization_ratio"][0] * 100, float(g[0])))
-        used.append((ours["elastic_run_gpu_memory_used_bytes"][0] / MIB, float(g[1])))
-        watts = number(g[2])
-        if ours.get("elastic_run_gpu_power_watts") and watts is not None:
-            power.append((ours["elastic_run_gpu_power_watts"][0], watts))
-        mine = ours.get("elastic_run_gpu_process_memory_bytes", [])
-        theirs = [t for t in (number(row[1]) for row in apps) if t is not None]
-        if len(mine) == 1 and theirs:
-            closest = min(theirs, key=lambda t: abs(t - mine[0] / MIB))
-            proc.append((mine[0] / MIB, closest))
+        for q, (metric, scale) in QUANTITIES.items():
+            mine = ours.get(metric, [])
+            if len(mine) == 1 and q in before and q in after:
+                theirs = (before[q], after[q])
+                if q == "worker memory":  # nvidia-smi lists every process: the closest
+                    theirs = tuple(min(t, key=lambda v: abs(v - mine[0] * scale)) for t in theirs)
+                seen[q].append((mine[0] * scale, *theirs))
     for r in readers:
         r.join(timeout=5)
     if job.returncode != 0:
         print("".join(errors[-40:]), file=sys.stderr)
         raise SystemExit(f"the snapshot benchmark failed (exit {job.returncode})")
     print(f"GPU metrics against nvidia-smi, sampled every {a.every:g} s during the run:")
-    print(f"  utilisation: {spread(util, ' points')}")
-    print(f"  memory used: {spread(used, ' MiB', relative=True)}")
-    print(f"  power:       {spread(power, ' W', relative=True)}")
-    print(f"  the worker's GPU memory: {spread(proc, ' MiB', relative=True)}")
+    for q, rows in seen.items():
+        unit, steady = LIMITS[q]
+        print(f"  {q}: all samples: {spread([(o, b) for o, b, _ in rows], unit)}")
+        still = [(o, (b + c) / 2) for o, b, c in rows if abs(b - c) <= steady * max(abs(b), 1)]
+        print(f"  {' ' * len(q)}  nvidia-smi unchanged across our read: {spread(still, unit)}")
 
 
 if __name__ == "__main__":
