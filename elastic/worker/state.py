@@ -486,6 +486,8 @@ class State:
             frozen,
             checkpoint=lambda: rank0 and self._core.snapshotter.due_checkpoint(wait),
         )
+        if wait:
+            rng.flush()  # the process is about to stop: the RNG file too
 
     def _keep_sharded(self, step: int) -> None:
         """The shards copied to host memory, and to the next node (``reshard.keep``): a
@@ -677,10 +679,12 @@ class State:
     def flush(self) -> None:
         """Wait for the snapshot copy and the checkpoint write in progress, if any."""
         self._core.snapshotter.flush()
+        rng.flush()
 
     def close(self) -> None:
         """Finish background work (the process exiting does the same, less politely)."""
         self._core.snapshotter.close()
+        rng.flush()
         for h in self._core.hooks:
             h.remove()
         alive.stop()  # training is over: what follows is not judged for hangs
