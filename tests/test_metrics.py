@@ -8,6 +8,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import urllib.error
@@ -86,6 +87,25 @@ def test_worker_collector_reads_real_processes() -> None:
     assert rss and float(rss.group(1)) > 10e6
     assert 'elastic_run_worker_up{job="j",local_rank="1",node="n",rank="1"} 0.0' in text
     assert 'rank="1"' not in text.split("elastic_run_worker_threads")[1].split("# HELP")[0]
+
+
+def test_a_worker_file_caught_half_made_leaves_the_scrape_whole(tmp_path: Path) -> None:
+    """A worker's metrics file as prometheus-client writes it (a real process), beside
+    one just created and still empty, as a starting worker's is for a moment: the scrape
+    has the first and leaves the second out (prometheus-client alone raises: a 500)."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from elastic.agent.collectors import WorkerFiles
+
+    code = "from prometheus_client import Counter; Counter('steps', 'steps').inc(7)"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    (tmp_path / "counter_4242.db").touch()  # half made
+    with pytest.raises(struct.error):
+        list(MultiProcessCollector(None, path=str(tmp_path)).collect())
+    registry = CollectorRegistry()
+    WorkerFiles(registry, path=str(tmp_path))
+    assert "steps_total 7.0" in generate_latest(registry).decode()
 
 
 def test_endpoint_healthz_and_port_errors() -> None:

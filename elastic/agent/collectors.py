@@ -1,4 +1,5 @@
-"""Prometheus collectors for a node's workers (psutil) and GPUs (NVML).
+"""Prometheus collectors for a node's workers (psutil), GPUs (NVML) and the metrics the
+workers write themselves (prometheus-client's multiprocess files).
 
 Like prometheus client_python's own process collector, each takes its data source as an
 argument, so tests feed it fixtures: the worker collector a function listing the worker
@@ -8,13 +9,17 @@ processes, the GPU collector an object shaped like ``NvmlSource``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("elastic.metrics")
@@ -35,6 +40,33 @@ def _tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+class WorkerFiles(MultiProcessCollector):
+    """The workers' own metrics, as prometheus-client merges them, except that a file it
+    cannot read (a worker's, caught half-made as the worker starts, or removed as it
+    ends) is left out of this scrape instead of failing all of it with a 500."""
+
+    def collect(self) -> Iterable[Metric]:
+        files = glob.glob(os.path.join(self._path, "*.db"))
+        try:
+            return list(self.merge(files, accumulate=True))
+        except Exception:  # whatever a half-written file makes the reader raise
+            readable = [f for f in files if _readable(f)]
+            log.debug("left %d unreadable worker file(s) out", len(files) - len(readable))
+            try:
+                return list(self.merge(readable, accumulate=True))
+            except Exception as e:  # changed again meanwhile: the next scrape has them
+                log.debug("worker metrics left out of this scrape: %s", e)
+                return []
+
+
+def _readable(path: str) -> bool:
+    try:
+        MmapedDict.read_all_values_from_file(path)
+    except Exception:
+        return False
+    return True
 
 
 class WorkerCollector(Collector):

@@ -29,9 +29,15 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import mark_process_dead
 
-from elastic.agent.collectors import GpuCollector, NvmlSource, WorkerCollector, WorkerProc
+from elastic.agent.collectors import (
+    GpuCollector,
+    NvmlSource,
+    WorkerCollector,
+    WorkerFiles,
+    WorkerProc,
+)
 from elastic.agent.core import AgentState, LostCause, RestartCause
 from rendezvous.records import RoundRecord
 
@@ -156,7 +162,7 @@ class AgentMetrics:
         r.register(GpuCollector(gpus or NvmlSource(), workers, job, node))
         if multiproc_dir is not None:
             multiproc_dir.mkdir(parents=True, exist_ok=True)
-            MultiProcessCollector(r, path=str(multiproc_dir))
+            WorkerFiles(r, path=str(multiproc_dir))
         self._multiproc = multiproc_dir
         self._running_since: float | None = None
 

@@ -8,6 +8,7 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     roundstore   the round's store as a re-forming worker uses it: waits an abandon ends
     comm         the few collectives State itself needs, on its own gloo group
     snapshotter  snapshots into the node's shared memory, copied in the background
+    pinning      the slots page-locked for CUDA, so GPU tensors reach them by DMA
     snapshot     the snapshot format (tensors plus a skeleton)
     cadence      how often to snapshot, from measured step and snapshot costs
     agreement    at which steps the ranks agree, from measured step and agreement costs

@@ -6,8 +6,8 @@ file, and on restore takes it back if it is of the restored step. A rank that ha
 (a new node, or new ranks after a resize) is seeded from (step, rank): reproducible, and
 different for every rank and step.
 
-The states are read at the step (about 0.1 ms) and written by one background thread, off
-the training path (the file cost about 1 ms a snapshot there); a restore waits for the
+The states are read at the step (about 0.2 ms) and written by one background thread, off
+the training path (the file cost 1-2 ms a snapshot there); a restore waits for the
 writes in flight first. A file lost with a crash right after its snapshot means a fresh
 seed for that step, as for a rank that has none.
 """
