@@ -8,8 +8,8 @@
 # its own time limit; GPU_SUITE_SECONDS (if set) bounds the whole, and a part that would
 # start past it is skipped and says so; GPU_SUITE_PARTS=snapshot,recovery runs only those
 # (a rerun). A part that fails or runs out of time is marked in the summary and the rest
-# still run. Without CUDA the GPU parts fail or skip at once
-# and the rest (live re-formation on CPU, the rendezvous at scale) still run.
+# still run. Without CUDA the GPU parts say "skipped" at once, and the rest (live
+# re-formation on the CPU, the rendezvous at scale) runs.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}

@@ -115,7 +115,8 @@ def main() -> None:
     a = ap.parse_args()
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        raise SystemExit("no nvidia-smi here: nothing to compare the metrics with")
+        print("skipped: no nvidia-smi here, nothing to compare the metrics with")
+        return
     cmd = [sys.executable, "-m", "elastic", "--metrics-addr", "127.0.0.1", "--metrics-port",
            "0", SNAPSHOT, *a.rest]  # fmt: skip
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

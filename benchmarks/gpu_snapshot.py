@@ -174,6 +174,9 @@ def main() -> None:
         "--peers-at", type=int, default=0, help="the batch size they run at (default: the first)"
     )
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("skipped: no CUDA device here (--device cpu runs the loop on the CPU)")
+        return
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device(a.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
