@@ -240,12 +240,19 @@ class EtcdClient:
         return self.call(f"read {len(keys) + len(prefixes)} keys", run, timeout)
 
     def put(self, key: str, value: bytes, lease: int = 0, timeout: float | None = None) -> int:
-        """Write ``key``; returns the revision of the write."""
-        return int(
-            self.call(
-                f"write {key}", lambda c: c.put(key, value, lease=lease).header.revision, timeout
+        """Write ``key``; returns the revision of the write. ``timeout`` bounds each request
+        too (not only the retries), so a frozen etcd holds the caller no longer."""
+        limit = self.options.request_timeout
+        limit = limit if timeout is None else min(limit, timeout)
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            request = c._build_put_request(key, value, lease=lease)
+            response = c.kvstub.Put(
+                request, limit, credentials=c.call_credentials, metadata=c.metadata
             )
-        )
+            return int(response.header.revision)
+
+        return int(self.call(f"write {key}", run, timeout))
 
     def txn(
         self,

@@ -341,7 +341,10 @@ class Rendezvous:
 
     def _say_in_place(self) -> None:
         """This node leads: its record says what its workers do (a write only on a change;
-        one that fails is tried again at the next ``upkeep``)."""
+        one that fails, or waits while etcd's watch is down, is tried again at the next
+        ``upkeep``: during an outage the agent's loop goes on answering its signals)."""
+        if not self.mirror.connected:
+            return
         try:
             self.session.mark_in_place(self._in_place)
         except RendezvousError as e:

@@ -34,6 +34,8 @@ GONE_TTL = 60  # seconds a departed node's tombstone stays
 # seconds each write of a leaving node may retry: saying goodbye is a courtesy (the lease
 # expires anyway), and a SIGTERM's grace period (Kubernetes: 30 s) is not for etcd to spend
 LEAVE_TIMEOUT = 1.0
+# a write that is said again later if it fails: it never holds the agent's loop longer
+RETRIED_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -242,9 +244,10 @@ class Session:
                 self._put(rec)
 
     def mark_in_place(self, in_place: bool) -> None:
-        """Say whether this node's workers re-form in place now (see ``lobby``)."""
+        """Say whether this node's workers re-form in place now (see ``lobby``); the
+        caller says it again if this fails, so it waits for etcd only briefly."""
         if self.record is not None and self.record.in_place != in_place:
-            self._put(replace(self.record, in_place=in_place))
+            self._put(replace(self.record, in_place=in_place), RETRIED_TIMEOUT)
 
     def mark_leaving(self, reachable: bool = True) -> bool:
         """Say this node is about to leave; False if it said so already, or could not."""
@@ -282,9 +285,9 @@ class Session:
             return False
         return True
 
-    def _put(self, rec: NodeRecord) -> None:
+    def _put(self, rec: NodeRecord, timeout: float | None = None) -> None:
         value = rec.encode()
-        timeout = LEAVE_TIMEOUT if self.leaving else None
+        timeout = LEAVE_TIMEOUT if self.leaving else timeout
         try:
             revision = self.client.put(
                 self.node_key, value, lease=self.lease.lease_id, timeout=timeout

@@ -5,6 +5,7 @@ lost meanwhile. A node the job did move on without is fenced as before."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -32,7 +33,14 @@ TTL = 2
 @pytest.fixture
 def pair(fresh_etcd: EtcdServer, run_id: str) -> Iterator[list[Rendezvous]]:
     """Nodes a and b of a two-node job, in round 1, on an etcd of the test's own."""
-    conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
+    with two_nodes(fresh_etcd, run_id, TTL) as nodes:
+        yield nodes
+
+
+@contextlib.contextmanager
+def two_nodes(fresh_etcd: EtcdServer, run_id: str, ttl: int) -> Iterator[list[Rendezvous]]:
+    """Nodes a and b of a two-node job on ``fresh_etcd``, in round 1."""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=ttl, last_call_timeout=0.1)
     nodes, clients = [], []
     for name in "ab":
         e, opts = build_options(fresh_etcd.endpoint, run_id, 2, 2, conf)
@@ -45,12 +53,14 @@ def pair(fresh_etcd: EtcdServer, run_id: str) -> Iterator[list[Rendezvous]]:
         t.start()
     for t in threads:
         t.join(15)
-    assert [n.round.number if n.round else 0 for n in nodes] == [1, 1]
-    yield nodes
-    for n in nodes:
-        n.shutdown(leave=False)
-    for c in clients:
-        c.close()
+    try:
+        assert [n.round.number if n.round else 0 for n in nodes] == [1, 1]
+        yield nodes
+    finally:
+        for n in nodes:
+            n.shutdown(leave=False)
+        for c in clients:
+            c.close()
 
 
 def freeze(server: EtcdServer, seconds: float, during: Callable[[], None]) -> None:
@@ -150,3 +160,39 @@ def test_a_vanished_member_is_lost_at_once_when_etcd_was_not_away() -> None:
     for t in (107.2, 108.5, 109.8):
         keeper.answered(0, 4, now=t)
     assert keeper.outage_until(110.5) == 110.0  # over: Session.outage() says None
+
+
+def test_a_write_said_again_later_never_holds_the_loop_while_etcd_is_frozen(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """The leader is told its workers re-form in place just as etcd freezes: saying it,
+    and each upkeep after, return within the short bound of a write that is said again
+    later (each used to wait out the 5 s request timeout, and the agent's loop with
+    it: a SIGTERM then waited 22 s), and once etcd answers, the next upkeep says it.
+    (A TTL that outlasts the freeze: this is not the lapse of the tests above.)"""
+    with two_nodes(fresh_etcd, run_id, ttl=30) as pair:
+        leader = next(n for n in pair if n.lead.holds(n.mirror.view()))
+        took: list[float] = []
+        errors: list[Exception] = []
+
+        def during() -> None:
+            for call in (lambda: leader.announce_in_place(True), leader.upkeep, leader.upkeep):
+                started = time.monotonic()
+                call()
+                took.append(time.monotonic() - started)
+            started = time.monotonic()
+            try:  # the request's own deadline, not only its retries, is the bound
+                leader.client.put(leader.key("probe"), b"x", timeout=0.5)
+            except EtcdUnavailableError as e:
+                errors.append(e)
+            took.append(time.monotonic() - started)
+
+        freeze(fresh_etcd, 0, during)
+        assert max(took) < 2.0 and errors, (took, errors)
+
+        def said() -> bool:
+            leader.upkeep()
+            rec = record(leader)
+            return rec is not None and rec.in_place
+
+        wait_until(said, 15, "the leader's record to say its workers re-form in place")
