@@ -365,6 +365,11 @@ class Rendezvous:
         """Block until anything in the job changes (or ``timeout``); returns the new version."""
         return self.mirror.wait(version, timeout)
 
+    def outage(self) -> tuple[float, float] | None:
+        """(now, until) while etcd has not answered this node lately, and a TTL after it
+        answers again (``Session.outage``); None otherwise."""
+        return self.session.outage()
+
     def upkeep(self) -> None:
         """The lead's part while a round runs: claim a vacant lead when the rules say so
         (switching the mirror to the whole job), and give the members notice of what the

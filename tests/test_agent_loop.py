@@ -97,6 +97,12 @@ class FakeJob:
     def probe_members(self) -> None:
         self.calls.append("probe_members")
 
+    outage_until = 0.0  # monotonic: etcd counts as away until then
+
+    def outage(self) -> tuple[float, float] | None:
+        now = time.monotonic()
+        return (now, self.outage_until) if self.outage_until > now else None
+
     def closed(self) -> ClosedRecord | None:
         return self.closed_record
 
@@ -546,6 +552,35 @@ def test_stranded_workers_wait_for_the_change_that_explains_them() -> None:
     assert agent(job, workers).run() == 0
     assert "probe_members" in job.calls and job.reported == []
     assert len(workers.reformed) == 1 and len(workers.started) == 1
+
+
+def test_stranded_workers_while_etcd_is_away_wait_for_it_to_say_what_changed() -> None:
+    """A peer dies while etcd is frozen: the collective fails at once, but the loss can
+    be read from etcd only once it answers, later than the usual TTL + 1 s of looking.
+    The outage extends the look; the loss found then is the event, not a failure."""
+
+    class Frozen(FakeJob):
+        seen_at = 0.0  # monotonic: the loss can be read from then on
+
+        def check(self) -> Change | None:
+            if time.monotonic() < self.seen_at:
+                return None
+            return super().check()
+
+        def wait(self, version: int, timeout: float | None) -> int:
+            time.sleep(min(timeout or 0.0, 0.05))
+            return version
+
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = Frozen([round_of(1, "a", "b"), round_of(2, "a")], [lost])
+    started = time.monotonic()
+    job.seen_at = started + job.lease_ttl + 1.5  # past the usual look
+    job.outage_until = started + job.lease_ttl + 2.0
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.strand.append([STRANDED])
+    assert agent(job, workers).run() == 0
+    assert job.reported == [] and len(workers.reformed) == 1
 
 
 def test_stranded_workers_with_no_change_in_sight_are_a_failure() -> None:

@@ -74,6 +74,7 @@ class Membership(Protocol):
     def upkeep(self) -> None: ...  # the lead's writes: claim, notice
     def check(self) -> Change | None: ...  # read-only
     def probe_members(self) -> None: ...
+    def outage(self) -> tuple[float, float] | None: ...  # etcd away lately: (now, until)
     def closed(self) -> ClosedRecord | None: ...
     def wait(self, version: int, timeout: float | None) -> int: ...
     def poke(self) -> None: ...
@@ -494,9 +495,17 @@ class Agent:
         return LocalEvent.WORKERS_FAILED
 
     def _find_change(self, urgent_only: bool) -> Change | None:
-        """Probe the members and watch the job for up to a lease TTL for a change."""
+        """Probe the members and watch the job for up to a lease TTL for a change; while
+        etcd is away, until a TTL after it answers again: no change can be read from it
+        meanwhile (a peer lost in the outage is seen then), and etcd away is not this
+        node's own failure."""
         deadline = time.monotonic() + self.rdzv.lease_ttl + 1.0
-        while time.monotonic() < deadline and self.signal is None:
+        while self.signal is None:
+            outage = self.rdzv.outage()
+            if outage is not None:
+                deadline = max(deadline, outage[1] + 1.0)
+            if time.monotonic() >= deadline:
+                break
             version = self.rdzv.version
             self.rdzv.probe_members()
             self.rdzv.upkeep()
