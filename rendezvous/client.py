@@ -56,6 +56,12 @@ _RETRYABLE_CODES = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
+# said as python-etcd3 says them, not in gRPC's own words ("failed to connect to all
+# addresses; last error: ..."): the hint that follows says what to check
+_SAID = {
+    grpc.StatusCode.UNAVAILABLE: "etcd connection failed",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "etcd connection timeout",
+}
 
 
 def _kv(kv: Any) -> KV:
@@ -179,7 +185,7 @@ class EtcdClient:
                     last = f"auth token expired ({details})"
                     self._reset()
                 elif code in _RETRYABLE_CODES:
-                    last = details or code.name
+                    last = _SAID.get(code) or details or code.name
                     self._reset()
                 elif code == grpc.StatusCode.CANCELLED:
                     last = details or code.name  # another thread replaced the channel
