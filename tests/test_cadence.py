@@ -141,7 +141,8 @@ def test_state_by_default_snapshots_as_often_as_the_budget_allows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A real State taking real snapshots, timed by an injected clock: a step takes
-    10 ms, and the step after a snapshot 80 ms more. Snapshots are spread out and the
+    10 ms, and the step after a snapshot 80 ms more (the real copy is waited for, so a
+slow machine cannot stretch it over the steps that follow). Snapshots are spread out and the
     choice logged; then steps take 1 s and snapshots come far more often."""
     monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
     model = torch.nn.Linear(64, 64)
@@ -164,6 +165,7 @@ def test_state_by_default_snapshots_as_often_as_the_budget_allows(
             state.commit()
             if state._core.cadence.last == state.step:
                 taken.append(state.step)
+                state.flush()  # the copy ends within the (simulated) step, as timed
         state.flush()
         return taken
 
