@@ -141,9 +141,9 @@ def test_state_by_default_snapshots_as_often_as_the_budget_allows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A real State taking real snapshots, timed by an injected clock: a step takes
-    10 ms, and the step after a snapshot 80 ms more (the real copy is waited for, so a
-slow machine cannot stretch it over the steps that follow). Snapshots are spread out and the
-    choice logged; then steps take 1 s and snapshots come far more often."""
+    10 ms, and the step after a snapshot 80 ms more (each real copy is waited for, so a
+    slow machine cannot stretch one over the steps that follow). Snapshots are spread
+    out and the choice logged; then steps take 1 s and snapshots come far more often."""
     monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path))
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
