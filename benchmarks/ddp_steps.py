@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from typing import IO
@@ -73,6 +74,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.live:  # before the process group, as the README says: a newcomer's worker can
         import elastic  # then start before its node joins (elastic/agent/lobby.py)
+
+        logging.basicConfig(format="%(message)s")  # State's account of each re-formation
+        logging.getLogger("elastic").setLevel(logging.INFO)
     dist.init_process_group("gloo")
     model = build(a.device, a.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

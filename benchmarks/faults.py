@@ -14,6 +14,9 @@ job's budget, with the nodes whose own failure they were.
     kill forming  c joins; as the round of three forms, a (rank 0, the store host) is
                   SIGKILLed
     kill newcomer c joins; as the round of three forms, c is SIGKILLed
+    kill resyncing  c joins; as its worker receives the state from a (rank 0), a is
+                  SIGKILLed (the state must take a while to send: a --width of 2048 or
+                  more)
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
     kill re-forming  c (rank 1) SIGKILLed; as b's agent re-forms for it, a (the leader,
                   rank 0, the store host) too: b, rank 0 moments after rank 1, trains alone
@@ -182,6 +185,17 @@ def kill_newcomer(job: Job) -> Outcome:
     return killed_as_c_joins(job, "c")
 
 
+def kill_resyncing(job: Job) -> Outcome:
+    """c joins a and b; as c's fresh worker receives the state from a (rank 0, the lowest
+    rank holding it), a is SIGKILLed: b, which holds it too, sends it in the next round."""
+    start_training(job, "ab")
+    job.start("c")
+    job.wait_log("c", "receiving step")
+    at = time.time()
+    job.nodes["a"].kill()
+    return job.outcome(at, job.since(2, at))
+
+
 def two_kills(job: Job) -> Outcome:
     start_training(job, "abc")
     at = time.time()
@@ -278,6 +292,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill": kill,
     "kill forming": kill_forming,
     "kill newcomer": kill_newcomer,
+    "kill resyncing": kill_resyncing,
     "two kills": two_kills,
     "kill re-forming": kill_re_forming,
     "kill resized": kill_resized,

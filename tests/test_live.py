@@ -114,25 +114,6 @@ def survivors_kept(out: Path, before: set[int], after_world: int = 2) -> None:
     assert len(after) == after_world and after <= before, (before, after)
 
 
-def test_sigkill_of_the_rank_0_node(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
-) -> None:
-    """The node that hosts the round's store and holds rank 0 goes: the others re-form
-    under a new rank 0. (A node that is not rank 0: the quick-succession test.)"""
-    victim = 0
-    agents = three(procs, etcd, run_id, tmp_path)
-    before = pids_at(tmp_path, 3)
-    killed = [p for p in before if p in worker_pids(agents[victim])]
-    agents[victim].kill_tree()
-    wait_world(tmp_path, 2, after=time.time() - 1, timeout=60)
-    for i, a in enumerate(agents):
-        if i != victim:
-            assert a.wait(120) == 0, a.transcript()
-            assert "workers re-form live" in a.transcript()
-    survivors_kept(tmp_path, before - set(killed))
-    check_run(tmp_path, changes=1)
-
-
 def test_sigstop_of_a_node(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -284,27 +265,49 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
     check_run(tmp_path, changes=3)
 
 
+@pytest.mark.parametrize("phase", ["forming", "resyncing"])
 def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, phase: str
 ) -> None:
-    """c joins; as the round of three forms (b waits in it for c's fresh worker), a, its
-    rank 0 and store host, is SIGKILLed. b leaves the dead round at once and re-forms
-    with c in its own process, where it waited out --shutdown-timeout and respawned."""
-    slow = ("--slow-below-world", "4")  # training outlasts all of it, however slow
-    a, b = (start(procs, etcd, run_id, tmp_path, n, *slow) for n in "ab")
+    """c joins; a, the round's rank 0 and store host, is SIGKILLed as the round of three
+    forms (b waits in it for c's fresh worker), or as it resyncs (a holds c's fresh
+    worker in the broadcast of the state, in c's first restore). b and c leave the dead
+    round at once and re-form without a, in their own processes (they waited out
+    --shutdown-timeout and respawned; c's worker died of its first restore). These are
+    the tests of losing the rank-0 node; a node that is not rank 0: the quick-succession
+    test."""
+    slow = ("--slow-below-world", "4", "--slow-send")  # training outlasts all of it
+    flag = tmp_path / "slow-send"
+    a = start(procs, etcd, run_id, tmp_path, "a", *slow)
+    a.wait_output("registered as a", timeout=30)  # a registers first: rank 0
+    b = start(procs, etcd, run_id, tmp_path, "b", *slow)
     wait_world(tmp_path, 2, timeout=90)
     kept = worker_pids(b)
+    if phase == "resyncing":
+        flag.touch()  # a, sending the state, is held in packing it
     c = start(procs, etcd, run_id, tmp_path, "c", *slow)
-    b.wait_output("joined c", timeout=60)  # the round of three has formed
+    if phase == "forming":
+        b.wait_output("joined c", timeout=60)  # the round of three has formed
+    else:
+        c.wait_output("rank 2: receiving step", timeout=60)
+    newcomer = set(worker_pids(c))
     killed = time.time()
     a.kill_tree()
+    flag.unlink(missing_ok=True)  # b sends at once
     back = wait_world(tmp_path, 2, after=killed, timeout=90)
     print(f"training at world 2 {back - killed:.2f}s after the kill")
     assert back - killed < 20, b.transcript()  # not --shutdown-timeout (30 s), then more
     assert worker_pids(b) == kept
+    if phase == "resyncing":  # c's worker restored nothing from a; it gets it from b
+        said = c.transcript()
+        got = said.find("rank 1: receiving step")
+        assert -1 < got < said.find("restored step"), said
+        after = {r["pid"] for r in rows(tmp_path) if r["world"] == 2 and r["t"] > killed}
+        assert after == set(kept) | newcomer, "c's first worker trains"
     for n in (b, c):
         assert n.wait(120) == 0, n.transcript()
         assert "no live re-formation" not in n.transcript()
+        assert "stopping workers" not in n.transcript()
     check_run(tmp_path, changes=2)
 
 

@@ -359,10 +359,10 @@ class State:
         core.rebuild = reshard
         g = self._go_live()
         try:
-            if not core.restored:
-                self.restore()
             while True:
                 try:
+                    if not core.restored:  # inside: a change during it is one more change
+                        self.restore()
                     return fn(*args, **kwargs)
                 except BaseException as e:
                     if g is None or not g.breaks(e):
@@ -430,7 +430,7 @@ class State:
                 s.advance(1)
         for opt in core.optimizers():
             opt.zero_grad(set_to_none=True)
-        if core.sharded and core.held is None:  # kept until a resync has used it
+        if core.sharded and core.held is None and core.restored:  # kept until a resync
             live = reshard.capture(core.objects, core.values, core.values["step"])
             core.held = live + core.kept
 
@@ -439,6 +439,13 @@ class State:
         whose ``live_state`` is False (a framework's whole checkpoint, which a step cut
         short leaves half-done) is offered as of this node's newest snapshot."""
         core = self._core
+        if not core.restored:  # the group broke in the first restore: it is done again
+            if core.sharded:  # over the new group
+                reshard.forget_old_meshes()
+                reshard.replace(core.objects, self._rebuilt())
+                self._hook_optimizers()
+            self.restore()
+            return int(core.values["step"])
         if core.sharded:
             return self._resync_sharded()
         mine = (
@@ -579,6 +586,8 @@ class State:
         if everyone:
             blob = mine.read()
         else:
+            if mine.step < best:  # a long pause of a large state is seen for what it is
+                log.info("rank %d: receiving step %d from rank %d", rank, best, holder)
             blob = self._core.comm.broadcast(mine.read() if rank == holder else None, holder)
             if mine.in_memory is not None and mine.step == best:
                 return best, 0
@@ -602,9 +611,9 @@ class State:
         """Shard the model again over the new group (the script's ``reshard``) and fill it
         from what the ranks hold (see ``_restore_sharded``)."""
         core = self._core
-        assert core.rebuild is not None and core.held is not None
+        assert core.held is not None
         reshard.forget_old_meshes()
-        reshard.replace(core.objects, core.rebuild())
+        reshard.replace(core.objects, self._rebuilt())
         self._hook_optimizers()
         had = core.held.step
         step = self._restore_sharded(core.held)
@@ -622,6 +631,11 @@ class State:
             core.ctl.beat(max(step, 0))
             core.ctl.restored(step)
         return step
+
+    def _rebuilt(self) -> dict[str, Any]:
+        """The script's ``reshard()``: the sharded objects, cut over the current group."""
+        assert self._core.rebuild is not None  # sharded state is live only with one
+        return self._core.rebuild()
 
     def _restore_sharded(self, held: reshard.Held | None = None) -> int:
         """The newest state the ranks' memory holds whole (``held``: this rank's shards

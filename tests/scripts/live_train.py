@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from contextlib import nullcontext
@@ -68,6 +69,24 @@ def train(
             time.sleep(max(a.step_time, 0.4) if slow else a.step_time)
 
 
+class SlowToPack:
+    """``--slow-send``: a value of State whose state_dict waits (2 s at most) while
+    $RESULT_DIR/slow-send exists, so a rank sending the state in a resync is held there
+    (and a test can lose it mid-resync, not after)."""
+
+    def __init__(self, results: Path) -> None:
+        self.flag = results / "slow-send"
+
+    def state_dict(self) -> dict:
+        deadline = time.monotonic() + 2.0
+        while self.flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        pass
+
+
 @record
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -82,7 +101,13 @@ def main() -> None:
         action="store_true",
         help="after training, write $RESULT_DIR/trained and exit once $RESULT_DIR/release is",
     )
+    ap.add_argument("--slow-send", action="store_true", help="see SlowToPack; logs State's")
     a = ap.parse_args()
+    results = Path(os.environ["RESULT_DIR"])
+    extra = {"slow": SlowToPack(results)} if a.slow_send else {}
+    if a.slow_send:  # State's account of each restore: "receiving step ..."
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("elastic").setLevel(logging.INFO)
     dist.init_process_group("gloo")
     model = net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -90,12 +115,11 @@ def main() -> None:
     data = Indexed(a.samples)
     sampler = elastic.ElasticSampler(data, policy, shuffle=True, seed=3)
     loader = DataLoader(data, batch_sampler=sampler, generator=torch.Generator())
-    state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
-    with open(os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl"), "a") as out:
+    state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, **extra)
+    with open(results / f"w{os.getpid()}.jsonl", "a") as out:
         state.run(train, a, state, model, opt, loader, out)
     state.close()
     if a.linger:
-        results = Path(os.environ["RESULT_DIR"])
         (results / "trained").touch()
         deadline = time.monotonic() + 60
         while not (results / "release").exists() and time.monotonic() < deadline:
