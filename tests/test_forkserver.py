@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -45,21 +46,18 @@ def test_workers_get_the_same_environment_and_logs(tmp_path: Path) -> None:
 
 
 def test_failures_carry_exit_code_and_message(tmp_path: Path) -> None:
-    done = elastic_run(
-        "--nproc-per-node", "2", "--max-restarts", "1", "tests/scripts/echo.py", "--fail-first"
-    )
+    """A worker's exit code and a crash's message reach the agent's report (the two jobs
+    at once: most of each is start-up)."""
+    restarted = ("--nproc-per-node", "2", "--max-restarts", "1", "tests/scripts/echo.py")
+    crashing = ("tests/scripts/train_loop.py", "--steps", "5", "--crash-rank", "0")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(elastic_run, *restarted, "--fail-first")
+        second = pool.submit(
+            elastic_run, *crashing, "--crash-step", "2", env={"RESULT_DIR": str(tmp_path)}
+        )
+        done, crash = first.result(), second.result()
     assert done.returncode == 0, done.stderr  # the restart succeeds
     assert "rank 1 (local_rank 1) on" in done.stderr and "exit code 3" in done.stderr
-    crash = elastic_run(
-        "tests/scripts/train_loop.py",
-        "--steps",
-        "5",
-        "--crash-rank",
-        "0",
-        "--crash-step",
-        "2",
-        env={"RESULT_DIR": str(tmp_path)},
-    )
     assert crash.returncode == 1
     assert "RuntimeError: injected crash at step 2 on rank 0" in crash.stderr
 
