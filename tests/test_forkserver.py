@@ -33,16 +33,20 @@ def elastic_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def test_workers_get_the_same_environment_and_logs(tmp_path: Path) -> None:
-    done = elastic_run(
-        "--nproc-per-node", "2", "tests/scripts/dump_env.py", env={"RESULT_DIR": str(tmp_path)}
-    )
+    with ThreadPoolExecutor(2) as pool:  # the two jobs at once: most of each is start-up
+        dumped = pool.submit(
+            elastic_run,
+            *("--nproc-per-node", "2", "tests/scripts/dump_env.py"),
+            env={"RESULT_DIR": str(tmp_path)},
+        )
+        echoed = pool.submit(elastic_run, "--nproc-per-node", "2", "tests/scripts/echo.py")
+        done, echo = dumped.result(), echoed.result()
     assert done.returncode == 0, done.stderr
     for rank in (0, 1):
         env = json.loads((tmp_path / f"env-rank{rank}.json").read_text())
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == "2" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
-    done = elastic_run("--nproc-per-node", "2", "tests/scripts/echo.py")
-    assert "hello from 1" in done.stdout and "complaint from 0" in done.stderr
+    assert "hello from 1" in echo.stdout and "complaint from 0" in echo.stderr
 
 
 def test_failures_carry_exit_code_and_message(tmp_path: Path) -> None:
