@@ -440,10 +440,8 @@ class State:
         short leaves half-done) is offered as of this node's newest snapshot."""
         core = self._core
         if not core.restored:  # the group broke in the first restore: it is done again
-            if core.sharded:  # over the new group
-                reshard.forget_old_meshes()
-                reshard.replace(core.objects, self._rebuilt())
-                self._hook_optimizers()
+            if core.sharded:
+                self._shard_again()
             self.restore()
             return int(core.values["step"])
         if core.sharded:
@@ -612,9 +610,7 @@ class State:
         from what the ranks hold (see ``_restore_sharded``)."""
         core = self._core
         assert core.held is not None
-        reshard.forget_old_meshes()
-        reshard.replace(core.objects, self._rebuilt())
-        self._hook_optimizers()
+        self._shard_again()
         had = core.held.step
         step = self._restore_sharded(core.held)
         core.held = None
@@ -632,10 +628,13 @@ class State:
             core.ctl.restored(step)
         return step
 
-    def _rebuilt(self) -> dict[str, Any]:
-        """The script's ``reshard()``: the sharded objects, cut over the current group."""
+    def _shard_again(self) -> None:
+        """Put in place of the sharded objects what the script's ``reshard()`` cuts over
+        the current group (its optimizers hooked as the first ones were)."""
         assert self._core.rebuild is not None  # sharded state is live only with one
-        return self._core.rebuild()
+        reshard.forget_old_meshes()
+        reshard.replace(self._core.objects, self._core.rebuild())
+        self._hook_optimizers()
 
     def _restore_sharded(self, held: reshard.Held | None = None) -> int:
         """The newest state the ranks' memory holds whole (``held``: this rank's shards
