@@ -203,22 +203,32 @@ def test_reform_forms_again_when_the_group_breaks_while_forming(
     assert group.reformations == 1 and dist.is_initialized()
 
 
-def test_a_break_in_the_first_restore_re_forms_and_restores_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("breaks", [1, 2])
+def test_a_break_in_the_first_restore_re_forms_and_restores_again(
+    tmp_path: Path, breaks: int
+) -> None:
     """A newcomer's first restore, in State.run, fails as the rank sending it the state is
-    lost: the worker re-forms in its own process, as for any change, and restores in the
-    next group; the training function runs once, after that."""
+    lost (twice: the next sender lost too, during the recovery from the first loss): the
+    worker re-forms in its own process, as for any change, and restores in the next
+    group; the training function runs once, after that."""
     block = ControlBlock(tmp_path / "control-0", create=True)
     env = {**os.environ, CONTROL_ENV: str(block.path), "ELASTIC_RUN_RESTART_MODE": "live"}
     env.update(placement(free_port()), PYTHONPATH=str(ROOT), ELASTIC_RUN_NODE_DIR=str(tmp_path))
+    env["BREAKS"] = str(breaks)
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "first_restore.py")]
     worker = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+
+    def asked() -> bool:  # a placement answers an ask: the next one is a new ask
+        return block.stranded or worker.poll() is not None
+
     try:
-        wait_until(lambda: block.stranded or worker.poll() is not None, 60, "a placement asked")
-        assert worker.poll() is None, "the worker died of its first restore"
-        block.publish_placement(placement(free_port()))  # the agent, after the loss
+        for lost in range(breaks):
+            wait_until(asked, 60, f"a placement asked after loss {lost + 1}")
+            assert worker.poll() is None, "the worker died of its first restore"
+            block.publish_placement(placement(free_port()))  # the agent, after the loss
         out, _ = worker.communicate(timeout=60)
         assert worker.returncode == 0
-        assert json.loads(out.splitlines()[-1]) == {"restores": 2, "entered": ["1"]}
+        assert json.loads(out.splitlines()[-1]) == {"restores": breaks + 1, "entered": ["1"]}
     finally:
         if worker.poll() is None:
             worker.kill()
