@@ -273,7 +273,18 @@ def test_fsdp_state_is_resharded_live_through_a_join_and_a_kill(
             r for r in steps(out) if r["event"] == "step" and r["world"] == world and r["t"] > after
         ]
 
-    wait_until(lambda: len(trained(3, 0)) >= 9, 90, "three steps at world 3")
+    def past_a_snapshot_at_3() -> bool:
+        """Every rank trains past the first snapshot at world 3 (--snapshot-every 5; a
+        sharded snapshot, with its copy to the next node, is done when commit returns):
+        only then does c hold a copy of b's rows. (A node lost during that snapshot leaves
+        no step whole in memory: the copy it replaces goes first; the DCP checkpoint then.)"""
+        at3 = trained(3, 0)
+        if not at3:
+            return False
+        snap = -(-min(r["step"] for r in at3) // 5) * 5
+        return len({r["rank"] for r in at3 if r["step"] > snap}) == 3
+
+    wait_until(past_a_snapshot_at_3, 90, "training at world 3 past a snapshot")
     gone = set(worker_pids(b))
     killed = time.time()
     b.kill_tree()
