@@ -34,10 +34,11 @@ from rendezvous.records import (
     FailureRecord,
     FailureReport,
     JobOutcome,
+    ProgressRecord,
     RoundRecord,
 )
 from rendezvous.rules import Change, Plan, lean_round_end, plan, round_end
-from rendezvous.session import NodeSpec, Session, closed_error
+from rendezvous.session import RETRIED_TIMEOUT, NodeSpec, Session, closed_error
 from rendezvous.view import KV, Glance, JobView
 
 __all__ = ["NodeSpec", "Rendezvous"]
@@ -67,6 +68,7 @@ class Rendezvous:
         self.lead = Lead(self.session, client, self.mirror)
         self.round: RoundRecord | None = None  # the round this node is (or was last) in
         self._in_place = False  # its workers re-form in place: said in its record while it leads
+        self._progress = (-1, 0.0, 0)  # the job's progress: (step written, when, round)
 
     @property
     def node_id(self) -> str:
@@ -355,6 +357,31 @@ class Rendezvous:
         gives the notice itself: nobody else reads its record)."""
         if self.session.mark_leaving(self.mirror.connected) and self.mirror.complete:
             self.lead.give_notice(self.mirror.view())
+
+    def report_progress(self, step: int) -> None:
+        """Record ``step``, the newest this node's workers committed, as the job's
+        (``records.ProgressRecord``, without a lease) where this node is rank 0 of its
+        round and a write is due (``rules.progress_due``). A write that fails waits for
+        the next interval: the record only makes a later warning exact."""
+        r = self.round
+        if r is None or r.rank_of(self.me.id) != 0 or not self.mirror.connected:
+            return
+        now = time.monotonic()
+        written, at, number = self._progress
+        if not rules.progress_due(step, written, now - at, r.size, number != r.number):
+            return
+        self._progress = (written, now, number)  # a write that fails waits an interval
+        rec = ProgressRecord(step=step, node=self.me.id, round=r.number, at=time.time())
+        try:
+            self.client.put(self.key(records.PROGRESS), rec.encode(), timeout=RETRIED_TIMEOUT)
+        except RendezvousError as e:
+            log.debug("could not record the job's progress: %s", e)
+            return
+        self._progress = (step, now, r.number)
+
+    def progress(self) -> ProgressRecord | None:
+        """The job's progress as recorded (``report_progress``), if any."""
+        return self.mirror.view().progress
 
     # -- watching a running round ---------------------------------------------------------
     @property

@@ -18,6 +18,9 @@ raises ``MalformedRecordError`` naming the key.
                                                    ends the running round
     <prefix>/<run_id>/job/failures/<round>/<node>  a node's worker failures in that round
     <prefix>/<run_id>/job/closed                   ClosedRecord: the job is over
+    <prefix>/<run_id>/job/progress                 ProgressRecord: the newest step the
+                                                   job committed, as its rank-0 node last
+                                                   said (no lease: it outlives them all)
 
 Everything every node needs is under ``job/``, so a node other than the leader watches
 three things: ``job/``, its own record and its bucket of the round.
@@ -50,6 +53,7 @@ LEADER = JOB + "leader"
 NOTICE = JOB + "notice"
 FAILURES = JOB + "failures/"
 CLOSED = JOB + "closed"
+PROGRESS = JOB + "progress"
 
 PER_BUCKET = 64  # members per bucket, up to MAX_BUCKETS buckets
 MAX_BUCKETS = 120  # a round's puts and deletes stay within etcd's --max-txn-ops (128)
@@ -569,6 +573,34 @@ class NoticeRecord:
             end=_enum(key, RoundEnd, _field(key, obj, "end", str)),
             detail=str(obj.get("detail", "")),
             nodes=_names(obj.get("nodes")),
+        )
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """The newest step the job committed, as the rank-0 node of ``round`` last said: a
+    round that later resumes from an older step says how many it trains again, even
+    when no node that trained them is left."""
+
+    step: int
+    node: str
+    round: int
+    at: float = 0.0
+
+    def encode(self) -> bytes:
+        return dumps(_shallow(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes) -> ProgressRecord:
+        obj = _load(key, raw)
+        step = _field(key, obj, "step", int)
+        if step < 0:
+            raise _bad(key, f"step {step} is negative")
+        return cls(
+            step=step,
+            node=_text(key, obj, "node"),
+            round=_field(key, obj, "round", int),
+            at=_number(obj, "at"),
         )
 
 

@@ -20,6 +20,7 @@ from rendezvous.records import (
     Member,
     NodeRecord,
     NoticeRecord,
+    ProgressRecord,
     RoundRecord,
     decode_bucket,
 )
@@ -61,6 +62,7 @@ class JobView:
     leader: LeaderRecord | None = None  # None also when the key holds no live leader's
     leader_kv: KV | None = None  # whatever the key holds, for guarded writes (and claims)
     notice: NoticeRecord | None = None
+    progress: ProgressRecord | None = None
 
     @property
     def round(self) -> RoundRecord | None:
@@ -101,6 +103,7 @@ class Decoded:
         self.notice: NoticeRecord | None = None
         self.closed: ClosedRecord | None = None
         self.closed_err: str | None = None
+        self.progress: ProgressRecord | None = None
         self.failures: dict[int, dict[str, FailureRecord]] = {}
         self.problems: dict[str, str] = {}  # rel key -> why it was ignored
 
@@ -137,6 +140,8 @@ class Decoded:
                 self.notice = NoticeRecord.decode(kv.key, kv.value)
             elif rel == records.CLOSED:
                 self.closed = ClosedRecord.decode(kv.key, kv.value)
+            elif rel == records.PROGRESS:
+                self.progress = ProgressRecord.decode(kv.key, kv.value)
             elif rel.startswith(records.FAILURES):
                 f = FailureRecord.decode(kv.key, kv.value)
                 if rel != f"{records.FAILURES}{f.round}/{f.node}":
@@ -176,6 +181,8 @@ class Decoded:
             self.notice = None
         elif rel == records.CLOSED:
             self.closed, self.closed_err = None, None
+        elif rel == records.PROGRESS:
+            self.progress = None
 
     def assembled(self) -> tuple[RoundRecord | None, int]:
         """The round with the members its buckets here hold, or, while this node's bucket
@@ -218,4 +225,5 @@ class Decoded:
             self.leader_record(),
             self.leader,
             self.notice,
+            self.progress,
         )

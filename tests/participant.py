@@ -4,7 +4,8 @@ Tests start several of these as "nodes". Each prints JSON events on stdout:
 ``ready`` once registered, ``round`` when it is in a new round, ``change`` when
 ``check()`` reports something, ``error`` with the message of a rendezvous error.
 
-Commands: next | finish | fail | announce | close | leave | exit
+Commands: next | finish | fail | announce | close | leave | exit | progress [STEP]
+(``progress 7``: report step 7 as this node's; either way, say the job's recorded one)
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ def main() -> None:
             elif cmd == "in_place":  # its workers re-form in place (said while it leads)
                 rdzv.announce_in_place(True)
                 emit("in_place")
+            elif cmd.startswith("progress"):
+                if cmd != "progress":
+                    rdzv.report_progress(int(cmd.split()[1]))
+                rec = rdzv.progress()
+                emit("progress", step=rec.step if rec else -1, node=rec.node if rec else "")
             elif cmd == "announce":
                 rdzv.announce_leaving()
                 emit("announced")

@@ -32,6 +32,7 @@ from rendezvous.records import (
     JobOutcome,
     Member,
     NodeRecord,
+    ProgressRecord,
     RoundCause,
     RoundRecord,
 )
@@ -80,6 +81,15 @@ class FakeJob:
 
     def announce_in_place(self, in_place: bool) -> None:
         self.in_place_said = [*self.in_place_said, in_place]
+
+    recorded: ProgressRecord | None = None  # the job's progress as etcd holds it
+    progress_said: list[int] = []
+
+    def report_progress(self, step: int) -> None:
+        self.progress_said = [*self.progress_said, step]
+
+    def progress(self) -> ProgressRecord | None:
+        return self.recorded
 
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord:
         self.calls.append("next_round")
@@ -196,8 +206,10 @@ class FakeWorkers:
         self.released.append(show)
         return {} if show else {1: Path("/logs/1/stderr.log")}
 
+    last = 41  # the newest step the workers reported
+
     def last_step(self) -> int:
-        return 41
+        return self.last
 
     def restored(self) -> int | None:
         return self.restores.popleft() if self.restores else None
@@ -310,6 +322,30 @@ def test_a_round_that_resumes_behind_what_was_committed_says_so(
         "round 2 resumes from step 30, 11 step(s) behind the newest this node's workers "
         "committed (41): the newest state any member of the round held is step 30"
     ]
+
+
+def test_a_round_of_new_nodes_behind_the_jobs_recorded_progress_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never silent, even when every node that trained the steps is gone: a restarted
+    node alone, nothing committed on it, nothing to restore; the job recorded step 292.
+    Once judged, the round's steps are what it records as the job's progress."""
+    job = FakeJob([round_of(3, "a", cause=RoundCause.LOST)])
+    job.recorded = ProgressRecord(step=292, node="b", round=2)
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.last = -1
+    workers.restores.extend([None, -1])
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
+        assert agent(job, workers, metrics=metrics).run() == 0
+    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 292
+    warned = [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+    assert warned == [
+        "round 3 resumes from step 0, 292 step(s) behind the newest the job recorded as "
+        "committed (292, by node b): no member of the round held a snapshot or "
+        "checkpoint: training starts over"
+    ]
+    assert job.progress_said == [-1]  # after the verdict only (the rule skips -1)
 
 
 def test_a_collective_failing_under_a_lost_peer_is_the_loss_not_a_failure(

@@ -188,3 +188,30 @@ def test_a_record_that_resumes_is_that_incarnation_and_never_a_later_one(
         assert view.nodes["a"].rev == rev and not view.problems
     else:
         assert "a" not in view.nodes and "resumes incarnation" in view.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (b'{"step": 292, "node": "a", "round": 2, "at": 1.5}', ""),
+        (b'{"step": -3, "node": "a", "round": 2}', "negative"),
+        (b'{"step": "292", "node": "a", "round": 2}', "wrong type"),
+        (b'{"node": "a", "round": 2}', "missing field 'step'"),
+        (b"[292]", "expected a JSON object"),
+    ],
+)
+def test_the_jobs_progress_is_read_or_named_as_malformed(value: bytes, why: str) -> None:
+    """Any value at ``job/progress`` is survivable: what is not a progress record is
+    ignored by name, and the job counts as having recorded nothing."""
+    decoded = Decoded()
+    decoded.put(records.PROGRESS, KV("/j/job/progress", value, 5, 6, 0))
+    view = decoded.view(6, 0.0)
+    if not why:
+        assert view.progress == records.ProgressRecord(step=292, node="a", round=2, at=1.5)
+        assert not view.problems
+        return
+    assert (
+        view.progress is None and why in view.problems[0] and "/j/job/progress" in view.problems[0]
+    )
+    decoded.delete(records.PROGRESS)
+    assert not decoded.view(7, 0.0).problems

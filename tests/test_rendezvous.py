@@ -405,6 +405,39 @@ def test_a_leader_killed_while_the_next_round_forms_is_found_by_its_successor(
     client.close()
 
 
+def test_the_jobs_progress_is_recorded_by_rank_0_and_outlives_it(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    """Only the round's rank 0 records the job's progress; every node sees it through its
+    watch; it has no lease, so a round that forms after rank 0 died still knows it (and
+    its rank 0, in a round it has not written in, records its own step at once)."""
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
+    start_round([a, b])
+    b.send("progress 5")
+    assert b.expect("progress")["step"] == -1  # rank 1 writes nothing
+
+    def seen_by(p: Proc, step: int) -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            p.send("progress")
+            if p.expect("progress")["step"] == step:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{p.name} never saw step {step}")
+
+    a.send("progress 7")
+    a.expect("progress")
+    seen_by(b, 7)
+    a.signal(signal.SIGKILL)
+    b.send("next")
+    assert b.expect("round", timeout=15)["lost"] == ["a"]
+    b.send("progress")
+    assert b.expect("progress") == {"event": "progress", "step": 7, "node": "a"}
+    b.send("progress 3")  # resumed from an older step: its round's first write
+    b.expect("progress")
+    seen_by(b, 3)
+
+
 def test_a_frozen_member_is_not_mistaken_for_dead(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:

@@ -25,3 +25,25 @@ def test_steps_trained_again(committed: int, restored: int, steps: int, why: str
         return
     assert verdict is not None and verdict.steps == steps
     assert verdict.reason.startswith("round 3 resumes from step") and why in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("committed", "recorded", "restored", "steps", "whose"),
+    [
+        (-1, 292, -1, 292, "the newest the job recorded as committed (292, by node b)"),
+        (-1, 292, 280, 12, "the newest the job recorded as committed (292, by node b)"),
+        (295, 292, 280, 15, "the newest this node's workers committed (295)"),
+        (-1, 292, 292, 0, ""),  # resumed where the job was
+        (-1, -1, -1, 0, ""),  # a new job
+    ],
+)
+def test_the_jobs_recorded_progress_counts_when_this_node_knows_less(
+    committed: int, recorded: int, restored: int, steps: int, whose: str
+) -> None:
+    """A node that trained none of the steps (restarted, or new) still says how many the
+    round trains again, from the progress the job recorded."""
+    verdict = redone(committed, restored, 4, recorded, "b")
+    if not steps:
+        assert verdict is None
+        return
+    assert verdict is not None and verdict.steps == steps and whose in verdict.reason

@@ -36,6 +36,7 @@ from rendezvous.rules import (
     member_state,
     notice_to_give,
     plan,
+    progress_due,
     round_end,
     successor,
     waiting,
@@ -462,3 +463,21 @@ def test_nodes_waiting_from_the_whole_job_or_from_a_count() -> None:
     assert waiting_by_count(3, r, max_nodes=3) == 1
     assert waiting_by_count(3, r, max_nodes=2) == 0
     assert waiting_by_count(1, r, max_nodes=3) == 0  # a member went: a change of its own
+
+
+@pytest.mark.parametrize(
+    ("step", "written", "since", "members", "new_round", "due"),
+    [
+        (10, 5, 2.5, 3, False, True),  # an interval on, a new step
+        (10, 5, 1.0, 3, False, False),  # too soon
+        (5, 5, 60.0, 3, False, False),  # nothing new
+        (-1, 5, 60.0, 3, True, False),  # the workers said no step yet
+        (3, 292, 0.0, 3, True, True),  # a new round resumed behind: at once
+        (300, 292, 10.0, 10_000, False, False),  # 10,000 watchers: once in 50 s
+        (300, 292, 51.0, 10_000, False, True),
+    ],
+)
+def test_the_jobs_progress_is_written_at_a_pace_every_watch_can_take(
+    step: int, written: int, since: float, members: int, new_round: bool, due: bool
+) -> None:
+    assert progress_due(step, written, since, members, new_round) is due

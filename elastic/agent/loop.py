@@ -41,7 +41,14 @@ from rendezvous.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from rendezvous.records import NAMES, ClosedRecord, JobOutcome, RoundCause, RoundRecord
+from rendezvous.records import (
+    NAMES,
+    ClosedRecord,
+    JobOutcome,
+    ProgressRecord,
+    RoundCause,
+    RoundRecord,
+)
 from rendezvous.rules import Change, RoundEnd
 from rendezvous.view import Glance
 
@@ -83,6 +90,8 @@ class Membership(Protocol):
     def resume(self) -> bool: ...  # carry this incarnation on after a lapse (LAPSED)
     def announce_leaving(self) -> None: ...
     def announce_in_place(self, in_place: bool) -> None: ...
+    def report_progress(self, step: int) -> None: ...  # rank 0's: the job's progress
+    def progress(self) -> ProgressRecord | None: ...  # the job's progress as recorded
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
     def shutdown(self, leave: bool = True) -> None: ...
 
@@ -192,7 +201,9 @@ class Agent:
         self._began = time.monotonic()
         self._lost_total = 0.0  # seconds without workers after the first round: failures, resizes
         self._step = -1
-        self._resuming: tuple[int, int] | None = None  # (step committed before, round) to judge
+        # to judge once the workers say where the round resumed: (step this node committed
+        # before, the job's recorded progress then, the round)
+        self._resuming: tuple[int, ProgressRecord | None, int] | None = None
         self._prepared_at = 0.0  # when workers started ahead of joining (lobby)
         self._announced = False  # what the rendezvous was told: its workers re-form in place
         self._live_seen = False  # the workers re-formed in place this round (State.run)
@@ -420,6 +431,8 @@ class Agent:
             if state is GroupState.STOPPED:
                 return LocalEvent.WORKERS_SAVED
             self._judge_resume()
+            if self._resuming is None:  # judged: this round's steps are the job's now
+                self.rdzv.report_progress(self.workers.last_step())
             live = self.workers.live
             self._live_seen = self._live_seen or live
             self._announce_in_place(live)
@@ -455,9 +468,10 @@ class Agent:
         restored = self.workers.restored()
         if restored is None:
             return
-        committed, number = self._resuming
+        committed, recorded, number = self._resuming
         self._resuming = None
-        verdict = redone(committed, restored, number)
+        step, by = (recorded.step, recorded.node) if recorded is not None else (-1, "")
+        verdict = redone(committed, restored, number, step, by)
         if verdict is not None:
             log.warning("%s", verdict.reason)
             if self.metrics is not None:
@@ -641,7 +655,7 @@ class Agent:
         first = placements[0]
         group_rank, nproc, count = first.group_rank, len(placements), first.restart_count
         in_place = how is Start.REFORM
-        self._resuming = (self.workers.last_step(), r.number)
+        self._resuming = (self.workers.last_step(), self.rdzv.progress(), r.number)
         self._live_seen = False  # this round's workers say it again
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick

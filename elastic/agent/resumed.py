@@ -1,8 +1,9 @@
 """Whether a round trains again what this node's workers had committed: never silently.
 
 A new round resumes from the newest state any of its members holds; when that is older
-than the newest step this node's workers committed before (the state's holder was lost,
-or no member had a snapshot yet), steps are trained again. The rule is here; the agent
+than the newest step this node's workers committed before, or than the job's recorded
+progress (the state's holder was lost, or no member had a snapshot yet, or every node
+that trained those steps is gone), steps are trained again. The rule is here; the agent
 logs its verdict as a warning and counts the steps.
 """
 
@@ -19,20 +20,28 @@ class Redone:
     reason: str
 
 
-def redone(committed: int, restored: int, round_number: int) -> Redone | None:
+def redone(
+    committed: int, restored: int, round_number: int, recorded: int = -1, by: str = ""
+) -> Redone | None:
     """``committed``: the newest step this node's workers committed before the round
     (-1: none, as on a node's first round); ``restored``: the step its workers resumed
-    from (-1: nothing restored, the job starts over). None: nothing is trained again."""
+    from (-1: nothing restored, the job starts over); ``recorded``: the newest step the
+    job recorded as committed (``job/progress``, written by node ``by``; -1: none), which
+    a round of new nodes alone knows. None: nothing is trained again."""
     start = max(restored, 0)
-    if committed <= start:
+    newest = max(committed, recorded)
+    if newest <= start:
         return None
-    steps = committed - start
+    steps = newest - start
+    if committed >= recorded:
+        whose = f"the newest this node's workers committed ({committed})"
+    else:
+        whose = f"the newest the job recorded as committed ({recorded}, by node {by})"
     if restored < 0:
         why = "no member of the round held a snapshot or checkpoint: training starts over"
     else:
         why = f"the newest state any member of the round held is step {restored}"
     return Redone(
         steps,
-        f"round {round_number} resumes from step {start}, {steps} step(s) behind the "
-        f"newest this node's workers committed ({committed}): {why}",
+        f"round {round_number} resumes from step {start}, {steps} step(s) behind {whose}: {why}",
     )
