@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 from harness import ROOT, wait_until
 
-from elastic.agent.hangs import FLOOR, LEARN, START, Allowance, allowance, hung
+from elastic.agent.hangs import (
+    FLOOR,
+    LEARN,
+    PAUSED,
+    START,
+    Allowance,
+    allowance,
+    carried,
+    hung,
+    watched_since,
+)
 from elastic.contract import ControlBlock
 
 
@@ -49,6 +59,29 @@ def test_who_is_hung(
             f"hung: no progress for {progress_ago:.1f}s and no sign of life for "
             f"{alive_ago:.1f}s (allowed {allowed:.1f}s: why)"
         )
+
+
+def test_what_was_learned_bounds_the_first_steps_after_a_re_formation() -> None:
+    """A worker frozen in its first steps after a change is found as fast as before it,
+    not after START: its steps at the new size are bounded by the old ones, scaled by the
+    ranks it lost (a fixed global batch split over fewer)."""
+    assert allowance(carried([0.5] * 5, 3, 1)).seconds == pytest.approx(3 * 1.5 + 1)
+    assert allowance(carried([0.5] * 5, 2, 4)).seconds == pytest.approx(3 * 0.5 + 1)
+    assert allowance(carried([], 3, 2)).seconds == START  # nothing learned: nothing carried
+
+
+def test_the_agents_own_pause_blames_no_worker() -> None:
+    """A whole node stopped for 7 s (agent and workers): when the agent runs again, the
+    workers' silence during its own pause does not count; it counts from then on."""
+    allowed = Allowance(2.0, "why")
+    since = watched_since(0.0, 100.0, 100.1)  # looked 0.1 s ago: watched without a gap
+    assert since == 0.0
+    since = watched_since(since, 100.1, 107.1)  # the agent was stopped 7 s
+    assert since == 107.1 and PAUSED < 7.0
+    assert hung(107.1, 100.0, 100.05, allowed, since) is None  # silent 7 s: not judged
+    assert hung(108.0, 100.0, 100.05, allowed, since) is None  # within 2 s of watching
+    why = hung(109.5, 100.0, 100.05, allowed, since)  # still silent 2.4 s after: frozen
+    assert why is not None and why.startswith("hung: no progress for 9.5s")
 
 
 def test_a_worker_ticks_until_it_is_done_with_state(tmp_path: Path) -> None:

@@ -333,6 +333,30 @@ def test_a_worker_crash_on_one_node(
     check_run(tmp_path, changes=2)
 
 
+def test_a_worker_frozen_as_a_node_is_lost(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """c's worker is SIGSTOPped, and b SIGKILLed at once, before c's agent could find the
+    hang: asked to let go of its group for the re-formation, the frozen worker never
+    would. c's agent finds it hung by the allowance it learned, not after
+    --shutdown-timeout (30 s); its new worker joins a's, which kept its process."""
+    agents = three(procs, etcd, run_id, tmp_path)
+    a, b, c = agents
+    wait_until(lambda: len({r["step"] for r in rows(tmp_path)}) >= 8, 60, "steps timed")
+    kept = worker_pids(a)
+    os.kill(worker_pids(c)[0], signal.SIGSTOP)
+    killed = time.time()
+    b.kill_tree()
+    back = wait_world(tmp_path, 2, after=killed, timeout=60)
+    assert back - killed < 20, c.transcript()  # the allowance and a worker's start
+    for x in (a, c):
+        assert x.wait(120) == 0, x.transcript()
+    assert worker_pids(a) == [] and kept[0] in pids_at(tmp_path, 2)
+    said = c.transcript()
+    assert "did not let go: hung: no progress" in said and "process stopped" in said, said
+    check_run(tmp_path, changes=2)
+
+
 def test_a_join_after_training_ended_closes_the_job(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:

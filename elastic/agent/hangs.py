@@ -9,6 +9,12 @@ hung when it has made no progress for longer than that *and* its process gave no
 of life for as long (``elastic.worker.alive``): a rank blocked in a collective, waiting
 for a frozen peer, keeps its sign of life and is not blamed. ``--worker-hang-timeout``
 overrides all of it with a fixed time for any script that reports progress.
+
+What is learned survives a re-formation (``carried``): a worker frozen in its first
+steps after a change is found as fast as before it. Silence is counted only while the
+agent itself was there to watch (``hung``'s ``since``): a whole node paused (SIGSTOP, a
+VM suspended) resumes agent and workers together, and the workers are not blamed for
+the pause.
 """
 
 from __future__ import annotations
@@ -45,13 +51,35 @@ def allowance(intervals: Sequence[float]) -> Allowance:
     return Allowance(seconds, f"{FACTOR:g}x its recent step time + {MARGIN:g}s")
 
 
-def hung(now: float, progress_at: float, alive_at: float, allowed: Allowance) -> str | None:
+PAUSED = 1.0  # seconds between two looks at the workers that mean the agent was not running
+
+
+def carried(intervals: Sequence[float], old_world: int, new_world: int) -> list[float]:
+    """The step intervals a worker re-formed from ``old_world`` ranks into ``new_world``
+    keeps: a fixed global batch split over fewer ranks takes up to ``old/new`` times as
+    long a step (and a rank's own batch no longer), so those bound its new steps until
+    it has timed its own."""
+    factor = max(1.0, old_world / max(new_world, 1))
+    return [x * factor for x in intervals[-KEEP:]]
+
+
+def watched_since(since: float, last_look: float, now: float) -> float:
+    """From when a worker's silence counts, the agent looking at ``now`` (its last look
+    at ``last_look``): a gap of ``PAUSED`` means the agent itself was stopped or busy,
+    and what the workers did meanwhile cannot be told."""
+    return now if now - last_look > PAUSED else since
+
+
+def hung(
+    now: float, progress_at: float, alive_at: float, allowed: Allowance, since: float = 0.0
+) -> str | None:
     """Why a worker silent since ``progress_at`` (alive at ``alive_at``, 0: it gives no
-    sign of life) is hung at ``now``; None if it is not, or cannot be told."""
+    sign of life) is hung at ``now``, watched without a gap ``since``; None if it is
+    not, or cannot be told."""
     if not progress_at or not alive_at:
         return None
     silent, still = now - progress_at, now - alive_at
-    if silent <= allowed.seconds or still <= allowed.seconds:
+    if min(silent, still, now - since) <= allowed.seconds:
         return None
     return (
         f"{HUNG}no progress for {silent:.1f}s and no sign of life for {still:.1f}s "

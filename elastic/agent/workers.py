@@ -111,6 +111,8 @@ class WorkerGroup:
         self.ahead: tuple[Placement, ...] = ()  # the placements started ahead (lobby.py)
         self._newest_step = -1  # of workers already stopped
         self._closed = False  # their control blocks are closed
+        self._looked = 0.0  # when the agent last looked at the workers' silence
+        self._since = 0.0  # ... and since when it has looked without a gap
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.workers = lambda: self.pids
@@ -302,6 +304,9 @@ class WorkerGroup:
                 return f"rank {gone[0].placement.rank} exited ({gone[0].proc.poll()})"
             if all(w.control.stranded for w in self.workers):
                 return None
+            frozen = self.frozen()  # it would never let go
+            if frozen:
+                return f"rank {frozen[0].rank} did not let go: {frozen[0].message}"
             if time.monotonic() > deadline:
                 late = [w.placement.rank for w in self.workers if not w.control.stranded]
                 return f"rank(s) {late} still in their step after {timeout:g}s"
@@ -328,9 +333,9 @@ class WorkerGroup:
         by_local = {p.local_rank: p for p in placements}
         assert set(by_local) == {w.local_rank for w in self.workers}, "same local ranks"
         for w in self.workers:
-            w.placement = by_local[w.local_rank]
+            old, w.placement = w.placement.world_size, by_local[w.local_rank]
             w.exited_at = None
-            w.beats.clear()  # a new world size: its steps take their own time
+            w.beats = hangs.carried(w.beats, old, w.placement.world_size)
             w.control.publish_placement(round_env(w.placement))
 
     @property
@@ -377,13 +382,22 @@ class WorkerGroup:
         self.stop(0 if done else grace)
         return done
 
+    def _watched(self, now: float) -> float:
+        """Since when the agent has watched the workers without a gap (``hangs``)."""
+        self._since = hangs.watched_since(self._since, self._looked, now)
+        self._looked = now
+        return self._since
+
     def hung(self, timeout: float) -> list[WorkerFailure]:
-        """Running workers that reported progress, then none for ``timeout`` seconds."""
+        """Running workers that reported progress, then none for ``timeout`` seconds
+        (while the agent watched)."""
         now = time.time()
+        since = self._watched(now)
         out = []
         for w in self.workers:
             beat = w.control.heartbeat
-            if w.proc.poll() is None and w.control.reports and beat and now - beat > timeout:
+            watched = now - max(beat, since)
+            if w.proc.poll() is None and w.control.reports and beat and watched > timeout:
                 silent = f"no progress for {now - beat:.0f}s"
                 why = f"{hangs.HUNG}{silent} (--worker-hang-timeout {timeout:g})"
                 out.append(_hung(w, now, why))
@@ -393,6 +407,7 @@ class WorkerGroup:
         """Running workers hung by the rule learned from their own steps
         (``hangs``): silent past the allowance, and no sign of life either."""
         now, out = time.time(), []
+        since = self._watched(now)
         for w in self.workers:
             beat = w.control.heartbeat
             if beat != w.last_beat:
@@ -402,7 +417,7 @@ class WorkerGroup:
                 w.last_beat = beat
             if w.proc.poll() is not None or not w.control.uses_state:
                 continue
-            why = hangs.hung(now, beat, w.control.alive, hangs.allowance(w.beats))
+            why = hangs.hung(now, beat, w.control.alive, hangs.allowance(w.beats), since)
             if why is not None:
                 out.append(_hung(w, now, why))
         return out
