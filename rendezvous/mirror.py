@@ -357,7 +357,7 @@ def glance(client: EtcdClient, prefix: str) -> Glance:
         node = present.record if present is not None and present.rev == leader.rev else None
     round_ = decoded.round if decoded.round_err is None else None
     closed = decoded.closed is not None or decoded.closed_err is not None
-    return Glance(round_, closed, node)
+    return Glance(round_, closed, node, decoded.progress)
 
 
 def read_view(client: EtcdClient, prefix: str) -> JobView:

@@ -17,14 +17,14 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from rendezvous import records, rules
 from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import LeaseLostError, RendezvousClosedError, RendezvousError
 from rendezvous.lease import LeaseKeeper
-from rendezvous.probe import ProbeListener
+from rendezvous.probe import ProbeListener, gone_among
 from rendezvous.records import ClosedRecord, GoneRecord, JobOutcome, NodeRecord, NodeState
 from rendezvous.view import KV, JobView
 
@@ -110,21 +110,53 @@ class Session:
         or a node id already taken, with the lease revoked."""
         if self._probe is None:
             self._probe = ProbeListener()
-        lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
-        rec = self._new_record()
-        revision, kvs, _ = self.client.create_and_read(
-            self.node_key,
-            rec.encode(),
-            lease_id,
-            reads,
-            self.key(records.CLOSED),
-            claim=claim(),
-        )
-        if not revision:
+        # the id may be held by this node's previous agent, dead (a restarted pod): its
+        # record goes with its lease, within a TTL, or at once if its probe port refuses
+        deadline = time.monotonic() + self.options.lease_ttl + 1.0
+        while True:
+            lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
+            rec = self._new_record()
+            revision, kvs, _ = self.client.create_and_read(
+                self.node_key,
+                rec.encode(),
+                lease_id,
+                reads,
+                self.key(records.CLOSED),
+                claim=claim(),
+            )
+            if revision:
+                break
             self.lease.revoke()
-            self._refused(kvs)
+            holder = {kv.key: kv for kv in kvs}.get(self.node_key)
+            if (
+                holder is None
+                or time.monotonic() > deadline
+                or self.key(records.CLOSED) in {kv.key for kv in kvs}
+            ):
+                self._refused(kvs)
+            self._clear_dead_holder(holder)
         self._registered(rec, revision, lease_id)
         return revision, kvs
+
+    def _clear_dead_holder(self, holder: KV) -> None:
+        """This node's id is held: revoke the holder's lease if its probe port refuses
+        (the agent is dead), else wait a moment for its lease to expire."""
+        try:
+            rec = NodeRecord.decode(holder.key, holder.value)
+        except RendezvousError:
+            rec = None
+        if rec is not None and holder.lease and gone_among({0: (rec.addr, rec.probe)}):
+            log.info(
+                "node id %s is held by this node's previous agent (pid %d on %s), which is "
+                "gone: revoking its lease",
+                self.me.id,
+                rec.pid,
+                rec.host,
+            )
+            with contextlib.suppress(RendezvousError):
+                self.client.revoke(holder.lease, timeout=2.0)
+            return
+        time.sleep(0.25)
 
     def register_again(self) -> None:
         """Join again as a new incarnation (the old lease is gone): new lease, new record."""
@@ -184,7 +216,7 @@ class Session:
             rank=self.me.rank,
         )
 
-    def _refused(self, kvs: list[KV]) -> None:
+    def _refused(self, kvs: list[KV]) -> NoReturn:
         """Explain why registration found the job closed or this node's id taken."""
         found = {kv.key: kv for kv in kvs}
         closed = found.get(self.key(records.CLOSED))

@@ -80,11 +80,13 @@ class JobView:
 @dataclass(frozen=True)
 class Glance:
     """What a node reads of a job before it registers (see ``elastic.agent.lobby``): the
-    round's header (its members aside), whether the job is over, and the leader's record."""
+    round's header (its members aside), whether the job is over, the leader's record,
+    and the job's recorded progress."""
 
     round: RoundRecord | None = None
     closed: bool = False
     leader: NodeRecord | None = None
+    progress: ProgressRecord | None = None
 
 
 class Decoded:

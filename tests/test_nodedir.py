@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic.agent import nodedir
+from elastic.stored import SnapshotSlots
 
 
 def test_who_is_gone() -> None:
@@ -44,3 +45,75 @@ def test_remove_stale_keeps_live_and_foreign_folders(
     assert mine.is_dir() and foreign.is_dir() and unmarked.is_dir()
     assert not ended.exists()
     nodedir.remove(mine)
+
+
+def _dead_agents_folder(base: Path, name: str, owner: dict, step: int | None) -> Path:
+    d = base / name
+    d.mkdir()
+    (d / nodedir.OWNER).write_text(json.dumps(owner))
+    (d / "control-0").write_bytes(b"its worker's")
+    (d / "prometheus").mkdir()
+    if step is not None:
+        slots = SnapshotSlots(d)
+        slots.buffer(0, 8)[:8] = b"snapshot"
+        slots.commit(0, step, 8)
+        (d / f"rng-rank0-step{step}.pt").write_bytes(b"rng")
+    return d
+
+
+def test_a_restarted_node_inherits_its_dead_predecessors_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Agent a of job J starts again on this host: the newest folder a dead a of J left
+    becomes its predecessor (an older one goes), a dead b's of J stays for b to inherit,
+    another job's goes. Kept, the snapshot moves in and the dead workers' files go."""
+    monkeypatch.setattr(nodedir, "_base", lambda: tmp_path)
+    me = nodedir._owner(os.getpid())
+    assert me is not None
+    dead = {**me, "start": 1.0}  # this pid, reused since: that agent is gone
+    older = _dead_agents_folder(tmp_path, "J_a.1", {**dead, "job": "J", "node": "a"}, 3)
+    newer = _dead_agents_folder(
+        tmp_path, "J_a.2", {**dead, "start": 2.0, "job": "J", "node": "a"}, 40
+    )
+    other_node = _dead_agents_folder(tmp_path, "J_b.3", {**dead, "job": "J", "node": "b"}, 40)
+    other_job = _dead_agents_folder(tmp_path, "K_a.4", {**dead, "job": "K", "node": "a"}, 9)
+    mine = nodedir.create("J", "a")
+    assert not older.exists() and not newer.exists() and not other_job.exists()
+    assert other_node.is_dir()
+    assert nodedir.predecessor_step(mine) == 40
+    nodedir.inherit(mine, keep=True)
+    assert SnapshotSlots(mine, create=False).newest() == (0, 40)
+    assert (mine / "rng-rank0-step40.pt").exists()
+    assert not (mine / nodedir.PREDECESSOR).exists() and not (mine / "control-0").exists()
+    nodedir.remove_job("J")  # the job ended: nobody inherits b's any more
+    assert not other_node.exists() and mine.is_dir()
+    nodedir.remove(mine)
+
+
+def test_a_predecessors_snapshot_not_kept_goes_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nodedir, "_base", lambda: tmp_path)
+    me = nodedir._owner(os.getpid())
+    assert me is not None
+    _dead_agents_folder(tmp_path, "J_a.1", {**me, "start": 1.0, "job": "J", "node": "a"}, 7)
+    mine = nodedir.create("J", "a")
+    nodedir.inherit(mine, keep=False)
+    assert sorted(p.name for p in mine.iterdir()) == [nodedir.OWNER]
+    assert nodedir.predecessor_step(mine) is None
+    nodedir.remove(mine)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "closed", "kept", "why"),
+    [
+        (35, False, True, "the job goes on (it recorded step 35)"),
+        (None, False, False, "recorded no progress"),  # an embedded etcd, new: another job
+        (35, True, False, "the job is over"),
+    ],
+)
+def test_whether_a_predecessors_snapshot_is_kept(
+    recorded: int | None, closed: bool, kept: bool, why: str
+) -> None:
+    keep, reason = nodedir.keeps(40, recorded, closed)
+    assert keep is kept and why in reason

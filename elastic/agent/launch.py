@@ -31,6 +31,7 @@ from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV, POLICY_ENV, RestartMode
 from rendezvous import version
 from rendezvous.client import EtcdClient
 from rendezvous.config import ConfigError, build_options
+from rendezvous.errors import RendezvousError
 from rendezvous.net import default_local_addr, resolve
 from rendezvous.protocol import NodeSpec, Rendezvous
 
@@ -168,6 +169,7 @@ def launch(cfg: RunConfig) -> int:
             return Rendezvous(client, rdzv_opts, me, max_restarts=cfg.max_restarts)
 
         rdzv = join()
+        _inherit(node_dir, rdzv)
         # the agent's rendezvous at the end: a node that stepped out joined with another
         stack.callback(lambda: (agent.rdzv if agent is not None else rdzv).shutdown(leave=True))
         in_place = cfg.restart_mode is RestartMode.LIVE
@@ -218,11 +220,32 @@ def launch(cfg: RunConfig) -> int:
                 raise
         if agent.state in (AgentState.FAILED, AgentState.LEFT):  # the job, or this node, ends
             _save_at_breakdown(node_dir, policy)
+        if agent.state in (AgentState.FAILED, AgentState.SUCCEEDED):  # nothing to inherit
+            nodedir.remove_job(cfg.rdzv_id)
         if agent.state is AgentState.FAILED and http is not None and http.watched:
             log.info("letting Prometheus see that the job failed (one more scrape)")
             http.wait_scraped()
         return code
     raise AssertionError("unreachable")  # mypy: ExitStack may swallow exceptions
+
+
+def _inherit(node_dir: Path, rdzv: Rendezvous) -> None:
+    """Keep or remove the snapshot a dead agent of this job and node left (``nodedir``):
+    before any worker starts, so that they offer it when the round restores."""
+    step = nodedir.predecessor_step(node_dir)
+    if step is None:
+        nodedir.inherit(node_dir, keep=False)  # nothing in it worth a read of etcd
+        return
+    try:
+        seen = rdzv.glance()
+    except RendezvousError as e:
+        keep, why = False, f"etcd does not say whether the job goes on ({e})"
+    else:
+        recorded = seen.progress.step if seen.progress is not None else None
+        keep, why = nodedir.keeps(step, recorded, seen.closed)
+    nodedir.inherit(node_dir, keep)
+    what = "kept" if keep else "removed"
+    log.info("%s the snapshot of step %d this node's previous agent left: %s", what, step, why)
 
 
 def _save_at_breakdown(node_dir: Path, policy: SnapshotPolicy) -> None:

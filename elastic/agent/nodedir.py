@@ -2,7 +2,12 @@
 
 It outlives a worker crash (that is the point) but not the agent: the agent removes it
 when it exits, and an agent starting later removes those of agents that died (SIGKILL)
-without the chance to.
+without the chance to, but those of its own job: an agent that starts again as the same
+node of the same job (a restarted pod, whose /dev/shm is the pod's) finds its
+predecessor's folder and keeps its snapshot, if the job in etcd is still the one it was
+taken in (``keeps``): every node that held the newest state may be gone, but not that
+copy. A dead agent's folder of the job goes when a node ends the job, or another job's
+agent starts on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from elastic.stored import SnapshotSlots
+
 log = logging.getLogger("elastic.nodedir")
 
 
@@ -27,6 +34,8 @@ def _base() -> Path:
 
 
 OWNER = "owner.json"  # who made the directory: judged before removing it
+PREDECESSOR = "predecessor"  # a dead agent's folder of the same job and node, until judged
+SNAPSHOT_FILES = ("slots.hdr", "slot0.bin", "slot1.bin", "rng-rank*-step*.pt")
 
 
 def _owner(pid: int) -> dict[str, object] | None:
@@ -58,37 +67,108 @@ def gone(owner: dict[str, object], me: dict[str, object]) -> bool:
     return now is None or now["pidns"] != owner["pidns"] or now["start"] != owner.get("start")
 
 
-def remove_stale() -> None:
-    """Remove the directories of agents that ended without removing their own (SIGKILL)."""
+def _stale(me: dict[str, object]) -> list[tuple[Path, dict[str, object]]]:
+    """The directories of agents that ended without removing their own (SIGKILL), with
+    what their owner file says."""
     base = _base()
-    me = _owner(os.getpid())
-    if not base.is_dir() or me is None:
-        return
-    removed = 0
-    for d in base.iterdir():
+    found = []
+    for d in base.iterdir() if base.is_dir() else ():
         try:
             owner = json.loads((d / OWNER).read_text())
         except (OSError, ValueError):
             continue  # not ours to judge (being made, or not an agent's)
         if isinstance(owner, dict) and gone(owner, me):
-            shutil.rmtree(d, ignore_errors=True)
-            removed += 1
+            found.append((d, owner))
+    return found
+
+
+def remove_stale(run_id: str = "", node_id: str = "", mine: Path | None = None) -> None:
+    """Remove the directories of agents that ended without removing their own, but those
+    of job ``run_id``: the newest of node ``node_id`` becomes ``mine``'s ``PREDECESSOR``,
+    and the other nodes' may be this one's to inherit once they start again here (they
+    go when the job ends: ``remove_job``)."""
+    me = _owner(os.getpid())
+    if me is None:
+        return
+    removed, same = 0, []
+    for d, owner in _stale(me):
+        if run_id and owner.get("job") == run_id:
+            if owner.get("node") == node_id and mine is not None:
+                same.append((_number(owner.get("start")), d))
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    for i, (_, d) in enumerate(sorted(same, reverse=True)):
+        if i == 0 and mine is not None:
+            with contextlib.suppress(OSError):
+                d.rename(mine / PREDECESSOR)
+                continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
     if removed:
         log.info(
             "cleaned up %d snapshot folder(s) in %s of agents that ended without removing them",
             removed,
-            base,
+            _base(),
         )
 
 
+def remove_job(run_id: str) -> None:
+    """The job is over: no node of it will inherit a dead agent's folder any more."""
+    me = _owner(os.getpid())
+    for d, owner in _stale(me) if me is not None else []:
+        if owner.get("job") == run_id:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
 def create(run_id: str, node_id: str) -> Path:
-    remove_stale()
     path = _base() / f"{run_id}_{node_id}.{os.getpid()}"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     owner = _owner(os.getpid())
     if owner is not None:
-        (path / OWNER).write_text(json.dumps(owner))
+        (path / OWNER).write_text(json.dumps({**owner, "job": run_id, "node": node_id}))
+    remove_stale(run_id, node_id, path)
     return path
+
+
+def predecessor_step(path: Path) -> int | None:
+    """The step of the snapshot a dead agent of this job and node left (None: none)."""
+    found = path / PREDECESSOR
+    if not SnapshotSlots.present(found):
+        return None
+    try:
+        newest = SnapshotSlots(found, create=False).newest()
+    except OSError:
+        return None
+    return newest[1] if newest is not None else None
+
+
+def keeps(step: int, recorded: int | None, closed: bool) -> tuple[bool, str]:
+    """Whether a node keeps the snapshot of ``step`` its dead predecessor left, the job
+    in etcd having recorded progress ``recorded`` (None: none) and being ``closed`` or
+    not; and why. A job that recorded nothing is a new one under the same id (an
+    embedded etcd starts empty): the snapshot is another job's."""
+    if closed:
+        return False, "the job is over"
+    if recorded is None:
+        return False, "the job in etcd has recorded no progress: it is not the one it was taken in"
+    return True, f"the job goes on (it recorded step {recorded})"
+
+
+def inherit(path: Path, keep: bool) -> None:
+    """Move the predecessor's snapshot into ``path`` (``keep``), then remove the rest of
+    its folder: its control blocks and metrics were its workers'."""
+    found = path / PREDECESSOR
+    if keep:
+        for pattern in SNAPSHOT_FILES:
+            for f in found.glob(pattern):
+                with contextlib.suppress(OSError):
+                    f.rename(path / f.name)
+    shutil.rmtree(found, ignore_errors=True)
 
 
 def remove(path: Path) -> None:
