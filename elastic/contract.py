@@ -143,6 +143,7 @@ SIZE = 128
 USES_STATE = 1  # flag: the worker runs elastic.State (it can save and stop when asked)
 REPORTS = 2  # flag: the worker reports progress (State.commit or elastic.report)
 LIVE = 4  # flag: the worker runs State.run (it can form a new process group in place)
+UNPLACED = 8  # flag: started ahead, it read no placement variable before it was placed
 
 
 class Phase(enum.IntEnum):
@@ -183,7 +184,7 @@ class ControlBlock:
         8       stop request generation ("save at the next step")      agent
         16      heartbeat, ns since the epoch                          worker
         24      step                                                   worker
-        32      flags: USES_STATE, REPORTS, LIVE                       worker
+        32      flags: USES_STATE, REPORTS, LIVE, UNPLACED             worker
         40      restored: 0 not yet in this placement, else the step   worker
                 it resumed from + 2 (1: nothing restored)              (agent: 0)
         48      alive: ns since the epoch, every ALIVE_EVERY s by a    worker
@@ -247,6 +248,12 @@ class ControlBlock:
         return Phase(self._get(_OFF["phase"]))
 
     @property
+    def running_in(self) -> int | None:
+        """The placement generation whose group the worker trains in; None while it
+        has none (it waits for a placement, forms one, or leaves)."""
+        return self._get(_OFF["formed"]) if self.phase is Phase.RUNNING else None
+
+    @property
     def stranded(self) -> bool:
         """The worker let go of its group and no placement is on its way: it waits for
         the agent (it was asked to, or its collective failed on its own)."""
@@ -263,6 +270,12 @@ class ControlBlock:
     @property
     def uses_state(self) -> bool:
         return bool(self._get(_OFF["flags"]) & USES_STATE)
+
+    @property
+    def unplaced(self) -> bool:
+        """Started ahead, it read none of the variables of its expected placement
+        (``elastic.worker.placed``): it can take any other in place."""
+        return bool(self._get(_OFF["flags"]) & UNPLACED)
 
     @property
     def reports(self) -> bool:

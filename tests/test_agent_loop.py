@@ -170,7 +170,7 @@ class FakeWorkers:
         self._running = True
 
     def fits(self, placements: list[Placement]) -> bool:
-        return not self.ahead or lobby.fits(self.ahead, placements)
+        return not self.ahead or lobby.fits(self.ahead, placements, unplaced=False)
 
     def in_lobby(self) -> bool:
         return self.lobby.popleft() if self.lobby else True

@@ -196,38 +196,43 @@ def test_etcd_away_past_the_lease_ttl_restarts_no_one(
         print(f"longest pause after etcd answered again: {pause:.2f}s")
 
 
-def test_sigterm_leave_then_a_join(
+def test_sigterm_leave_then_two_joins_at_once(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
-    """c leaves (its workers save and exit 75), then d joins while a and b train: a and b
-    re-form live both times; d's fresh worker gets the state from them. d's worker starts
-    before d joins (agent/lobby.py): a and b train on meanwhile, and it is the one that
-    trains in round 3."""
-    slow = ("--slow-below-world", "3")  # training outlasts d's start, however slow
-    agents = three(procs, etcd, run_id, tmp_path, *slow)
+    """c leaves (its workers save and exit 75), then d and e join at the same moment
+    while a and b train: a and b re-form live both times; d's and e's fresh workers get
+    the state from them. Their workers start before they join (agent/lobby.py), each
+    with the ranks it expects (rank 2 of 3: neither knows of the other); they read none
+    before init_process_group (elastic/worker/placed.py), so the round that places them
+    otherwise re-forms them in place too, and a and b train on meanwhile."""
+    args = ("--slow-below-world", "3", "--micro-batch", "2")  # 24 over 2, 3 or 4 ranks
+    agents = [
+        start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="2:4") for n in "abc"
+    ]
+    wait_world(tmp_path, 3, timeout=90)
     before = pids_at(tmp_path, 3)
     leaving = set(worker_pids(agents[2]))
     agents[2].signal(signal.SIGTERM)
     assert agents[2].wait(60) == 143, agents[2].transcript()
     wait_world(tmp_path, 2, after=time.time() - 1, timeout=60)
     survivors_kept(tmp_path, before - leaving)
-    d = start(procs, etcd, run_id, tmp_path, "d", *slow)
-    agents.append(d)
-    d.wait_output("joining the job with them", timeout=60)  # its worker waits, ready
-    ahead = set(worker_pids(d))
+    new = [start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="2:4") for n in "de"]
+    for n in new:
+        n.wait_output("joining the job with them", timeout=60)  # its worker waits, ready
+    ahead = {p for n in new for p in worker_pids(n)}
     started = min(psutil.Process(p).create_time() for p in ahead)
-    wait_world(tmp_path, 3, after=time.time() - 1, timeout=90)
-    assert ahead <= pids_at(tmp_path, 3), "the worker started ahead trains in round 3"
+    wait_world(tmp_path, 4, after=time.time() - 1, timeout=90)
+    assert ahead <= pids_at(tmp_path, 4), "the workers started ahead train at world size 4"
     meanwhile = [r for r in rows(tmp_path) if r["world"] == 2 and r["t"] > started + 1.0]
-    assert meanwhile, "a and b trained on while d's worker started"
-    said = d.transcript()
-    assert said.index("starting workers before joining") < said.index("registered as d"), said
-    for a in (agents[0], agents[1], agents[3]):
+    assert meanwhile, "a and b trained on while the newcomers' workers started"
+    for n in new:
+        said = n.transcript()
+        assert said.index("starting workers before joining") < said.index("registered as"), said
+        assert "new workers follow" not in said, said
+    for a in (*agents[:2], *new):
         assert a.wait(120) == 0, a.transcript()
-    assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 3), "a and b kept their processes"
-    for a in agents[:2]:
-        assert a.transcript().count("workers re-form live (pids") == 2
-    check_run(tmp_path, changes=2)
+    assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), "a and b kept their processes"
+    check_run(tmp_path, changes=3)
 
 
 def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(

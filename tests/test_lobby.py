@@ -3,12 +3,18 @@ start, where, and when the round that admits the node still fits them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from harness import ROOT
 
-from elastic.agent.lobby import ahead, fits, step_out
+from elastic.agent.lobby import ahead, fits, site_path, step_out
+from elastic.contract import LOBBY_ENV
 from rendezvous.records import Member, NodeRecord, RoundRecord
 from rendezvous.view import Glance
 
@@ -61,15 +67,51 @@ def test_no_workers_start_ahead_where_the_next_round_is_unknown_or_restarts_anyw
     assert choice.placements == () and why in choice.reason
 
 
-def test_a_round_fits_workers_started_ahead_only_as_they_were_placed() -> None:
+def test_a_round_fits_workers_started_ahead_as_they_were_placed_or_unread() -> None:
     choice = ahead(RUNNING, 0, False, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
     started = choice.placements
     store = [replace(p, master_addr="10.0.0.9", master_port=41000) for p in started]
-    assert fits(started, store)  # the store's address is taken as they form
-    assert not fits(started, [replace(p, rank=p.rank - 3, world_size=4) for p in started])
-    assert not fits(started, [replace(p, group_rank=3) for p in started])  # another joined first
-    assert not fits(started, [replace(p, restart_count=1) for p in started])
-    assert not fits(started, store[:1])
+    other = [
+        [replace(p, rank=p.rank - 3, world_size=4) for p in started],
+        [replace(p, group_rank=3) for p in started],  # another joined first
+        [replace(p, restart_count=1) for p in started],
+    ]
+    assert fits(started, store, unplaced=False)  # the store's address is taken as they form
+    for placed in other:
+        assert not fits(started, placed, unplaced=False)  # the script may have read them
+        assert fits(started, placed, unplaced=True)  # it read none: they take these in place
+    assert not fits(started, store[:1], unplaced=True)  # the same local ranks, always
+
+
+@pytest.mark.parametrize(
+    ("script", "read"),
+    [
+        ('rank = int(os.environ["RANK"])', "RANK"),
+        ('world = os.getenv("WORLD_SIZE")', "WORLD_SIZE"),
+        ('local = os.environ["LOCAL_RANK"]', None),  # the same in any placement
+        ("names = [k for k, v in os.environ.items() if k.startswith('TQDM_')]", None),
+        ("import torch, torch.distributed", None),
+    ],
+)
+def test_what_a_worker_started_ahead_reads_before_its_placement(
+    script: str, read: str | None, tmp_path: Path
+) -> None:
+    """A real interpreter started as the agent starts a worker ahead (``lobby.site_path``
+    first on its PYTHONPATH): its sitecustomize watches the script's reads of placement
+    variables, and then runs the sitecustomize it shadows."""
+    shadowed = tmp_path / "sitecustomize.py"
+    shadowed.write_text("import os\nos.environ['SHADOWED'] = 'ran'\n")
+    code = (
+        f"import os\n{script}\n"
+        "from elastic.worker import placed\n"
+        "print(placed.watched(), placed.stop(), os.environ.get('SHADOWED'))\n"
+    )
+    env = {**os.environ, LOBBY_ENV: "1", "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}
+    env["PYTHONPATH"] = site_path(os.pathsep.join([str(shadowed.parent), str(ROOT)]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", str(read), "ran"], out.stderr
 
 
 def test_the_tripwire_is_tripped_by_a_worker_that_connects_to_it() -> None:

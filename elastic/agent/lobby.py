@@ -24,8 +24,10 @@ are here; the agent carries them out.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from elastic.agent.placement import Placement
 from rendezvous.view import Glance
@@ -128,13 +130,27 @@ def step_out(
     )
 
 
-def fits(started: Sequence[Placement], placed: Sequence[Placement]) -> bool:
-    """The round placed the workers as they were started ahead: every variable a script
-    may read before ``init_process_group`` but the store's address, which they take as
-    they form."""
+SITE = Path(__file__).resolve().parent / "lobby_site"  # its sitecustomize: placed.py
+
+
+def site_path(pythonpath: str | None) -> str:
+    """A worker started ahead's ``PYTHONPATH``: ``SITE`` first, so that what the script
+    reads before it is placed is known (``elastic.worker.placed``)."""
+    return os.pathsep.join([str(SITE), *([pythonpath] if pythonpath else [])])
+
+
+def fits(started: Sequence[Placement], placed: Sequence[Placement], unplaced: bool) -> bool:
+    """The workers started ahead can take the round's placements: it placed them as they
+    were started (every variable a script may read before ``init_process_group`` but the
+    store's address, which they take as they form), or none of them read a placement
+    variable before it was placed (``unplaced``: ``elastic.worker.placed``), so any with
+    the same local ranks will do."""
 
     def key(p: Placement) -> Placement:
         return replace(p, master_addr="", master_port=0)
+
+    if unplaced:
+        return sorted(p.local_rank for p in started) == sorted(p.local_rank for p in placed)
 
     mine = {p.local_rank: key(p) for p in started}
     return mine == {p.local_rank: key(p) for p in placed}

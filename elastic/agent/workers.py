@@ -74,7 +74,7 @@ class Worker:
     control: ControlBlock
     exited_at: float | None = None
     beats: list[float] = field(default_factory=list)  # seconds between progress reports
-    last_beat: float = 0.0
+    last_beat: tuple[float, int | None] = (0.0, None)  # and the group it came from
 
     @property
     def local_rank(self) -> int:
@@ -147,6 +147,8 @@ class WorkerGroup:
                         **lobby_env,
                     },
                 )
+                if ahead:
+                    env["PYTHONPATH"] = lobby.site_path(env.get("PYTHONPATH"))
                 proc = self._launch(env, streams)
                 streams.attach(proc)
                 self.workers.append(Worker(p, proc, streams, block))
@@ -315,7 +317,8 @@ class WorkerGroup:
     def fits(self, placements: list[Placement]) -> bool:
         """Workers started ahead can take these placements (``lobby.fits``); any others
         can take any."""
-        return not self.ahead or lobby.fits(self.ahead, placements)
+        unplaced = bool(self.workers) and all(w.control.unplaced for w in self.workers)
+        return not self.ahead or lobby.fits(self.ahead, placements, unplaced)
 
     def forming(self) -> bool:
         """A worker forms its new group in place and has not yet."""
@@ -410,11 +413,13 @@ class WorkerGroup:
         since = self._watched(now)
         for w in self.workers:
             beat = w.control.heartbeat
-            if beat != w.last_beat:
-                if w.last_beat:
-                    w.beats.append(beat - w.last_beat)
+            if beat != w.last_beat[0]:
+                now_in = (beat, w.control.running_in)
+                step = hangs.interval(w.last_beat, now_in)
+                if step is not None:
+                    w.beats.append(step)
                     del w.beats[: -hangs.KEEP]
-                w.last_beat = beat
+                w.last_beat = now_in
             if w.proc.poll() is not None or not w.control.uses_state:
                 continue
             why = hangs.hung(now, beat, w.control.alive, hangs.allowance(w.beats), since)

@@ -24,6 +24,8 @@ import traceback
 
 import elastic
 from elastic.agent.helper import agent_socket, say_ready
+from elastic.contract import LOBBY_ENV
+from elastic.worker import placed
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,6 +47,8 @@ def _run_child(req: dict, fds: list[int], parent: int) -> None:
         sys.stdout.reconfigure(line_buffering=True)  # as python -u: output as it comes
     os.environ.clear()
     os.environ.update(req["env"])
+    if os.environ.get(LOBBY_ENV):  # what a spawned one's sitecustomize does (placed.py)
+        placed.watch()
     os.chdir(req["cwd"])
     elastic.watch_the_first_group()  # imported here before the worker's environment was
     code = 0

@@ -43,12 +43,13 @@ from elastic.contract import (
     LIVE,
     LOBBY_ENV,
     RESTART_MODE_ENV,
+    UNPLACED,
     ControlBlock,
     RestartMode,
     peer_gone,
     read_placement,
 )
-from elastic.worker import comm, progress
+from elastic.worker import comm, placed, progress
 
 log = logging.getLogger("elastic.live")
 
@@ -189,11 +190,17 @@ def form_from_lobby(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Conn]:
     from the address it was started with, is not the round's). A change while it forms
     (a member lost) sends it back to wait for the next placement, as any live worker.
     Returns the connections the group made (the script's first group, for ``adopt``)."""
+    read = placed.stop()  # the script waits here: what it read, it read before
     # DDP's constructor imports torch._dynamo (1.5-2.5 s): here, while the others train,
     # not once placed, while they wait for this worker
     import torch._dynamo  # noqa: F401
 
-    g = Group(ControlBlock(os.environ[CONTROL_ENV]))  # live: the agent may hold it
+    block = ControlBlock(os.environ[CONTROL_ENV])
+    if read is None and placed.watched():
+        block.mark(UNPLACED)  # any placement will do: it takes the round's in place
+    elif read is not None:
+        log.info("the script read %s before its placement: it takes only the one expected", read)
+    g = Group(block)  # live: the agent may hold it
     g.backend = str(_argument(args, kwargs, 0, "backend") or "")
     g.timeout = _argument(args, kwargs, 2, "timeout")
     try:
