@@ -21,6 +21,7 @@ from elastic.agent.hangs import (
     allowance,
     carried,
     hung,
+    interval,
     watched_since,
 )
 from elastic.contract import ControlBlock
@@ -117,3 +118,14 @@ def test_a_worker_ticks_until_it_is_done_with_state(tmp_path: Path) -> None:
                 p.wait()
     finally:
         block.close()
+
+
+def test_only_steps_in_one_group_are_timed() -> None:
+    """Progress reports while a worker waits for its placement, or the interval across a
+    re-formation (the round waited for a newcomer's start), time no step: they would
+    inflate the allowance a frozen worker is found by."""
+    assert interval((10.0, 3), (10.4, 3)) == pytest.approx(0.4)
+    assert interval((10.0, 3), (17.0, 4)) is None  # across a re-formation
+    assert interval((10.0, None), (10.005, None)) is None  # waiting for a placement
+    assert interval((10.0, 3), (10.2, None)) is None
+    assert interval((0.0, None), (10.0, 3)) is None  # the first report

@@ -54,6 +54,16 @@ def allowance(intervals: Sequence[float]) -> Allowance:
 PAUSED = 1.0  # seconds between two looks at the workers that mean the agent was not running
 
 
+def interval(last: tuple[float, int | None], beat: tuple[float, int | None]) -> float | None:
+    """The step interval between two progress reports (time, the group each came from:
+    ``ControlBlock.running_in``), if it is one: both in the same group. One that spans a
+    re-formation, or a wait for a placement (which beats too), times no step."""
+    (before, group), (now, same) = last, beat
+    if not before or group is None or same != group:
+        return None
+    return now - before
+
+
 def carried(intervals: Sequence[float], old_world: int, new_world: int) -> list[float]:
     """The step intervals a worker re-formed from ``old_world`` ranks into ``new_world``
     keeps: a fixed global batch split over fewer ranks takes up to ``old/new`` times as
