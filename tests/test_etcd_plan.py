@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
 
 from elastic.agent.etcd_plan import EtcdSource, plan_etcd, static_etcd_port
+from rendezvous.net import server_port
 
 EP = ("etcd.example", 2379)
 
@@ -70,3 +74,16 @@ def test_an_etcd_that_cannot_bind_is_not_fooled_by_another_on_its_port() -> None
                 second.start(timeout=10)
         finally:
             second.close()
+
+
+def test_an_etcds_ports_are_below_the_range_outgoing_connections_take() -> None:
+    """A port from the ephemeral range may be taken by any outgoing connection on the
+    machine while a restarted etcd is down (a client of its own, reconnecting); below
+    that range only a server takes one."""
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    taken = {server_port() for _ in range(20)}
+    assert all(1024 <= p < floor for p in taken)
+    port = server_port(avoid=taken)
+    assert port not in taken
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free, as it said

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from elastic.agent.procs import die_with_parent
-from rendezvous.net import free_port
+from rendezvous.net import server_port
 
 
 class EtcdServerError(RuntimeError):
@@ -67,9 +67,9 @@ class EtcdServer:
             self._own_dir = tempfile.mkdtemp(prefix="elastic-run-etcd-")
             self.data_dir = os.path.join(self._own_dir, "data")
         if not self.client_port:
-            self.client_port = free_port(self.host)
+            self.client_port = server_port(self.host)
         if not self.peer_port:
-            self.peer_port = free_port(self._peer_host, avoid={self.client_port})
+            self.peer_port = server_port(self._peer_host, avoid={self.client_port})
 
     @property
     def _peer_host(self) -> str:
