@@ -23,6 +23,7 @@ job's budget, with the nodes whose own failure they were.
     kill resized  c joins; two steps at three, then a is SIGKILLed
     hung worker   c's worker SIGSTOPped, its agent alive: found by the learned bound
     join          c joins a and b
+    two joins     c and d join a and b at once (each expects rank 2 of 3)
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
 
@@ -255,6 +256,20 @@ def join(job: Job) -> Outcome:
     return job.outcome(last, resumed - last)
 
 
+def two_joins(job: Job) -> Outcome:
+    """c and d join a and b at the same moment: each started its workers for rank 2 of 3."""
+    job.nnodes = "1:4"
+    start_training(job, "ab")
+    at = time.time()
+    job.start("c")
+    job.start("d")
+    resumed = first_step(job.results, 4, at, TIMEOUT)
+    if resumed is None:
+        return job.outcome(at, None)
+    last = max(s["t"] for s in steps(job.results) if s["world"] < 4 and s["t"] < resumed)
+    return job.outcome(last, resumed - last)
+
+
 def ctrl_c(job: Job) -> Outcome:
     job.nnodes = "1"
     node = job.start("a")
@@ -298,6 +313,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill resized": kill_resized,
     "hung worker": hung_worker,
     "join": join,
+    "two joins": two_joins,
     "Ctrl-C": ctrl_c,
     "etcd frozen": etcd_frozen,
 }

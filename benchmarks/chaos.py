@@ -1,0 +1,390 @@
+"""A seeded storm of faults on one live job, and the promises checked at its end.
+
+Nodes (an elastic-run agent and its workers, each a process tree on this machine) train
+``tests/scripts/live_train.py`` (DDP in ``State.run``, a fixed global batch, every
+micro-batch's sample indices logged) on one etcd, ``--nnodes 1:4``. While it trains,
+events drawn from ``--seed`` hit it one after another, each 0-4 s after the previous
+one, so many land while the job is still recovering from the one before:
+
+    kill      SIGKILL of a node (agent and workers)
+    term      SIGTERM to a node's agent: it leaves
+    join      a new node
+    rejoin    a killed node started again under its old name (a restarted pod)
+    hang      SIGSTOP of one worker whose agent lives (only once it has trained a few
+              steps: before that the agent cannot learn its step time)
+    freeze    SIGSTOP of a whole node for 2x the lease TTL + 1 s, then SIGCONT
+    etcd-freeze  etcd SIGSTOPped for 2x the lease TTL + 1 s
+    etcd-restart etcd SIGKILLed and started again 1 s later
+
+At the end (the job trains to its last step, or stalls for ``--stall`` seconds): every
+agent not killed exits 0, no sample of any epoch is lost, the final model equals the one
+an undisturbed run computes (so nothing was applied twice or skipped), committed steps
+trained again are never silent (an agent said how many), and no event alone (none other
+within 12 s) paused training for more than 12 s. Printed per event: the
+longest pause of training until the next event, and the steps trained again after it.
+
+    python benchmarks/chaos.py [--seed 1] [--events 12] [--nproc 1] [--mode live]
+                               [--only kill,join,...]
+
+Exit status 1 when a promise broke; the logs stay under the printed directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._nodes import Node
+from elastic.agent.etcd_server import EtcdServer, EtcdServerError
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "live_train.py"
+TTL = 3
+# is_host=false: a node that starts while etcd is down waits for it, instead of serving
+# an etcd of its own on the endpoint, as it would for a job's first node on that host
+CONF = f"lease_ttl={TTL},last_call_timeout=1,is_host=false"
+MAX_NODES = 4
+GAPS = (0.0, 0.1, 0.3, 0.6, 1.0, 2.0, 4.0)  # seconds between events: many compound
+EVENTS = ("kill", "term", "join", "rejoin", "hang", "freeze", "etcd-freeze", "etcd-restart")
+PAUSE_BOUND = 12.0  # a pause longer than this after an event alone is a stall
+
+
+@dataclass
+class Event:
+    at: float
+    kind: str
+    target: str = ""
+    pause: float = 0.0
+    redone: int = 0
+
+
+@dataclass
+class Storm:
+    etcd: EtcdServer
+    work: Path
+    a: argparse.Namespace
+    nodes: dict[str, Node] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)  # killed: its exit status says nothing
+    left: set[str] = field(default_factory=set)  # SIGTERMed
+    stopped: set[int] = field(default_factory=set)  # worker pids SIGSTOPped for good
+    thawed_at: dict[str, float] = field(default_factory=dict)  # a frozen node's SIGCONT
+    named: int = 0
+
+    @property
+    def out(self) -> Path:
+        return self.work / "steps"
+
+    def start(self, name: str) -> None:
+        cmd = [sys.executable, "-m", "elastic", "--nnodes", f"1:{MAX_NODES}",
+               "--nproc-per-node", str(self.a.nproc), "--rdzv-endpoint", self.etcd.endpoint,
+               "--rdzv-id", "chaos", "--rdzv-conf", CONF, "--node-id", name,
+               "--local-addr", "127.0.0.1", "--restart-mode", self.a.mode,
+               "--max-restarts", "20", str(SCRIPT), *self.script_args()]  # fmt: skip
+        log = self.work / f"{name}.log"
+        if name in self.nodes:  # a rejoin: the old log goes on
+            log = self.work / f"{name}.{int(time.time() * 1000)}.log"
+        self.nodes[name] = Node(cmd, {"RESULT_DIR": str(self.out)}, log)
+        self.gone.discard(name)
+        self.left.discard(name)
+
+    def script_args(self) -> list[str]:
+        a = self.a
+        return ["--samples", str(a.samples), "--epochs", str(a.epochs), "--micro-batch",
+                "2", "--global-batch", str(self.global_batch()),
+                "--step-time", str(a.step_time)]  # fmt: skip
+
+    def global_batch(self) -> int:
+        return 24 * self.a.nproc  # split evenly over 1-4 nodes of nproc ranks, micro-batch 2
+
+    def fresh_name(self) -> str:
+        name = "abcdefghijklmnopqrstuvwxyz"[self.named % 26] + (
+            str(self.named // 26) if self.named >= 26 else ""
+        )
+        self.named += 1
+        return name
+
+    def alive(self) -> list[str]:
+        return [
+            n for n, node in self.nodes.items() if node.proc.poll() is None and n not in self.gone
+        ]
+
+    def targets(self) -> list[str]:
+        """Nodes a fault can hit: alive, not leaving, not frozen now."""
+        now = time.time()
+        return [n for n in self.alive() if n not in self.left and self.thawed_at.get(n, 0) < now]
+
+    def rows(self) -> list[dict]:
+        out = []
+        for f in self.out.glob("w*.jsonl"):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+        return sorted(out, key=lambda r: r["t"])
+
+    def workers(self, name: str) -> list[psutil.Process]:
+        return [p for p in self.nodes[name].tree()[1:] if "live_train" in " ".join(p.cmdline())]
+
+    def finished(self) -> bool:
+        return (self.out / "final.pt").exists() and not self.alive()
+
+
+def frozen_for(procs: list[psutil.Process], seconds: float) -> None:
+    """SIGSTOP now, SIGCONT after ``seconds`` (in the background)."""
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGSTOP)
+
+    def thaw() -> None:
+        time.sleep(seconds)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+
+    threading.Thread(target=thaw, daemon=True).start()
+
+
+def steps_by_pid(rows: list[dict]) -> dict[int, int]:
+    """How many steps each worker process trained."""
+    seen: dict[int, set[int]] = {}
+    for r in rows:
+        seen.setdefault(r["pid"], set()).add(r["step"])
+    return {pid: len(steps) for pid, steps in seen.items()}
+
+
+def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
+    """Do one event of ``kind`` if the job's state allows it; None if not."""
+    alive, targets = s.alive(), s.targets()
+    now = time.time()
+    if kind in ("kill", "term", "freeze") and len(alive) >= 2 and targets:
+        name = rng.choice(targets)
+        if kind == "kill":
+            s.nodes[name].kill()
+            s.gone.add(name)
+        elif kind == "term":
+            s.nodes[name].term()
+            s.left.add(name)
+        else:
+            frozen_for(s.nodes[name].tree(), 2 * TTL + 1)
+            s.thawed_at[name] = now + 2 * TTL + 1
+        return Event(now, kind, name)
+    if kind == "join" and len(alive) < MAX_NODES:
+        name = s.fresh_name()
+        s.start(name)
+        return Event(now, kind, name)
+    if kind == "rejoin" and len(alive) < MAX_NODES:
+        dead = sorted(n for n in s.gone if s.nodes[n].proc.poll() is not None)
+        if dead:
+            name = rng.choice(dead)
+            s.start(name)
+            return Event(now, kind, name)
+    if kind == "hang" and len(alive) >= 2:
+        trained = steps_by_pid(s.rows())
+        ready = [(n, w) for n in alive for w in s.workers(n) if trained.get(w.pid, 0) >= 8]
+        if ready:
+            name, worker = rng.choice(ready)
+            with contextlib.suppress(psutil.Error):
+                worker.send_signal(signal.SIGSTOP)  # its agent kills it: no SIGCONT needed
+            return Event(now, kind, f"{name}/{worker.pid}")
+    if kind == "etcd-freeze":
+        assert s.etcd.proc is not None
+        frozen_for([psutil.Process(s.etcd.proc.pid)], 2 * TTL + 1)
+        return Event(now, kind)
+    if kind == "etcd-restart":
+        s.etcd.stop(signal.SIGKILL)
+        time.sleep(1.0)
+        for _ in range(10):  # an agent's outgoing connection may hold a port a moment
+            try:
+                s.etcd.start()
+                break
+            except EtcdServerError as e:
+                why = str(e)[-900:-400]  # the message, not its stack
+                time.sleep(1.0)
+        else:
+            raise RuntimeError(f"etcd did not start again on its ports: {why}")
+        return Event(now, kind)
+    return None
+
+
+def reference(samples: int, epochs: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """The model after the same steps with no change at all (see tests/test_live.py)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from live_train import Indexed, net
+
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = Indexed(samples)
+    for epoch in range(epochs):
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(3 + epoch))
+        for start in range(0, samples, global_batch):
+            idx = order[start : start + global_batch]
+            loss = torch.nn.functional.mse_loss(model(data.x[idx]), data.y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.state_dict()
+
+
+def redone_after(rows: list[dict], events: list[Event]) -> int:
+    """Committed steps trained again, each charged to the last event before it: a round
+    whose first step is below the newest step seen so far (the step in flight, retried,
+    is not below it)."""
+    newest = 0
+    total = 0
+    for r in rows:
+        if r["step"] < newest:
+            lost = newest - r["step"]
+            total += lost
+            before = [e for e in events if e.at <= r["t"]]
+            if before:
+                before[-1].redone += lost
+            newest = r["step"]
+        newest = max(newest, r["step"])
+    return total
+
+
+def pauses(rows: list[dict], events: list[Event], end: float) -> None:
+    """Each event's longest gap between logged steps until the next event (or the end)."""
+    times = [r["t"] for r in rows]
+    for i, e in enumerate(events):
+        until = events[i + 1].at if i + 1 < len(events) else end
+        inside = [t for t in times if e.at <= t <= until]
+        prior = [t for t in times if t < e.at]
+        points = ([prior[-1]] if prior else []) + inside
+        after = [t for t in times if t > until][:1]
+        points += after
+        e.pause = max((b - a for a, b in itertools.pairwise(points)), default=0.0)
+
+
+def run(a: argparse.Namespace) -> int:
+    rng = random.Random(a.seed)
+    kinds = [k.strip() for k in a.only.split(",")]
+    work = Path(tempfile.mkdtemp(prefix=f"elastic-run-chaos-{a.seed}-"))
+    problems: list[str] = []
+    with EtcdServer(name="chaos") as etcd:
+        s = Storm(etcd, work, a)
+        s.out.mkdir()
+        try:
+            for _ in range(a.initial):
+                s.start(s.fresh_name())
+                time.sleep(0.3)
+            deadline = time.monotonic() + 120
+            while len({r["rank"] for r in s.rows()}) < a.initial * a.nproc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the job never trained at its first size")
+                time.sleep(0.1)
+            events: list[Event] = []
+            while len(events) < a.events and not (s.out / "final.pt").exists():
+                time.sleep(rng.choice(GAPS))
+                event = strike(s, rng.choice(kinds), rng)
+                if event is not None:
+                    events.append(event)
+                    at = event.at - events[0].at
+                    print(f"{at:7.2f}s {event.kind} {event.target}", flush=True)
+            last_step = time.time()
+            seen = 0
+            while not s.finished():
+                rows = s.rows()
+                if len(rows) != seen:
+                    seen, last_step = len(rows), time.time()
+                if time.time() - last_step > a.stall:
+                    problems.append(f"stalled: no step for {a.stall:.0f}s, nodes {s.alive()} alive")
+                    break
+                if not s.alive() and not (s.out / "final.pt").exists():
+                    problems.append("every node is gone and the job did not finish")
+                    break
+                time.sleep(0.2)
+            end = time.time()
+            for name, node in s.nodes.items():
+                rc = node.proc.poll()
+                # a node told to leave exits 143, or dies of the signal if it came too
+                # early in its start to be handled
+                left = (128 + signal.SIGTERM, -signal.SIGTERM) if name in s.left else ()
+                if name not in s.gone and rc not in (0, None, *left):
+                    problems.append(f"node {name} exited {rc}")
+        finally:
+            for node in s.nodes.values():
+                node.stop()
+    rows = s.rows()
+    total = redone_after(rows, events)
+    pauses(rows, events, end)
+    logged = sum(
+        int(m)
+        for f in work.glob("*.log")
+        for m in re.findall(r"(\d+) step\(s\) behind the newest", f.read_text(errors="replace"))
+    )
+    print(f"\n{'t (s)':>7}  {'event':<13}{'target':<10}{'pause':>7}  redone")
+    for e in events:
+        # alone: no other event within the bound before or after it (a storm's pauses
+        # overlap, and a frozen node or etcd stays frozen 2x TTL + 1 s)
+        near = [x for x in events if x is not e and abs(x.at - e.at) < PAUSE_BOUND]
+        alone = not near and e.kind not in ("freeze", "etcd-freeze")
+        mark = "" if alone else "  (compound)"
+        at = e.at - events[0].at
+        print(f"{at:7.2f}  {e.kind:<13}{e.target:<10}{e.pause:6.2f}s  {e.redone}{mark}")
+        if alone and e.pause > PAUSE_BOUND:
+            problems.append(f"{e.kind} {e.target}: training paused {e.pause:.1f}s")
+    storm = max((e.pause for e in events), default=0.0)
+    print(f"longest pause: {storm:.2f}s")
+    gb = s.global_batch()
+    for epoch in range(a.epochs):
+        used = [i for r in rows if r["epoch"] == epoch for i in r["indices"]]
+        lost = set(range(a.samples)) - set(used)
+        if lost:
+            problems.append(f"epoch {epoch}: {len(lost)} sample(s) never trained on")
+    if (s.out / "final.pt").exists():
+        final = torch.load(s.out / "final.pt")
+        if final["step"] != a.epochs * a.samples // gb:
+            problems.append(f"final step {final['step']}, expected {a.epochs * a.samples // gb}")
+        for k, v in reference(a.samples, a.epochs, gb).items():
+            if not torch.allclose(final["model"][k], v, rtol=1e-4, atol=1e-5):
+                problems.append(f"the final model differs from the undisturbed one ({k})")
+                break
+    elif not problems:
+        problems.append("no final model")
+    print(f"\nsteps trained again: {total} (the agents logged {logged} per node)")
+    if total and not logged:
+        problems.append(f"{total} step(s) trained again and no agent said so")
+    for p in problems:
+        print(f"BROKEN: {p}")
+    print(f"{'OK' if not problems else 'FAILED'} (seed {a.seed}; logs under {work})")
+    return 1 if problems else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--events", type=int, default=12)
+    ap.add_argument("--initial", type=int, default=3, help="nodes before the first event")
+    ap.add_argument("--nproc", type=int, default=1, help="workers per node")
+    ap.add_argument("--mode", default="live", choices=("live", "respawn"))
+    ap.add_argument("--only", default=",".join(EVENTS), help="event kinds, comma-separated")
+    ap.add_argument("--samples", type=int, default=9600)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--step-time", type=float, default=0.03)
+    ap.add_argument("--stall", type=float, default=90.0, help="seconds without a step: stalled")
+    a = ap.parse_args()
+    unknown = [k for k in a.only.split(",") if k.strip() not in EVENTS]
+    if unknown:
+        ap.error(f"unknown event(s) {unknown}; known: {', '.join(EVENTS)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the nodes are stopped too
+    sys.exit(run(a))
+
+
+if __name__ == "__main__":
+    main()
