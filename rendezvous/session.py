@@ -24,6 +24,7 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import LeaseLostError, RendezvousClosedError, RendezvousError
 from rendezvous.lease import LeaseKeeper
+from rendezvous.net import answers
 from rendezvous.probe import ProbeListener, gone_among
 from rendezvous.records import ClosedRecord, GoneRecord, JobOutcome, NodeRecord, NodeState
 from rendezvous.view import KV, JobView
@@ -132,17 +133,19 @@ class Session:
                 holder is None
                 or time.monotonic() > deadline
                 or self.key(records.CLOSED) in {kv.key for kv in kvs}
+                or not self._clear_dead_holder(holder)
             ):
                 self._refused(kvs)
-            self._clear_dead_holder(holder)
         self._registered(rec, revision, lease_id)
         return revision, kvs
 
-    def _clear_dead_holder(self, holder: KV) -> None:
+    def _clear_dead_holder(self, holder: KV) -> bool:
         """This node's id is held: revoke the holder's lease if its probe port refuses
-        (the agent is dead), else wait a moment for its lease to expire."""
+        (its agent is dead), or wait a moment for the lease to expire if the probe proves
+        nothing (a frozen or unreachable holder); False if the holder answers: it is
+        alive, and the id is taken."""
         try:
-            rec = NodeRecord.decode(holder.key, holder.value)
+            rec: NodeRecord | None = NodeRecord.decode(holder.key, holder.value)
         except RendezvousError:
             rec = None
         if rec is not None and holder.lease and gone_among({0: (rec.addr, rec.probe)}):
@@ -155,8 +158,11 @@ class Session:
             )
             with contextlib.suppress(RendezvousError):
                 self.client.revoke(holder.lease, timeout=2.0)
-            return
+            return True
+        if rec is not None and rec.probe and answers(rec.addr, rec.probe, timeout=0.5):
+            return False
         time.sleep(0.25)
+        return True
 
     def register_again(self) -> None:
         """Join again as a new incarnation (the old lease is gone): new lease, new record."""

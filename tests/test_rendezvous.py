@@ -340,11 +340,18 @@ def test_etcd_restart_mid_job_is_survived(
 
 
 def test_duplicate_node_id_is_refused(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None:
-    a = join(procs, etcd.endpoint, run_id, "same")
+    """A live holder of the id (its probe port answers) is refused at once; a dead one's
+    (a restarted node: its probe port refuses) is taken over at once, not after its
+    lease's TTL (30 s here)."""
+    a = join(procs, etcd.endpoint, run_id, "same", conf="lease_ttl=30")
     a.expect("ready")
-    dup = join(procs, etcd.endpoint, run_id, "same")
-    err = dup.expect("error")
+    dup = join(procs, etcd.endpoint, run_id, "same", conf="lease_ttl=30")
+    err = dup.expect("error", timeout=5)
     assert "already taken" in err["message"]
+    a.signal(signal.SIGKILL)
+    a.p.wait(10)
+    again = join(procs, etcd.endpoint, run_id, "same", conf="lease_ttl=30")
+    again.expect("ready", timeout=10)
 
 
 def test_unreachable_etcd_is_a_clear_error_in_bounded_time(run_id: str, procs: list[Proc]) -> None:
