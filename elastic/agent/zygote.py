@@ -25,7 +25,6 @@ import traceback
 import elastic
 from elastic.agent.helper import agent_socket, say_ready
 from elastic.contract import LOBBY_ENV
-from elastic.worker import placed
 
 _PR_SET_PDEATHSIG = 1
 
@@ -48,6 +47,8 @@ def _run_child(req: dict, fds: list[int], parent: int) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     if os.environ.get(LOBBY_ENV):  # what a spawned one's sitecustomize does (placed.py)
+        from elastic.worker import placed  # the worker's side: in the child alone
+
         placed.watch()
     os.chdir(req["cwd"])
     elastic.watch_the_first_group()  # imported here before the worker's environment was

@@ -20,4 +20,5 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     sampler      ElasticSampler and BatchPolicy
     progress     training progress for the agent's /metrics
     alive        the process's sign of life apart from progress (frozen vs blocked)
+    placed       whether a worker started ahead read its ranks before it was placed
 """
