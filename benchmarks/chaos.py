@@ -222,22 +222,11 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
 
 
 def reference(samples: int, epochs: int, global_batch: int) -> dict[str, torch.Tensor]:
-    """The model after the same steps with no change at all (see tests/test_live.py)."""
+    """The model after the same steps with no change at all."""
     sys.path.insert(0, str(SCRIPT.parent))
-    from live_train import Indexed, net
+    from live_train import undisturbed
 
-    model = net()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    data = Indexed(samples)
-    for epoch in range(epochs):
-        order = torch.randperm(samples, generator=torch.Generator().manual_seed(3 + epoch))
-        for start in range(0, samples, global_batch):
-            idx = order[start : start + global_batch]
-            loss = torch.nn.functional.mse_loss(model(data.x[idx]), data.y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return model.state_dict()
+    return undisturbed(samples, epochs, global_batch)
 
 
 def redone_after(rows: list[dict], events: list[Event]) -> int:

@@ -3,6 +3,7 @@ gives no sign of life either (a rank blocked on a frozen peer is not blamed)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +25,9 @@ from elastic.agent.hangs import (
     interval,
     watched_since,
 )
+from elastic.agent.logs import LogRouter
+from elastic.agent.placement import Placement
+from elastic.agent.workers import WorkerGroup
 from elastic.contract import ControlBlock
 
 
@@ -129,3 +133,48 @@ def test_only_steps_in_one_group_are_timed() -> None:
     assert interval((10.0, None), (10.005, None)) is None  # waiting for a placement
     assert interval((10.0, 3), (10.2, None)) is None
     assert interval((0.0, None), (10.0, 3)) is None  # the first report
+
+
+WORKER = """
+import os, time
+from elastic.contract import CONTROL_ENV, USES_STATE, ControlBlock
+block = ControlBlock(os.environ[CONTROL_ENV])
+block.mark(USES_STATE)
+from elastic.worker import alive
+alive.start(block)
+step = 0
+while True:  # steps of 0.1 s; asked to let go, it never does (a step that never ends)
+    step += 1
+    block.beat(step)
+    time.sleep(0.1)
+"""
+
+
+def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
+    tmp_path: Path,
+) -> None:
+    """The agent asks its workers to let go of their group for a re-formation (another
+    node was lost); one is frozen and never will: ``hold`` finds it by the allowance its
+    steps taught (2 s, the floor), with its process state, instead of waiting out
+    --shutdown-timeout (30 s here)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
+    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
+                        run_id="job", max_restarts=0)  # fmt: skip
+    placement = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", 29500, 0)
+    group.start([placement])
+    try:
+        wait_until(lambda: group.last_step() >= 8, 30, "steps to learn from")
+        while group.last_step() < 12:  # the agent watches: it times the steps
+            assert not group.frozen()
+            time.sleep(0.05)
+        os.kill(group.pids[0], signal.SIGSTOP)
+        asked = time.monotonic()
+        why = group.hold(urgent=True, timeout=30)
+        took = time.monotonic() - asked
+        assert why is not None and why.startswith("rank 0 did not let go: hung: "), why
+        assert "process stopped" in why and 1.5 < took < 6, (took, why)
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)

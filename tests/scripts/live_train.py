@@ -36,6 +36,23 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+def undisturbed(samples: int, epochs: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """The model after the same steps with no change at all, in the caller's process:
+    what every run of this script must end with (the tests and benchmarks/chaos.py)."""
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = Indexed(samples)
+    for epoch in range(epochs):
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(3 + epoch))
+        for start in range(0, samples, global_batch):
+            idx = order[start : start + global_batch]
+            loss = nn.functional.mse_loss(model(data.x[idx]), data.y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.state_dict()
+
+
 def train(
     a: argparse.Namespace,
     state: elastic.State,
