@@ -341,8 +341,9 @@ class JobMirror:
 
 
 def glance(client: EtcdClient, prefix: str) -> Glance:
-    """The job's own keys and its leader's record, read once (two small reads, whatever
-    the job's size); whatever is malformed reads as absent."""
+    """The job's own keys, its leader's record and how many nodes are registered, read
+    once (three small reads, whatever the job's size); whatever is malformed reads as
+    absent."""
     decoded = Decoded()
     _, kvs = client.read([], [prefix + records.JOB])
     for kv in kvs:
@@ -357,7 +358,8 @@ def glance(client: EtcdClient, prefix: str) -> Glance:
         node = present.record if present is not None and present.rev == leader.rev else None
     round_ = decoded.round if decoded.round_err is None else None
     closed = decoded.closed is not None or decoded.closed_err is not None
-    return Glance(round_, closed, node, decoded.progress)
+    count = client.count(prefix + records.NODES)
+    return Glance(round_, closed, node, decoded.progress, count)
 
 
 def read_view(client: EtcdClient, prefix: str) -> JobView:

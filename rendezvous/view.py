@@ -87,6 +87,7 @@ class Glance:
     closed: bool = False
     leader: NodeRecord | None = None
     progress: ProgressRecord | None = None
+    present: int = -1  # nodes registered (-1: not counted)
 
 
 class Decoded:

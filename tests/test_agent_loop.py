@@ -851,6 +851,10 @@ def _step_out(were_live: bool, size: int) -> lobby.StepOut:
     return lobby.step_out(were_live, size, in_place=True, min_nodes=1, static=False)
 
 
+def _back(present: int) -> str | None:
+    return lobby.back_now(present, min_nodes=2)
+
+
 def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started_ahead(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -900,6 +904,27 @@ def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_i
     a = agent(job, workers, step_out=two_at_least, rejoin=lambda: rejoined.append(job) or job)
     assert a.run() == 0
     assert rejoined == [] and len(workers.started) == 2 and "shutdown" not in job.calls[:-1]
+
+
+def test_a_node_out_of_the_job_joins_again_when_the_others_are_too_few(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """c's worker hung; c stepped out for a and b to go on (min 2), and b was lost
+    meanwhile: a alone cannot re-form, so c joins again at once (it waited OUT_MAX)."""
+    old = FakeJob([round_of(1, "a", "b", "c")])
+    old.node_id = "c"
+    new = FakeJob([round_of(2, "a", "c", restarts=1)])
+    new.node_id = "c"
+    leader = NodeRecord(id="a", addr="10.0.0.1", nproc=1)
+    new.glance_view = Glance(round_of(1, "a", "b", "c"), leader=leader, present=1)
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        a = agent(old, workers, step_out=_step_out, rejoin=lambda: new, back=_back)
+        assert a.run() == 0
+    assert time.monotonic() - started < 5.0
+    assert "below the minimum of 2: they cannot re-form without this node" in caplog.text
 
 
 def test_a_node_out_of_the_job_joins_again_when_no_one_is_left_to_re_form(

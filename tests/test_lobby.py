@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT
 
-from elastic.agent.lobby import ahead, fits, site_path, step_out
+from elastic.agent.lobby import ahead, back_now, fits, site_path, step_out
 from elastic.contract import LOBBY_ENV
 from rendezvous.records import Member, NodeRecord, RoundRecord
 from rendezvous.view import Glance
@@ -171,3 +171,21 @@ def test_a_node_that_stepped_out_starts_its_workers_with_its_restart_count() -> 
         ).placements
         == ()
     )
+
+
+@pytest.mark.parametrize(
+    ("present", "back"), [(1, True), (0, True), (2, False), (3, False), (-1, False)]
+)
+def test_a_node_out_of_the_job_is_back_at_once_when_the_others_are_too_few(
+    present: int, back: bool
+) -> None:
+    """Its own worker hung and it stepped out for the others (min 2) to go on; one of
+    them was lost meanwhile: waiting for them to re-form would wait for a round that
+    cannot form (it waited OUT_MAX, 10 s, in ci28)."""
+    why = back_now(present, min_nodes=2)
+    assert (why is not None) is back
+    if why:
+        assert why == (
+            f"the others are {present} node(s), below the minimum of 2: "
+            "they cannot re-form without this node"
+        )

@@ -198,6 +198,7 @@ def launch(cfg: RunConfig) -> int:
                 lobby.step_out, in_place=in_place, min_nodes=cfg.min_nodes, static=cfg.static
             ),
             rejoin=join,
+            back=functools.partial(lobby.back_now, min_nodes=cfg.min_nodes),
         )
         job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
         mn, mx = cfg.min_nodes, cfg.max_nodes

@@ -130,6 +130,18 @@ def step_out(
     )
 
 
+def back_now(present: int, *, min_nodes: int) -> str | None:
+    """Why a node out of the job (``step_out``) joins again before the others re-formed
+    without it: the ``present`` others (-1: not known) are below ``min_nodes`` (one of
+    them was lost meanwhile), so no round forms until it is back. None: it waits."""
+    if 0 <= present < min_nodes:
+        return (
+            f"the others are {present} node(s), below the minimum of {min_nodes}: "
+            "they cannot re-form without this node"
+        )
+    return None
+
+
 SITE = Path(__file__).resolve().parent / "lobby_site"  # its sitecustomize: placed.py
 
 

@@ -159,18 +159,21 @@ class Agent:
         tripwire: Wire | None = None,
         step_out: Callable[[bool, int], StepOut] | None = None,
         rejoin: Callable[[], Membership] | None = None,
+        back: Callable[[int], str | None] | None = None,
     ) -> None:
         """``prepare``: this node's ``lobby.ahead`` (whether its workers start before it
         joins, and where); None: they never do; ``tripwire``: the store address they get
         (see ``tripwire``), which it must be given with. ``step_out``: this
         node's ``lobby.step_out`` (whether it leaves for now when its own worker fails)
         given whether its workers were live and the round's size; ``rejoin`` makes the
-        rendezvous it joins again with; without both it never steps out."""
+        rendezvous it joins again with; without both it never steps out. ``back``: this
+        node's ``lobby.back_now`` (whether, out, it joins again at once)."""
         self.rdzv = rdzv
         self.prepare = prepare
         self.tripwire = tripwire
         self.step_out = step_out
         self.rejoin = rejoin
+        self.back = back
         self.restart_mode = restart_mode
         self.workers = workers
         self.monitor_interval = monitor_interval
@@ -343,8 +346,8 @@ class Agent:
     def _out(self) -> Event:
         """Out of the job (its own worker failed): wait until the others re-formed
         without this node (a round newer than the one it left), the job ended, no one is
-        left to re-form (the lead vacant: every node's workers failed at once), or
-        ``OUT_MAX`` passed."""
+        left to re-form (the lead vacant: every node's workers failed at once), too few
+        are (``back``: one was lost meanwhile), or ``OUT_MAX`` passed."""
         left, since = self._out_of
         led = time.monotonic()  # when the lead was last seen held
         while True:
@@ -358,6 +361,10 @@ class Agent:
             else:
                 r = glance.round
                 if glance.closed or (r is not None and r.number > left):
+                    return LocalEvent.WENT_ON
+                why = self.back(glance.present) if self.back is not None else None
+                if why is not None:
+                    log.info("%s: joining again", why)
                     return LocalEvent.WENT_ON
                 if glance.leader is not None:
                     led = now
