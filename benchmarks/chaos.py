@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import random
 import re
 import signal
@@ -50,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._nodes import Node
+from benchmarks._nodes import Node, steps
 from elastic.agent.etcd_server import EtcdServer, EtcdServerError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,12 +129,7 @@ class Storm:
         return [n for n in self.alive() if n not in self.left and self.thawed_at.get(n, 0) < now]
 
     def rows(self) -> list[dict]:
-        out = []
-        for f in self.out.glob("w*.jsonl"):
-            for line in f.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    out.append(json.loads(line))
-        return sorted(out, key=lambda r: r["t"])
+        return steps(self.out)
 
     def workers(self, name: str) -> list[psutil.Process]:
         return [p for p in self.nodes[name].tree()[1:] if "live_train" in " ".join(p.cmdline())]
