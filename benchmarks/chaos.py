@@ -158,7 +158,7 @@ def steps_by_pid(rows: list[dict]) -> dict[int, int]:
     seen: dict[int, set[int]] = {}
     for r in rows:
         seen.setdefault(r["pid"], set()).add(r["step"])
-    return {pid: len(steps) for pid, steps in seen.items()}
+    return {pid: len(done) for pid, done in seen.items()}
 
 
 def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
