@@ -37,7 +37,6 @@ WATCHED = frozenset(
 )
 
 _first: str | None = None  # the first placement variable read while watched
-_watching = False
 _watched = False  # watching began (at the interpreter's start, or it says nothing)
 
 
@@ -58,9 +57,11 @@ class _Unwatched(Mapping[str, str]):
 
 
 class _Watched(os._Environ[str]):
+    """``os.environ`` while it is watched (``watch`` to ``stop``)."""
+
     def __getitem__(self, key: str) -> str:
         global _first
-        if _watching and _first is None and key in WATCHED:
+        if _first is None and key in WATCHED:
             _first = key
         return super().__getitem__(key)
 
@@ -73,15 +74,13 @@ class _Watched(os._Environ[str]):
 
 def watch() -> None:
     """Count reads of the placement variables from now on."""
-    global _watching, _watched
+    global _watched
     os.environ.__class__ = _Watched
-    _watching = _watched = True
+    _watched = True
 
 
 def stop() -> str | None:
     """Stop counting; the first placement variable the script read, or None."""
-    global _watching
-    _watching = False
     if type(os.environ) is _Watched:
         setattr(os.environ, "__class__", os._Environ)  # noqa: B010 - mypy narrows the type
     return _first
