@@ -115,5 +115,5 @@ def test_a_predecessors_snapshot_not_kept_goes_whole(
 def test_whether_a_predecessors_snapshot_is_kept(
     recorded: int | None, closed: bool, kept: bool, why: str
 ) -> None:
-    keep, reason = nodedir.keeps(40, recorded, closed)
+    keep, reason = nodedir.keeps(recorded, closed)
     assert keep is kept and why in reason

@@ -243,7 +243,7 @@ def _inherit(node_dir: Path, rdzv: Rendezvous) -> None:
         keep, why = False, f"etcd does not say whether the job goes on ({e})"
     else:
         recorded = seen.progress.step if seen.progress is not None else None
-        keep, why = nodedir.keeps(step, recorded, seen.closed)
+        keep, why = nodedir.keeps(recorded, seen.closed)
     nodedir.inherit(node_dir, keep)
     what = "kept" if keep else "removed"
     log.info("%s the snapshot of step %d this node's previous agent left: %s", what, step, why)

@@ -147,10 +147,10 @@ def predecessor_step(path: Path) -> int | None:
     return newest[1] if newest is not None else None
 
 
-def keeps(step: int, recorded: int | None, closed: bool) -> tuple[bool, str]:
-    """Whether a node keeps the snapshot of ``step`` its dead predecessor left, the job
-    in etcd having recorded progress ``recorded`` (None: none) and being ``closed`` or
-    not; and why. A job that recorded nothing is a new one under the same id (an
+def keeps(recorded: int | None, closed: bool) -> tuple[bool, str]:
+    """Whether a node keeps the snapshot its dead predecessor left, the job in etcd
+    having recorded progress ``recorded`` (None: none) and being ``closed`` or not; and
+    why. A job that recorded nothing is a new one under the same id (an
     embedded etcd starts empty): the snapshot is another job's."""
     if closed:
         return False, "the job is over"
