@@ -69,6 +69,7 @@ class Rendezvous:
         self.round: RoundRecord | None = None  # the round this node is (or was last) in
         self._in_place = False  # its workers re-form in place: said in its record while it leads
         self._progress = (-1, 0.0, 0)  # the job's progress: (step written, when, round)
+        self._round_rev = 0  # the revision that wrote self.round's header
 
     @property
     def node_id(self) -> str:
@@ -183,7 +184,7 @@ class Rendezvous:
             r = view.round
             newer = r is not None and (self.round is None or r.number > self.round.number)
             if r is not None and newer and r.member(self.me.id, self.rev) is not None:
-                self.round = r
+                self.round, self._round_rev = r, view.round_mod_revision
                 return r
             if not self.lead.upkeep(view, self.round):
                 # the leader forms the round: only its writing, or its going, matters here
@@ -358,24 +359,35 @@ class Rendezvous:
         if self.session.mark_leaving(self.mirror.connected) and self.mirror.complete:
             self.lead.give_notice(self.mirror.view())
 
-    def report_progress(self, step: int) -> None:
+    def report_progress(self, step: int, final: bool = False) -> None:
         """Record ``step``, the newest this node's workers committed, as the job's
         (``records.ProgressRecord``, without a lease) where this node is rank 0 of its
-        round and a write is due (``rules.progress_due``). A write that fails waits for
-        the next interval: the record only makes a later warning exact."""
+        round and a write is due (``rules.progress_due``; ``final``: it leaves the job).
+        Only while that round is the job's: a node that was frozen, or cut off, and does
+        not know yet that the job re-formed without it, never writes its older step over
+        the new round's. A write that fails waits for the next interval: the record only
+        makes a later warning exact."""
         r = self.round
         if r is None or r.rank_of(self.me.id) != 0 or not self.mirror.connected:
             return
         now = time.monotonic()
         written, at, number = self._progress
-        if not rules.progress_due(step, written, now - at, r.size, number != r.number):
+        if not rules.progress_due(step, written, now - at, r.size, number != r.number, final):
             return
         self._progress = (written, now, number)  # a write that fails waits an interval
         rec = ProgressRecord(step=step, node=self.me.id, round=r.number, at=time.time())
+        ops = self.client.ops
         try:
-            self.client.put(self.key(records.PROGRESS), rec.encode(), timeout=RETRIED_TIMEOUT)
+            current = self.client.txn(
+                [ops.mod(self.key(records.ROUND)) == self._round_rev],
+                [ops.put(self.key(records.PROGRESS), rec.encode())],
+                timeout=RETRIED_TIMEOUT,
+            )
         except RendezvousError as e:
             log.debug("could not record the job's progress: %s", e)
+            return
+        if not current:
+            log.debug("round %d is over: its step %d is not the job's progress", r.number, step)
             return
         self._progress = (step, now, r.number)
 

@@ -436,16 +436,19 @@ PROGRESS_EVERY = 2.0  # seconds between writes of the job's progress, at least
 PROGRESS_FANOUT = 200  # ... and one second more per this many members: each gets each write
 
 
-def progress_due(step: int, written: int, since: float, members: int, new_round: bool) -> bool:
+def progress_due(
+    step: int, written: int, since: float, members: int, new_round: bool, final: bool = False
+) -> bool:
     """Whether the rank-0 node of a round of ``members`` nodes records ``step`` as the
     job's progress now, ``since`` seconds after its last write (of ``written``): a step
     it has not written, at once in a round it has not written in (the step it resumed
-    from replaces an older round's, so a loss is never counted twice), else at a pace
-    every node's watch can take. A kill loses at most one interval's steps from the
-    record: a later warning then counts that many fewer."""
+    from replaces an older round's, so a loss is never counted twice) or as it leaves
+    the job (``final``: its last steps may be the job's newest), else at a pace every
+    node's watch can take. A kill loses at most one interval's steps from the record: a
+    later warning then counts that many fewer."""
     if step < 0 or step == written:
         return False
-    return new_round or since >= max(PROGRESS_EVERY, members / PROGRESS_FANOUT)
+    return new_round or final or since >= max(PROGRESS_EVERY, members / PROGRESS_FANOUT)
 
 
 # -- leading ----------------------------------------------------------------------------------

@@ -83,10 +83,10 @@ class FakeJob:
         self.in_place_said = [*self.in_place_said, in_place]
 
     recorded: ProgressRecord | None = None  # the job's progress as etcd holds it
-    progress_said: list[int] = []
+    progress_said: list[tuple[int, bool]] = []  # (step, final: as the node leaves)
 
-    def report_progress(self, step: int) -> None:
-        self.progress_said = [*self.progress_said, step]
+    def report_progress(self, step: int, final: bool = False) -> None:
+        self.progress_said = [*self.progress_said, (step, final)]
 
     def progress(self) -> ProgressRecord | None:
         return self.recorded
@@ -345,7 +345,8 @@ def test_a_round_of_new_nodes_behind_the_jobs_recorded_progress_says_so(
         "committed (292, by node b): no member of the round held a snapshot or "
         "checkpoint: training starts over"
     ]
-    assert job.progress_said == [-1]  # after the verdict only (the rule skips -1)
+    # after the verdict only (the rule skips -1), and as the node leaves: its last steps
+    assert job.progress_said == [(-1, False), (-1, True)]
 
 
 def test_a_collective_failing_under_a_lost_peer_is_the_loss_not_a_failure(

@@ -445,14 +445,27 @@ def test_the_jobs_progress_is_recorded_by_rank_0_and_outlives_it(
     seen_by(b, 3)
 
 
-def test_a_frozen_member_is_not_mistaken_for_dead(
+def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:
+    """A frozen rank 0 is lost only at its lease's end (it still holds its probe port);
+    woken up in a round that is over, it records no progress over the new round's."""
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
     start_round([a, b])
-    b.signal(signal.SIGSTOP)
+    a.signal(signal.SIGSTOP)
     frozen = time.monotonic()
-    a.send("next")
-    r = a.expect("round", timeout=TTL + 5)
+    b.send("next")
+    r = b.expect("round", timeout=TTL + 5)
     assert time.monotonic() - frozen >= TTL - 0.5, "a stopped process still holds its port"
-    assert r["lost"] == ["b"]
+    assert r["lost"] == ["a"] and r["rank"] == 0
+    b.send("progress 3")
+    assert b.expect("progress")["step"] == 3
+    a.signal(signal.SIGCONT)
+    a.send("progress 9")  # still rank 0 of round 1 as far as it knows
+    a.expect("progress")
+    client = EtcdClient(build_options(etcd.endpoint, run_id, 1, 2)[0])
+    try:
+        kv = client.get(f"/elastic-run/{run_id}/{records.PROGRESS}")
+    finally:
+        client.close()
+    assert kv is not None and records.ProgressRecord.decode(kv.key, kv.value).step == 3

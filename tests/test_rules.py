@@ -475,9 +475,14 @@ def test_nodes_waiting_from_the_whole_job_or_from_a_count() -> None:
         (3, 292, 0.0, 3, True, True),  # a new round resumed behind: at once
         (300, 292, 10.0, 10_000, False, False),  # 10,000 watchers: once in 50 s
         (300, 292, 51.0, 10_000, False, True),
+        (300, 292, 0.1, 3, False, False),
     ],
 )
 def test_the_jobs_progress_is_written_at_a_pace_every_watch_can_take(
     step: int, written: int, since: float, members: int, new_round: bool, due: bool
 ) -> None:
     assert progress_due(step, written, since, members, new_round) is due
+    # as the node leaves, its last steps at once (they may be the job's newest)
+    assert progress_due(step, written, since, members, new_round, final=True) is (
+        step >= 0 and step != written
+    )

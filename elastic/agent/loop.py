@@ -90,7 +90,7 @@ class Membership(Protocol):
     def resume(self) -> bool: ...  # carry this incarnation on after a lapse (LAPSED)
     def announce_leaving(self) -> None: ...
     def announce_in_place(self, in_place: bool) -> None: ...
-    def report_progress(self, step: int) -> None: ...  # rank 0's: the job's progress
+    def report_progress(self, step: int, final: bool = False) -> None: ...  # rank 0: job progress
     def progress(self) -> ProgressRecord | None: ...  # the job's progress as recorded
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
     def shutdown(self, leave: bool = True) -> None: ...
@@ -484,6 +484,13 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.steps_redone.inc(verdict.steps)
 
+    def _last_progress(self) -> None:
+        """As this node leaves: its workers' last steps, saved as they stopped, may be
+        the job's newest (the last node of a job told to stop): recorded, so that a round
+        that resumes behind them later says how many it trains again."""
+        if self._resuming is None:
+            self.rdzv.report_progress(self.workers.last_step(), final=True)
+
     def _announce_in_place(self, live: bool) -> None:
         """Say whether this node's workers re-form in place (``live``): a newcomer starts
         its own before it joins only when the leader's do (``lobby``); the rendezvous
@@ -612,6 +619,7 @@ class Agent:
         count goes up by one, as torchrun's agent counts a restart of its failed workers."""
         assert self.rejoin is not None and self.round is not None
         log.warning("leaving the job for now: %s", self._stepping)
+        self._last_progress()
         self.rdzv.shutdown(leave=True)
         self.rdzv = self.rejoin()
         self._restart_count += 1
@@ -862,6 +870,7 @@ class Agent:
 
     def _end(self, event: Event, how: Exit, stop: Stop) -> int:
         """Leave the job; the exit code for ``how``."""
+        self._last_progress()
         self.rdzv.shutdown(leave=True)
         if event is RoundEnd.JOB_SUCCEEDED and stop is Stop.FINISH:
             # another node closed the job: our own workers may have failed meanwhile
