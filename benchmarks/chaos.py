@@ -241,12 +241,19 @@ WARNED = re.compile(r"round (\d+) resumes from step (\d+), (\d+) step\(s\) behin
 
 def jumps(rows: list[dict]) -> list[Jump]:
     """Each round that resumed below the newest step trained so far (the step in flight,
-    retried, is not below it)."""
+    retried, is not below it). Only where a worker starts training in a placement (its
+    first row, a new rank or world, or a step below its own last): a frozen worker that
+    thaws in a round that is over logs its old step once more, and trains nothing."""
     out: list[Jump] = []
     newest, newest_at = 0, 0.0
     trained: list[tuple[float, int]] = []
+    last: dict[int, tuple[int, int, int]] = {}  # pid: (world, rank, step) of its last row
     for r in rows:
-        if r["step"] < newest:
+        prev = last.get(r["pid"])
+        last[r["pid"]] = (r["world"], r["rank"], r["step"])
+        starts = prev is None or prev[:2] != (r["world"], r["rank"]) or r["step"] < prev[2]
+        same_round = out and out[-1].resumed <= r["step"] and r["t"] - out[-1].at < 5.0
+        if starts and r["step"] < newest and not same_round:
             lag = newest - min((s for t, s in trained if t >= newest_at - RECORD_LAG), default=0)
             out.append(Jump(r["t"], r["step"], newest - r["step"], lag))
             newest, trained = r["step"], []
