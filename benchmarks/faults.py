@@ -26,6 +26,7 @@ job's budget, with the nodes whose own failure they were.
     two joins     c and d join a and b at once (each expects rank 2 of 3)
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
+    kill etcd restarting  etcd and c SIGKILLed together, etcd started again 1 s later
 
     python benchmarks/faults.py [--repeat 1] [--only kill,join] [--modes live,respawn]
                                 [--device cuda --width 2048]
@@ -303,6 +304,18 @@ def etcd_frozen(job: Job) -> Outcome:
     return replace(out, seconds=pause, charged=out.charged + more)
 
 
+def kill_etcd_restarting(job: Job) -> Outcome:
+    """etcd SIGKILLed and c with it; etcd is started again 1 s later, on its data: the
+    survivors find c gone while etcd is away, and re-form once it answers."""
+    start_training(job, "abc")
+    at = time.time()
+    job.etcd.stop(signal.SIGKILL)
+    job.nodes["c"].kill()
+    time.sleep(1.0)
+    job.etcd.start()
+    return job.outcome(at, job.since(2, at))
+
+
 FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill": kill,
     "kill forming": kill_forming,
@@ -316,6 +329,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "two joins": two_joins,
     "Ctrl-C": ctrl_c,
     "etcd frozen": etcd_frozen,
+    "kill etcd restarting": kill_etcd_restarting,
 }
 
 
@@ -356,12 +370,12 @@ def main() -> None:
                 s = f"{out.seconds:.2f}s" if out.seconds is not None else f">{TIMEOUT:.0f}s"
                 print(f"run {i + 1} {fault} ({mode}): {s}, redone {out.redone}, "
                       f"charged {out.charged}", flush=True)  # fmt: skip
-    print(f"\n{'fault':<17}{'mode':<9}{'median':>9}   {'redone':>6}   charged   runs (s)")
+    print(f"\n{'fault':<22}{'mode':<9}{'median':>9}   {'redone':>6}   charged   runs (s)")
     for (fault, mode), outs in results.items():
         secs = [o.seconds if o.seconds is not None else TIMEOUT for o in outs]
         runs = " ".join(f"{x:.2f}" for x in secs)
         print(
-            f"{fault:<17}{mode:<9}{statistics.median(secs):>8.2f}s   "
+            f"{fault:<22}{mode:<9}{statistics.median(secs):>8.2f}s   "
             f"{max(o.redone for o in outs):>6}   {outs[-1].charged:<9} {runs}"
         )
     print(f"(logs under {base})")

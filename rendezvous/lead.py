@@ -38,6 +38,9 @@ class Lead:
         self._vacant_since: float | None = None  # monotonic time the post was seen vacant
         self._noticed: tuple[int, RoundEnd] | None = None  # the last notice this node gave
         self._probed: dict[str, float] = {}  # node id -> monotonic time last probed
+        # node id -> the incarnation its probe port proved dead: lost at once, even while
+        # etcd's outage keeps the silent ones in (``rules.round_end``)
+        self.proven: dict[str, int] = {}
 
     @property
     def _key(self) -> str:
@@ -125,7 +128,9 @@ class Lead:
         options = self.session.options
         last_call = (time.monotonic(), options.last_call_timeout)
         outage = self.session.outage()
-        rec = rules.notice_to_give(view, options.max_nodes, self._noticed, last_call, outage)
+        rec = rules.notice_to_give(
+            view, options.max_nodes, self._noticed, last_call, outage, self.proven
+        )
         if rec is None:
             return
         ops = self.client.ops
@@ -139,24 +144,29 @@ class Lead:
     def probe_leader(self, view: JobView, every: float = PROBE_EVERY) -> None:
         lead_kv, ld = view.leader_kv, view.leader
         if lead_kv is not None and ld is not None and ld.id != self.session.me.id:
-            self._check_gone({ld.id: (ld.addr, ld.probe, lead_kv.lease)}, every)
+            node = view.nodes.get(ld.id)
+            rev = node.rev if node is not None else ld.rev
+            self._check_gone({ld.id: (ld.addr, ld.probe, lead_kv.lease, rev)}, every)
 
     def probe_nodes(self, view: JobView, nodes: tuple[str, ...]) -> None:
         """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py)."""
         me = self.session.me.id
         present = {n: view.nodes[n] for n in nodes if n in view.nodes and n != me}
-        self._check_gone({n: (x.record.addr, x.record.probe, x.lease) for n, x in present.items()})
+        self._check_gone(
+            {n: (x.record.addr, x.record.probe, x.lease, x.rev) for n, x in present.items()}
+        )
 
     def _check_gone(
-        self, targets: dict[str, tuple[str, int, int]], every: float = PROBE_EVERY
+        self, targets: dict[str, tuple[str, int, int, int]], every: float = PROBE_EVERY
     ) -> None:
-        """Probe ``targets`` (node id: address, probe port, lease) not probed in the last
-        ``every`` seconds, all at once; revoke the leases of those that refuse."""
+        """Probe ``targets`` (node id: address, probe port, lease, incarnation) not probed
+        in the last ``every`` seconds, all at once; revoke the leases of those that refuse."""
         now = time.monotonic()
         due = {n: t for n, t in targets.items() if now - self._probed.get(n, 0.0) >= every}
         self._probed.update(dict.fromkeys(due, now))
-        for node_id in gone_among({n: (addr, port) for n, (addr, port, _) in due.items()}):
+        for node_id in gone_among({n: (addr, port) for n, (addr, port, _, _) in due.items()}):
             log.warning("%s refuses its probe port: its agent is gone; revoking its lease", node_id)
+            self.proven[node_id] = due[node_id][3]
             try:
                 self.client.revoke(due[node_id][2], timeout=2.0)
             except RendezvousError as e:

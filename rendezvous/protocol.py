@@ -441,6 +441,7 @@ class Rendezvous:
             fenced,
             (time.monotonic(), self.options.last_call_timeout),
             self.session.outage(),
+            self.lead.proven,
         )
 
     def resume(self) -> bool:

@@ -34,6 +34,7 @@ acts):
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rendezvous.records import (
@@ -336,6 +337,7 @@ def round_end(
     fenced: bool,
     last_call: tuple[float, float] | None = None,
     outage: tuple[float, float] | None = None,
+    proven: Mapping[str, int] | None = None,
 ) -> Change | None:
     """What, if anything, ends round ``mine`` for node ``me`` (incarnation ``rev``), read
     from the whole job; ``fenced``: etcd has dropped this incarnation (see
@@ -346,7 +348,9 @@ def round_end(
     ``plan`` forms a round below MAX only then); None: at once. ``outage``: (now, until):
     etcd did not answer this node lately (``LeaseKeeper.outage_until``), and an outage
     that drops one lease drops them all: a member gone counts as lost only from ``until``
-    on, if it has not come back by then (``Session.resume``)."""
+    on, if it has not come back by then (``Session.resume``), unless every member gone
+    is ``proven`` dead (node id: the incarnation whose agent refused its probe port, see
+    probe.py): then no other is still on its way back into the round that follows."""
     decided, change = _settled(view, me, rev, mine, fenced)
     if decided or mine is None:
         return change
@@ -358,6 +362,10 @@ def round_end(
 
     lost = having(MemberState.LOST)
     if lost and (outage is None or outage[0] >= outage[1]):
+        return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
+    proven = proven or {}
+    dead = {m.id for m in mine.members if proven.get(m.id) == m.rev}
+    if lost and dead.issuperset(lost):  # not silent through the outage: found dead
         return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
     if failed := _peer_failed(view, me, mine.number):
         return failed
@@ -515,13 +523,14 @@ def notice_to_give(
     given: tuple[int, RoundEnd] | None,
     last_call: tuple[float, float] | None = None,
     outage: tuple[float, float] | None = None,
+    proven: Mapping[str, int] | None = None,
 ) -> NoticeRecord | None:
     """The notice the leader writes now, if any: what ends the running round for all its
     members, once per round, and once more only to make it urgent (``given``: the last
     notice this node wrote, which its view may not show yet; ``last_call`` and
-    ``outage`` as for ``round_end``)."""
+    ``outage`` and ``proven`` as for ``round_end``)."""
     r = view.round
-    c = round_end(view, "", 0, r, max_nodes, False, last_call, outage) if r else None
+    c = round_end(view, "", 0, r, max_nodes, False, last_call, outage, proven) if r else None
     if r is None or c is None or c.end not in NOTICED:
         return None
 

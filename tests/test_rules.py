@@ -297,6 +297,26 @@ def test_after_an_etcd_outage_a_vanished_member_has_until_the_grace_ends_to_come
     assert end(view(a, b, back, r=r), r) is None
 
 
+def test_a_member_proven_dead_is_lost_at_once_even_in_an_etcd_outage() -> None:
+    """Its agent refused its probe port (a kill while etcd restarts): it will not come
+    back, so the round re-forms as soon as its lease is gone, not a TTL after etcd
+    answers again, unless another member is gone as well and may come back. Proof of an
+    older incarnation proves nothing about this one."""
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b, c)
+    vanished = view(a, b, r=r)
+    outage = (10.0, 13.0)
+    change = round_end(vanished, "a", 1, r, 3, False, outage=outage, proven={"c": 3})
+    assert change is not None and (change.end, change.nodes) == (RoundEnd.LOST, ("c",))
+    assert round_end(vanished, "a", 1, r, 3, False, outage=outage, proven={"c": 2}) is None
+    notice = notice_to_give(vanished, 3, None, outage=outage, proven={"c": 3})
+    assert notice is not None and notice.end is RoundEnd.LOST and notice.nodes == ("c",)
+    # b gone too, not proven dead: its lease may have gone with etcd's outage, and it
+    # carries on in a moment; a round formed now would leave it out
+    both = view(a, r=r)
+    assert round_end(both, "a", 1, r, 3, False, outage=outage, proven={"c": 3}) is None
+
+
 def test_round_end_for_newcomers_and_newer_rounds() -> None:
     a, b, n = node("a", 1), node("b", 2), node("n", 9)
     r = rnd(1, a, b)
