@@ -25,7 +25,7 @@ from etcd3.utils import prefix_range_end
 
 from rendezvous import tlsprobe
 from rendezvous.config import EtcdOptions
-from rendezvous.errors import EtcdUnavailableError, RendezvousError
+from rendezvous.errors import EtcdUnavailableError, LeaseNotFoundError, RendezvousError
 from rendezvous.net import answers
 from rendezvous.view import KV
 
@@ -189,6 +189,10 @@ class EtcdClient:
                     self._reset()
                 elif code == grpc.StatusCode.CANCELLED:
                     last = details or code.name  # another thread replaced the channel
+                elif code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+                    raise LeaseNotFoundError(
+                        f"etcd at {self.options.describe()} refused {what}: {details}"
+                    ) from None
                 elif "authentication failed" in details:
                     raise EtcdUnavailableError(
                         f"etcd at {self.options.describe()} rejected user "

@@ -36,5 +36,10 @@ class LeaseLostError(RendezvousError):
     """etcd says this node's lease is gone: the others have already moved on without it."""
 
 
+class LeaseNotFoundError(RendezvousError):
+    """etcd refused a write on a lease it no longer has: the lease expired before the
+    write came (etcd was away for longer than its TTL), or was revoked."""
+
+
 class RendezvousCancelled(RendezvousError):
     """The caller asked the wait to end (the agent got a signal)."""

@@ -22,7 +22,12 @@ from typing import Any, NoReturn
 from rendezvous import records, rules
 from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
-from rendezvous.errors import LeaseLostError, RendezvousClosedError, RendezvousError
+from rendezvous.errors import (
+    LeaseLostError,
+    LeaseNotFoundError,
+    RendezvousClosedError,
+    RendezvousError,
+)
 from rendezvous.lease import LeaseKeeper
 from rendezvous.net import answers
 from rendezvous.probe import ProbeListener, gone_among
@@ -37,6 +42,9 @@ GONE_TTL = 60  # seconds a departed node's tombstone stays
 LEAVE_TIMEOUT = 1.0
 # a write that is said again later if it fails: it never holds the agent's loop longer
 RETRIED_TIMEOUT = 1.0
+# new leases granted for one registration, each dropped before the write that names it
+# (etcd away past the TTL right after the grant): then etcd is not fit to join through
+REGRANTS = 3
 
 
 @dataclass(frozen=True)
@@ -114,17 +122,25 @@ class Session:
         # the id may be held by this node's previous agent, dead (a restarted pod): its
         # record goes with its lease, within a TTL, or at once if its probe port refuses
         deadline = time.monotonic() + self.options.lease_ttl + 1.0
+        expired = 0
         while True:
             lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
             rec = self._new_record()
-            revision, kvs, _ = self.client.create_and_read(
-                self.node_key,
-                rec.encode(),
-                lease_id,
-                reads,
-                self.key(records.CLOSED),
-                claim=claim(),
-            )
+            try:
+                revision, kvs, _ = self.client.create_and_read(
+                    self.node_key,
+                    rec.encode(),
+                    lease_id,
+                    reads,
+                    self.key(records.CLOSED),
+                    claim=claim(),
+                )
+            except LeaseNotFoundError:
+                expired += 1
+                if expired > REGRANTS:
+                    raise
+                log.info("etcd dropped the new lease before it answered: registering anew")
+                continue
             if revision:
                 break
             self.lease.revoke()
@@ -196,11 +212,18 @@ class Session:
         absent (and ``unchanged`` holds): (revision or 0, what holds the key, lease id).
         A new lease that carries nothing is revoked at once; one a failed call left is
         revoked by the next attempt, as the old one is here."""
-        self.lease.revoke()
-        lease_id = self.lease.grant()
-        revision, existing = self.client.create(
-            self.node_key, rec.encode(), lease=lease_id, unchanged=unchanged
-        )
+        for attempt in range(REGRANTS + 1):
+            self.lease.revoke()
+            lease_id = self.lease.grant()
+            try:
+                revision, existing = self.client.create(
+                    self.node_key, rec.encode(), lease=lease_id, unchanged=unchanged
+                )
+                break
+            except LeaseNotFoundError:
+                if attempt == REGRANTS:
+                    raise
+                log.info("etcd dropped the new lease before it answered: writing anew")
         if not revision:
             self.lease.revoke()
         return revision, existing, lease_id
@@ -330,11 +353,9 @@ class Session:
             revision = self.client.put(
                 self.node_key, value, lease=self.lease.lease_id, timeout=timeout
             )
-        except RendezvousError as e:
-            if "lease not found" in str(e):
-                self.lease.lost = True
-                raise LeaseLostError("etcd dropped this node's lease") from None
-            raise
+        except LeaseNotFoundError:
+            self.lease.lost = True
+            raise LeaseLostError("etcd dropped this node's lease") from None
         self.record = rec
         self._on_record(KV(self.node_key, value, self.created, revision, self.lease.lease_id))
 

@@ -196,3 +196,36 @@ def test_a_write_said_again_later_never_holds_the_loop_while_etcd_is_frozen(
             return rec is not None and rec.in_place
 
         wait_until(said, 15, "the leader's record to say its workers re-form in place")
+
+
+def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_anew(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """etcd frozen past the TTL just after it granted a joining node's lease: on the thaw
+    it drops the lease, and the registration that names it is refused ("requested lease
+    not found"). The node grants another and joins (it exited with that error)."""
+    conf = RdzvConf(connect_timeout=10, lease_ttl=TTL, last_call_timeout=0.1)
+    e, opts = build_options(fresh_etcd.endpoint, run_id, 1, 2, conf)
+    client = EtcdClient(e)
+    node = Rendezvous(client, opts, NodeSpec(id="a", addr="127.0.0.1", nproc=1))
+    keeper = node.session.lease
+    grant = keeper.grant
+    granted: list[int] = []
+
+    def grant_then_freeze(timeout: float | None = None) -> int:
+        lease_id = grant(timeout=timeout)
+        granted.append(lease_id)
+        if len(granted) == 1:  # the fault, at its moment: etcd away past the TTL
+            freeze(fresh_etcd, TTL + 1.5, lambda: None)
+        return lease_id
+
+    keeper.grant = grant_then_freeze  # type: ignore[method-assign]
+    try:
+        node.start()
+        rec = record(node)
+        assert len(granted) == 2 and rec is not None and rec.id == "a"
+        kv = client.get(node.session.node_key)
+        assert kv is not None and kv.lease == granted[1]
+    finally:
+        node.shutdown(leave=False)
+        client.close()
