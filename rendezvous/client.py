@@ -68,6 +68,25 @@ def _kv(kv: Any) -> KV:
     return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
 
 
+class _Etcd3Client(etcd3.MultiEndpointEtcd3Client):
+    """python3-etcd3's client, with the deadline of each request (its ``timeout``, which
+    its every call reads) the calling thread's: ``EtcdClient.call`` bounds each request
+    by the time its caller has left, so a frozen etcd holds no caller past its timeout
+    (each request waited the whole ``request_timeout`` before)."""
+
+    _limit = threading.local()
+    _default: float | None = None
+
+    @property
+    def timeout(self) -> float | None:
+        limit: float | None = getattr(self._limit, "value", None)
+        return limit if limit is not None else self._default
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._default = value
+
+
 class EtcdClient:
     """A connection to one etcd cluster, shared by everything in one process."""
 
@@ -101,7 +120,7 @@ class EtcdClient:
                     host, int(port), secure=o.secure, creds=creds, time_retry=1.0, opts=GRPC_OPTIONS
                 )
             )
-        client = etcd3.MultiEndpointEtcd3Client(
+        client = _Etcd3Client(
             endpoints=endpoints,
             timeout=o.request_timeout,
             user=o.user,
@@ -171,6 +190,8 @@ class EtcdClient:
         deadline = time.monotonic() + (self.options.connect_timeout if timeout is None else timeout)
         delay = 0.05
         while True:
+            left = deadline - time.monotonic()
+            _Etcd3Client._limit.value = max(min(self.options.request_timeout, left), 0.05)
             try:
                 result = fn(self.raw())
                 self.answered = True
@@ -204,6 +225,8 @@ class EtcdClient:
                     ) from None
             except ValueError as e:  # python3-etcd3 raises this for unusable TLS settings
                 raise RendezvousError(f"etcd client setup failed: {e}") from None
+            finally:
+                _Etcd3Client._limit.value = None
             if time.monotonic() + delay > deadline:
                 raise EtcdUnavailableError(
                     f"etcd unreachable at {self.options.describe()} ({what}): {last}{self._hint()}"

@@ -116,10 +116,11 @@ class Rendezvous:
         """The job as a node sees it before registering (``mirror.glance``)."""
         return glance(self.client, self.options.job_prefix)
 
-    def start(self) -> None:
-        """Register this node and read the job, in one transaction; refuse a closed job."""
+    def start(self, cancel: threading.Event | None = None) -> None:
+        """Register this node and read the job, in one transaction; refuse a closed job.
+        Raises RendezvousCancelled once ``cancel`` is set while etcd is away."""
         revision, kvs = self.session.register(
-            self.mirror.lean_keys(), claim=self.lead.registration_claim
+            self.mirror.lean_keys(), claim=self.lead.registration_claim, cancel=cancel
         )
         try:
             self.mirror.start(initial=(revision, kvs))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,8 +24,10 @@ from rendezvous import records, rules
 from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import (
+    EtcdUnavailableError,
     LeaseLostError,
     LeaseNotFoundError,
+    RendezvousCancelled,
     RendezvousClosedError,
     RendezvousError,
 )
@@ -45,6 +48,8 @@ RETRIED_TIMEOUT = 1.0
 # new leases granted for one registration, each dropped before the write that names it
 # (etcd away past the TTL right after the grant): then etcd is not fit to join through
 REGRANTS = 3
+# seconds each try to register may take with an etcd that answered this process before
+OUTAGE_TRY = 2.0
 
 
 @dataclass(frozen=True)
@@ -112,21 +117,30 @@ class Session:
 
     # -- registering ---------------------------------------------------------------------------
     def register(
-        self, reads: tuple[list[str], list[str]], claim: Callable[[], tuple[str, bytes]]
+        self,
+        reads: tuple[list[str], list[str]],
+        claim: Callable[[], tuple[str, bytes]],
+        cancel: threading.Event | None = None,
     ) -> tuple[int, list[KV]]:
         """Register and read ``reads`` (keys, prefixes) in one transaction, claiming the
         key and value ``claim()`` gives if absent (on this lease). Raises for a closed job
-        or a node id already taken, with the lease revoked."""
+        or a node id already taken, with the lease revoked. Through an outage of an etcd
+        that answered before, it tries again (``_outage``) until ``cancel`` is set."""
         if self._probe is None:
             self._probe = ProbeListener()
         # the id may be held by this node's previous agent, dead (a restarted pod): its
         # record goes with its lease, within a TTL, or at once if its probe port refuses
         deadline = time.monotonic() + self.options.lease_ttl + 1.0
         expired = 0
+        outage: float | None = None  # since when etcd has not answered this registration
+        lease_id = 0
         while True:
-            lease_id = self.lease.grant(timeout=self.client.options.connect_timeout)
-            rec = self._new_record()
+            # an etcd that answered before is waited for in short tries (a signal is heard
+            # between them); one that never did gets connect_timeout to answer at all
+            timeout = OUTAGE_TRY if self.client.answered else self.client.options.connect_timeout
             try:
+                lease_id = lease_id or self.lease.grant(timeout=timeout)
+                rec = self._new_record()
                 revision, kvs, _ = self.client.create_and_read(
                     self.node_key,
                     rec.encode(),
@@ -134,16 +148,21 @@ class Session:
                     reads,
                     self.key(records.CLOSED),
                     claim=claim(),
+                    timeout=timeout,
                 )
             except LeaseNotFoundError:
-                expired += 1
+                lease_id, expired = 0, expired + 1
                 if expired > REGRANTS:
                     raise
                 log.info("etcd dropped the new lease before it answered: registering anew")
                 continue
+            except EtcdUnavailableError as e:
+                outage = self._outage(e, outage, cancel)
+                continue
             if revision:
                 break
             self.lease.revoke()
+            lease_id = 0
             holder = {kv.key: kv for kv in kvs}.get(self.node_key)
             if (
                 holder is None
@@ -154,6 +173,31 @@ class Session:
                 self._refused(kvs)
         self._registered(rec, revision, lease_id)
         return revision, kvs
+
+    def _outage(
+        self, error: EtcdUnavailableError, since: float | None, cancel: threading.Event | None
+    ) -> float:
+        """etcd did not answer this registration. An etcd that answered this process
+        before is away for a while (the nodes in the job train on through that): wait
+        for it, up to ``join_timeout``, unless ``cancel`` is set (a signal). One that never
+        answered may be no etcd at all: ``connect_timeout`` said so (raise). Returns since
+        when it has been away."""
+        now = time.monotonic()
+        if since is None:
+            if not self.client.answered:
+                raise error
+            log.warning(
+                "etcd stopped answering while this node joined: trying again until it "
+                "answers (join_timeout %ss): %s",
+                self.options.join_timeout,
+                error,
+            )
+            since = now
+        if now - since > self.options.join_timeout:
+            raise error
+        if cancel is not None and cancel.wait(OUTAGE_TRY / 4):
+            raise RendezvousCancelled("cancelled while etcd was away") from None
+        return since
 
     def _clear_dead_holder(self, holder: KV) -> bool:
         """This node's id is held: revoke the holder's lease if its probe port refuses

@@ -74,7 +74,7 @@ class FakeJob:
         self.calls.append("glance")
         return self.glances.popleft() if self.glances else self.glance_view
 
-    def start(self) -> None:
+    def start(self, cancel: threading.Event | None = None) -> None:
         self.calls.append("start")
         if self.rounds and isinstance(self.rounds[0], RendezvousClosedError):
             raise self.rounds.popleft()
@@ -458,6 +458,29 @@ def test_a_signal_announces_leaving_drains_with_that_signal_and_exits_128_plus_i
     # the next round need not wait for the workers' interpreters to end
     assert job.calls.index("finish_round") < job.calls.index("shutdown")
     assert a.state is AgentState.LEFT
+
+
+@pytest.mark.parametrize(("recorded", "said"), [(103, [(127, True)]), (258, [])])
+def test_a_node_that_leaves_records_its_last_step_only_past_the_job_before_its_round_judged(
+    recorded: int, said: list[tuple[int, bool]]
+) -> None:
+    """SIGTERM before the round's workers said where they resumed (they form its group):
+    their last step, 127, was trained in an earlier round and is the job's newest unless
+    the job recorded more (the workers may predate a fence: 258 stays)."""
+    job = FakeJob([round_of(1, "a")])
+    job.recorded = ProgressRecord(step=recorded, node="b", round=1)
+    workers = FakeWorkers([RUNNING])
+    workers.last = 127
+    workers.restores.extend([None] * 10)  # never said: the judgment is pending
+    a = agent(job, workers)
+
+    def poll() -> tuple[GroupState, list[WorkerFailure]]:
+        a.on_signal(signal.SIGTERM)
+        return RUNNING
+
+    workers.poll = poll  # type: ignore[method-assign]
+    assert a.run() == 128 + signal.SIGTERM
+    assert job.progress_said == said
 
 
 def test_a_signal_while_joining_leaves_at_once() -> None:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,9 @@ from elastic.agent.hangs import (
 )
 from elastic.agent.logs import LogRouter
 from elastic.agent.placement import Placement
-from elastic.agent.workers import WorkerGroup
-from elastic.contract import ControlBlock
+from elastic.agent.workers import Drained, WorkerGroup
+from elastic.contract import EXIT_RESIZE, ControlBlock
+from rendezvous.net import free_port
 
 
 def test_the_allowance_is_learned_from_the_recent_steps() -> None:
@@ -175,6 +177,51 @@ def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
         took = time.monotonic() - asked
         assert why is not None and why.startswith("rank 0 did not let go: hung: "), why
         assert "process stopped" in why and 1.5 < took < 6, (took, why)
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+LIVE_WORKER = """
+import time, torch, torch.distributed as dist, elastic
+dist.init_process_group("gloo")
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = elastic.State(model=model, optimizer=opt)
+
+def train(model, opt):
+    while True:
+        time.sleep(0.05)
+        state.commit()
+
+state.run(train, model, opt)
+"""
+
+
+def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once(
+    tmp_path: Path,
+) -> None:
+    """The node leaves (SIGTERM) as its worker forms the next round's group in place,
+    waiting for a rank that has not come: there is no step to stop at, so the drain
+    breaks it out of forming and it saves and exits from its wait for a placement, in
+    moments, not after --shutdown-timeout (30 s here: the drain killed it then)."""
+    script = tmp_path / "worker.py"
+    script.write_text(LIVE_WORKER)
+    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
+    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
+                        run_id="job", max_restarts=0)  # fmt: skip
+    alone = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)
+    group.start([alone])
+    try:
+        wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
+        assert group.hold(urgent=False, timeout=30) is None
+        group.reform([replace(alone, world_size=2, group_world_size=2, master_port=free_port())])
+        wait_until(group.forming, 10, "it forms a round whose rank 1 never comes")
+        asked = time.monotonic()
+        drained = group.drain(signal.SIGTERM, timeout=30)
+        took = time.monotonic() - asked
+        assert drained is Drained.STOPPED and took < 10, (drained, took)
+        assert group.workers[0].proc.poll() == EXIT_RESIZE
     finally:
         group.stop(0)
         router.close(lambda *_: None)

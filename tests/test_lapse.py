@@ -21,7 +21,7 @@ from elastic.agent.etcd_server import EtcdServer
 from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.config import RdzvConf, build_options
-from rendezvous.errors import EtcdUnavailableError, RendezvousError
+from rendezvous.errors import EtcdUnavailableError, RendezvousCancelled, RendezvousError
 from rendezvous.lease import LeaseKeeper
 from rendezvous.protocol import NodeSpec, Rendezvous
 from rendezvous.records import NodeRecord
@@ -229,3 +229,51 @@ def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_ane
     finally:
         node.shutdown(leave=False)
         client.close()
+
+
+def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """etcd answered (the node read the job), then froze for longer than connect_timeout
+    as the node registered: an outage, not a wrong endpoint, so it tries again until
+    etcd answers and joins (it exited with "etcd unreachable"); a signal meanwhile (the
+    agent's cancel) ends the wait at once."""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
+    nodes, clients = [], []
+    for name in "ab":
+        e, opts = build_options(fresh_etcd.endpoint, run_id, 1, 2, conf)
+        clients.append(EtcdClient(e))
+        nodes.append(Rendezvous(clients[-1], opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
+        nodes[-1].glance()  # etcd answers this process
+    cancel = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def join(n: Rendezvous, stop: threading.Event | None) -> None:
+        try:
+            n.start(cancel=stop)
+            outcome[n.node_id] = "joined"
+        except RendezvousError as e:
+            outcome[n.node_id] = e
+
+    def during() -> None:
+        threads = [
+            threading.Thread(target=join, args=(nodes[0], cancel)),
+            threading.Thread(target=join, args=(nodes[1], None)),
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        cancel.set()
+        threads[0].join(3.0)
+        assert isinstance(outcome.get("a"), RendezvousCancelled), outcome
+
+    try:
+        freeze(fresh_etcd, conf.connect_timeout + 2, during)
+        wait_until(lambda: "b" in outcome, 15, "b to register once etcd answers")
+        assert outcome["b"] == "joined", outcome
+        assert record(nodes[1]) is not None
+    finally:
+        for n in nodes:
+            n.shutdown(leave=False)
+        for c in clients:
+            c.close()

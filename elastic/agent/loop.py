@@ -76,7 +76,7 @@ class Membership(Protocol):
     @property
     def leads(self) -> bool: ...  # this node writes the rounds (and holds the first's rank 0)
     def glance(self) -> Glance: ...  # the job, read once before registering
-    def start(self) -> None: ...  # register
+    def start(self, cancel: threading.Event | None = None) -> None: ...  # register
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def upkeep(self) -> None: ...  # the lead's writes: claim, notice
     def check(self) -> Change | None: ...  # read-only
@@ -303,10 +303,14 @@ class Agent:
     def _register(self) -> int | None:
         """Join the job: register this node (None), or the exit code for a closed job."""
         try:
-            self.rdzv.start()
+            self.rdzv.start(cancel=self._cancel)
         except RendezvousClosedError as e:
             self.workers.stop(0)  # any started ahead
             return self._closed_on_arrival(e)
+        except RendezvousCancelled:  # a signal while etcd was away
+            self.workers.stop(0)
+            log.info("%s", self.summary())
+            return Exit.SIGNALLED.code(self.signal or 0)
         if self.store is not None and self.rdzv.leads:
             self.store.warm()  # the first round's rank 0, most likely
         return None
@@ -487,9 +491,13 @@ class Agent:
     def _last_progress(self) -> None:
         """As this node leaves: its workers' last steps, saved as they stopped, may be
         the job's newest (the last node of a job told to stop): recorded, so that a round
-        that resumes behind them later says how many it trains again."""
-        if self._resuming is None:
-            self.rdzv.report_progress(self.workers.last_step(), final=True)
+        that resumes behind them later says how many it trains again. Before its round
+        said where it resumed, only past what the job recorded: steps of workers from
+        before a fence may be behind the job's."""
+        step = self.workers.last_step()
+        recorded = self.rdzv.progress()
+        if self._resuming is None or recorded is None or step > recorded.step:
+            self.rdzv.report_progress(step, final=True)
 
     def _announce_in_place(self, live: bool) -> None:
         """Say whether this node's workers re-form in place (``live``): a newcomer starts

@@ -322,7 +322,11 @@ class WorkerGroup:
 
     def forming(self) -> bool:
         """A worker forms its new group in place and has not yet."""
-        return any(w.proc.poll() is None and w.control.forming for w in self.workers)
+        return any(self._forming(w) for w in self.workers)
+
+    @staticmethod
+    def _forming(w: Worker) -> bool:
+        return w.proc.poll() is None and w.control.forming
 
     def in_lobby(self) -> bool:
         """Every worker started ahead waits in its ``init_process_group``."""
@@ -348,12 +352,14 @@ class WorkerGroup:
 
     def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> Drained:
         """Stop without losing a step: State users save at their next step and exit
-        EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. ``let_go``
-        runs as soon as every one has exited or saved and is exiting (the job need not
-        wait for their interpreters to end; this node leaves, so they get ``EXIT_GRACE``
-        to end before a SIGKILL, which loses nothing: they saved). A State user that
-        exits 0 instead had left its training loop before the ask: it finished (only for
-        State users: a script may well exit 0 on a SIGTERM)."""
+        EXIT_RESIZE, other scripts get ``sig``; SIGKILL after ``timeout``. A State user
+        forming a new group has no step to stop at: it gives that group up (an abandon)
+        and exits from its wait for a placement. ``let_go`` runs as soon as every one
+        has exited or saved and is exiting (the job need not wait for their interpreters
+        to end; this node leaves, so they get ``EXIT_GRACE`` to end before a SIGKILL,
+        which loses nothing: they saved). A State user that exits 0 instead had left its
+        training loop before the ask: it finished (only for State users: a script may
+        well exit 0 on a SIGTERM)."""
         use_state = self.use_state
         if use_state:
             for w in self.workers:
@@ -362,16 +368,22 @@ class WorkerGroup:
             self.signal(sig)
         deadline = time.monotonic() + timeout
         saved = False
-        while let_go is not None and time.monotonic() < deadline:
-            if all(
+        broken: set[int] = set()  # local ranks broken out of forming a group
+        while self.running and time.monotonic() < deadline:
+            for w in self.workers:
+                if use_state and w.local_rank not in broken and self._forming(w):
+                    w.control.request_abandon()
+                    broken.add(w.local_rank)
+            if let_go is not None and all(
                 w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in self.workers
             ):
                 let_go()
-                saved = True  # this node leaves: the interpreters' own ends are not awaited
+                let_go, saved = None, True  # this node leaves: their ends are not awaited
                 deadline = min(deadline, time.monotonic() + EXIT_GRACE)
-                break
             time.sleep(0.005)
-        done = self.wait(max(deadline - time.monotonic(), 0.0))
+        done = not self.running
+        if let_go is not None and done:
+            let_go()
         self.stop(0)
         if not done and not saved:
             return Drained.KILLED
