@@ -161,9 +161,13 @@ class Session:
                 continue
             if revision:
                 break
+            holder = {kv.key: kv for kv in kvs}.get(self.node_key)
+            if holder is not None and holder.lease == lease_id:  # a try etcd applied late,
+                rec = NodeRecord.decode(holder.key, holder.value)  # its answer lost
+                revision = holder.mod_revision
+                break
             self.lease.revoke()
             lease_id = 0
-            holder = {kv.key: kv for kv in kvs}.get(self.node_key)
             if (
                 holder is None
                 or time.monotonic() > deadline

@@ -277,3 +277,39 @@ def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
             n.shutdown(leave=False)
         for c in clients:
             c.close()
+
+
+def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """etcd frozen (for less than the TTL) just after granting the joining node's lease:
+    the registration's try gives up unanswered (2 s), and etcd applies it on the thaw.
+    The next try finds the node id held on this node's own lease: registered (it read
+    "node id already taken" and exited)."""
+    conf = RdzvConf(connect_timeout=10, lease_ttl=6, last_call_timeout=0.1)
+    e, opts = build_options(fresh_etcd.endpoint, run_id, 1, 2, conf)
+    client = EtcdClient(e)
+    node = Rendezvous(client, opts, NodeSpec(id="a", addr="127.0.0.1", nproc=1))
+    node.glance()  # etcd answers this process: tries of 2 s
+    keeper = node.session.lease
+    grant = keeper.grant
+    frozen = threading.Thread(target=freeze, args=(fresh_etcd, 3.5, lambda: None))
+
+    def grant_then_freeze(timeout: float | None = None) -> int:
+        lease_id = grant(timeout=timeout)
+        if not frozen.is_alive() and frozen.ident is None:
+            frozen.start()  # the fault, at its moment, while the registration goes on
+            assert fresh_etcd.proc is not None
+            server = psutil.Process(fresh_etcd.proc.pid)
+            wait_until(lambda: server.status() == psutil.STATUS_STOPPED, 5, "etcd to stop")
+        return lease_id
+
+    keeper.grant = grant_then_freeze  # type: ignore[method-assign]
+    try:
+        node.start()
+        frozen.join(10)
+        kv = client.get(node.session.node_key)
+        assert kv is not None and kv.lease == node.session.lease_id
+    finally:
+        node.shutdown(leave=False)
+        client.close()
