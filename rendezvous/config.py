@@ -167,7 +167,9 @@ KEYS: dict[str, tuple[str, _Parser, str]] = {
     "connect_timeout": (
         "connect_timeout",
         _seconds,
-        "seconds to keep trying an unreachable etcd before failing (10)",
+        "seconds to keep trying an etcd that has not answered yet before failing (10); "
+        "one that answered and went away is waited for up to `join_timeout` while "
+        "joining, and forever while training",
     ),
     "close_timeout": (
         "close_timeout",

@@ -220,6 +220,7 @@ def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once
         asked = time.monotonic()
         drained = group.drain(signal.SIGTERM, timeout=30)
         took = time.monotonic() - asked
+        print(f"stopped {took:.2f}s after the drain began")
         assert drained is Drained.STOPPED and took < 10, (drained, took)
         assert group.workers[0].proc.poll() == EXIT_RESIZE
     finally:

@@ -37,15 +37,24 @@ def pair(fresh_etcd: EtcdServer, run_id: str) -> Iterator[list[Rendezvous]]:
         yield nodes
 
 
+def unstarted(
+    endpoint: str, run_id: str, names: str, conf: RdzvConf, nnodes: tuple[int, int] = (2, 2)
+) -> tuple[list[Rendezvous], list[EtcdClient]]:
+    """Nodes ``names`` of a job of ``nnodes`` (min, max), each with a client of its own,
+    not yet registered."""
+    nodes, clients = [], []
+    for name in names:
+        e, opts = build_options(endpoint, run_id, *nnodes, conf)
+        clients.append(EtcdClient(e))
+        nodes.append(Rendezvous(clients[-1], opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
+    return nodes, clients
+
+
 @contextlib.contextmanager
 def two_nodes(fresh_etcd: EtcdServer, run_id: str, ttl: int) -> Iterator[list[Rendezvous]]:
     """Nodes a and b of a two-node job on ``fresh_etcd``, in round 1."""
     conf = RdzvConf(connect_timeout=2, lease_ttl=ttl, last_call_timeout=0.1)
-    nodes, clients = [], []
-    for name in "ab":
-        e, opts = build_options(fresh_etcd.endpoint, run_id, 2, 2, conf)
-        clients.append(EtcdClient(e))
-        nodes.append(Rendezvous(clients[-1], opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
+    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "ab", conf)
     for n in nodes:
         n.start()
     threads = [threading.Thread(target=n.next_round, kwargs={"timeout": 10}) for n in nodes]
@@ -205,9 +214,7 @@ def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_ane
     it drops the lease, and the registration that names it is refused ("requested lease
     not found"). The node grants another and joins (it exited with that error)."""
     conf = RdzvConf(connect_timeout=10, lease_ttl=TTL, last_call_timeout=0.1)
-    e, opts = build_options(fresh_etcd.endpoint, run_id, 1, 2, conf)
-    client = EtcdClient(e)
-    node = Rendezvous(client, opts, NodeSpec(id="a", addr="127.0.0.1", nproc=1))
+    [node], [client] = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 2))
     keeper = node.session.lease
     grant = keeper.grant
     granted: list[int] = []
@@ -239,12 +246,9 @@ def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
     etcd answers and joins (it exited with "etcd unreachable"); a signal meanwhile (the
     agent's cancel) ends the wait at once."""
     conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
-    nodes, clients = [], []
-    for name in "ab":
-        e, opts = build_options(fresh_etcd.endpoint, run_id, 1, 2, conf)
-        clients.append(EtcdClient(e))
-        nodes.append(Rendezvous(clients[-1], opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
-        nodes[-1].glance()  # etcd answers this process
+    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
+    for n in nodes:
+        n.glance()  # etcd answers this process
     cancel = threading.Event()
     outcome: dict[str, object] = {}
 
@@ -287,9 +291,7 @@ def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
     The next try finds the node id held on this node's own lease: registered (it read
     "node id already taken" and exited)."""
     conf = RdzvConf(connect_timeout=10, lease_ttl=6, last_call_timeout=0.1)
-    e, opts = build_options(fresh_etcd.endpoint, run_id, 1, 2, conf)
-    client = EtcdClient(e)
-    node = Rendezvous(client, opts, NodeSpec(id="a", addr="127.0.0.1", nproc=1))
+    [node], [client] = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 2))
     node.glance()  # etcd answers this process: tries of 2 s
     keeper = node.session.lease
     grant = keeper.grant
