@@ -21,8 +21,9 @@ agent not killed exits 0, no sample of any epoch is lost, the final model equals
 an undisturbed run computes (so nothing was applied twice or skipped), committed steps
 trained again are never silent (an agent said how many: short by no more than the steps
 of the job's progress record's interval, the blind spot a kill of its writer leaves), and
-no event alone (none other within 12 s) paused training for more than 12 s. Printed per event: the
-longest pause of training until the next event, and the steps trained again after it.
+no event alone (none other within 12 s) paused training for more than 12 s. Printed per
+event: the longest pause of training until the next event, and the steps trained again
+after it.
 
     python benchmarks/chaos.py [--seed 1] [--events 12] [--nproc 1] [--mode live]
                                [--only kill,join,...]
