@@ -21,6 +21,7 @@ from rendezvous import records, rules
 from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import (
+    EtcdUnavailableError,
     LeaseLostError,
     RendezvousCancelled,
     RendezvousError,
@@ -167,6 +168,7 @@ class Rendezvous:
         waiting_since = time.monotonic()
         deadline = waiting_since + timeout
         note = _Progress(deadline)
+        rejoining = False  # fenced, and registering again failed while etcd was away
         while True:
             self.alive_at = time.monotonic()
             if cancel is not None and cancel.is_set():
@@ -177,9 +179,18 @@ class Rendezvous:
             view = self.mirror.view()
             self._raise_if_closed(view)
             if self._fenced(view):
-                log.warning("this node's lease is gone; joining again as a new node")
+                if not rejoining:
+                    log.warning("this node's lease is gone; joining again as a new node")
                 self.mirror.set_full(False)
-                self.session.register_again()
+                try:
+                    self.session.register_again()
+                except EtcdUnavailableError as e:  # etcd went away again: try once more
+                    if not rejoining:
+                        log.warning("could not join again yet: %s", e)
+                    rejoining = True
+                    self.mirror.wait(version, 1.0)
+                    continue
+                rejoining = False
                 self.round = None
                 continue
             r = view.round

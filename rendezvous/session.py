@@ -229,9 +229,11 @@ class Session:
         return True
 
     def register_again(self) -> None:
-        """Join again as a new incarnation (the old lease is gone): new lease, new record."""
+        """Join again as a new incarnation (the old lease is gone): new lease, new record.
+        In tries of ``OUTAGE_TRY`` (EtcdUnavailableError: etcd went away meanwhile, and
+        the caller tries again, hearing its signals in between)."""
         rec = self._new_record()
-        revision, existing, lease_id = self._recreate(rec)
+        revision, existing, lease_id = self._recreate(rec, timeout=OUTAGE_TRY)
         if not revision:
             self._refused([existing] if existing is not None else [])
         self._registered(rec, revision, lease_id)
@@ -254,7 +256,10 @@ class Session:
         log.info("carries on as incarnation %d on lease %x", self.rev, lease_id)
 
     def _recreate(
-        self, rec: NodeRecord, unchanged: tuple[str, int] | None = None
+        self,
+        rec: NodeRecord,
+        unchanged: tuple[str, int] | None = None,
+        timeout: float | None = None,
     ) -> tuple[int, KV | None, int]:
         """``rec`` on a new lease in place of the old one, written only if its key is
         absent (and ``unchanged`` holds): (revision or 0, what holds the key, lease id).
@@ -262,10 +267,14 @@ class Session:
         revoked by the next attempt, as the old one is here."""
         for attempt in range(REGRANTS + 1):
             self.lease.revoke()
-            lease_id = self.lease.grant()
+            lease_id = self.lease.grant(timeout=timeout)
             try:
                 revision, existing = self.client.create(
-                    self.node_key, rec.encode(), lease=lease_id, unchanged=unchanged
+                    self.node_key,
+                    rec.encode(),
+                    lease=lease_id,
+                    unchanged=unchanged,
+                    timeout=timeout,
                 )
                 break
             except LeaseNotFoundError:

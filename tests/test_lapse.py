@@ -24,7 +24,7 @@ from rendezvous.config import RdzvConf, build_options
 from rendezvous.errors import EtcdUnavailableError, RendezvousCancelled, RendezvousError
 from rendezvous.lease import LeaseKeeper
 from rendezvous.protocol import NodeSpec, Rendezvous
-from rendezvous.records import NodeRecord
+from rendezvous.records import NodeRecord, RoundRecord
 from rendezvous.rules import RoundEnd
 
 TTL = 2
@@ -315,3 +315,62 @@ def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
     finally:
         node.shutdown(leave=False)
         client.close()
+
+
+def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """Two faults: a's lease is gone and b re-forms without it (a is fenced); as a joins
+    again as a new node, etcd freezes for longer than a try (it exited with "etcd
+    unreachable"). a tries again until etcd answers, and b takes it into a round."""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=6, last_call_timeout=0.1)
+    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
+    a, b = nodes
+    rounds: dict[str, object] = {}
+
+    def next_round(n: Rendezvous) -> None:
+        try:
+            rounds[n.node_id] = n.next_round(timeout=30)
+        except RendezvousError as e:
+            rounds[n.node_id] = e
+
+    try:
+        for n in nodes:
+            n.start()
+        both = [threading.Thread(target=next_round, args=(n,)) for n in nodes]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(15)
+        first = rounds.pop("a")
+        assert isinstance(first, RoundRecord) and first.size == 2, first
+        b.client.revoke(a.session.lease_id)
+        wait_until(lambda: check(b) is RoundEnd.LOST, 10, "b to find a lost")
+        next_round(b)  # round 2, b alone: a is fenced
+        grant = a.session.lease.grant
+        frozen = threading.Thread(target=freeze, args=(fresh_etcd, 3.5, lambda: None))
+
+        def grant_then_freeze(timeout: float | None = None) -> int:
+            lease_id = grant(timeout=timeout)
+            if frozen.ident is None:
+                frozen.start()  # the second fault, as a registers again
+                assert fresh_etcd.proc is not None
+                server = psutil.Process(fresh_etcd.proc.pid)
+                wait_until(lambda: server.status() == psutil.STATUS_STOPPED, 5, "etcd to stop")
+            return lease_id
+
+        a.session.lease.grant = grant_then_freeze  # type: ignore[method-assign]
+        joining = threading.Thread(target=next_round, args=(a,))
+        joining.start()
+        wait_until(lambda: frozen.ident is not None, 10, "a to register again")
+        frozen.join(10)
+        wait_until(lambda: check(b) is RoundEnd.WAITING, 15, "b to see a waiting")
+        next_round(b)
+        joining.join(15)
+        assert isinstance(rounds["a"], RoundRecord), rounds
+        assert rounds["a"].number == 3 and rounds["a"].size == 2, rounds["a"]
+    finally:
+        for n in nodes:
+            n.shutdown(leave=False)
+        for c in clients:
+            c.close()
