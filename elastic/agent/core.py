@@ -63,8 +63,8 @@ signal.
 OUT: this node's own worker failed or hung, and the others go on in place without it
 (``lobby.step_out``): it reported the failure, left the job, and waits until they have
 re-formed (WENT_ON; or too few of them are left to, or a bound passed, or the job
-ended), then joins again as a newcomer,
-its new workers started ahead (PREPARING) where they can be.
+ended), then joins again as a newcomer, its new workers started ahead (PREPARING) where
+they can be.
 PREPARING is a newcomer's first state when its workers start before it joins
 (``lobby``): it observes only them and signals, until they all wait for their placement
 (WORKERS_HELD: join with them held) or one exits or ``lobby.LOBBY_MAX`` passes
