@@ -148,13 +148,21 @@ class Lead:
             rev = node.rev if node is not None else ld.rev
             self._check_gone({ld.id: (ld.addr, ld.probe, lead_kv.lease, rev)}, every)
 
-    def probe_nodes(self, view: JobView, nodes: tuple[str, ...]) -> None:
-        """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py)."""
+    def probe_nodes(
+        self, view: JobView, nodes: tuple[str, ...], mine: RoundRecord | None = None
+    ) -> None:
+        """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py).
+        With ``mine``: also its members whose records are gone already, from the probe
+        ports the round recorded, to prove them dead (``proven``): an outage that dropped
+        their leases keeps them in the round for a grace otherwise, and the node that
+        proved it before may not be the one that leads after it."""
         me = self.session.me.id
         present = {n: view.nodes[n] for n in nodes if n in view.nodes and n != me}
-        self._check_gone(
-            {n: (x.record.addr, x.record.probe, x.lease, x.rev) for n, x in present.items()}
-        )
+        targets = {n: (x.record.addr, x.record.probe, x.lease, x.rev) for n, x in present.items()}
+        for m in mine.members if mine is not None else ():
+            if m.id not in view.nodes and m.probe and self.proven.get(m.id) != m.rev:
+                targets[m.id] = (m.addr, m.probe, 0, m.rev)  # no lease left to revoke
+        self._check_gone(targets)
 
     def _check_gone(
         self, targets: dict[str, tuple[str, int, int, int]], every: float = PROBE_EVERY
@@ -165,9 +173,13 @@ class Lead:
         due = {n: t for n, t in targets.items() if now - self._probed.get(n, 0.0) >= every}
         self._probed.update(dict.fromkeys(due, now))
         for node_id in gone_among({n: (addr, port) for n, (addr, port, _, _) in due.items()}):
-            log.warning("%s refuses its probe port: its agent is gone; revoking its lease", node_id)
+            lease = due[node_id][2]
             self.proven[node_id] = due[node_id][3]
+            if not lease:
+                log.warning("%s refuses its probe port: its agent is gone", node_id)
+                continue
+            log.warning("%s refuses its probe port: its agent is gone; revoking its lease", node_id)
             try:
-                self.client.revoke(due[node_id][2], timeout=2.0)
+                self.client.revoke(lease, timeout=2.0)
             except RendezvousError as e:
                 log.warning("could not revoke %s's lease: %s", node_id, e)

@@ -343,7 +343,9 @@ class GoneRecord:
 class Member:
     """A node as a round saw it. ``rev`` (its record's create revision) tells incarnations
     apart: a node that lost its lease and registered again is a new member. ``rank`` (its
-    group rank) and ``base`` (its first worker's global rank) are set by the round."""
+    group rank) and ``base`` (its first worker's global rank) are set by the round.
+    ``probe``: its agent's probe port (0: unknown), so that whoever leads can prove it dead
+    once its record is gone (``Lead.probe_nodes``)."""
 
     id: str
     rev: int
@@ -351,6 +353,7 @@ class Member:
     nproc: int
     rank: int = -1
     base: int = -1
+    probe: int = 0
 
 
 def bucket_of(node_id: str, buckets: int) -> int:
@@ -434,12 +437,13 @@ class RoundRecord:
         return dumps(obj)
 
     def encode_buckets(self) -> dict[int, bytes]:
-        """The members, bucket by bucket: each entry ``[id, rev, addr, nproc, rank, base]``."""
+        """The members, bucket by bucket: each entry ``[id, rev, addr, nproc, rank, base,
+        probe]``."""
         assert self.complete, "only a complete round can be written"
         parts: dict[int, list[list[Any]]] = {b: [] for b in range(self.buckets)}
         for m in self.members:
             parts[bucket_of(m.id, self.buckets)].append(
-                [m.id, m.rev, m.addr, m.nproc, m.rank, m.base]
+                [m.id, m.rev, m.addr, m.nproc, m.rank, m.base, m.probe]
             )
         return {b: dumps({"round": self.number, "members": p}) for b, p in parts.items()}
 
@@ -489,15 +493,13 @@ def decode_bucket(key: str, raw: bytes) -> tuple[int, list[Member]]:
         # type() is, not isinstance: a bool is no number here (and this runs per member)
         if (
             type(e) is not list
-            or len(e) != 6
+            or len(e) not in (6, 7)  # 6: written before members had a probe port
             or type(e[0]) is not str
             or type(e[1]) is not int
             or type(e[2]) is not str
-            or type(e[3]) is not int
-            or type(e[4]) is not int
-            or type(e[5]) is not int
+            or any(type(x) is not int for x in e[3:])
         ):
-            raise _bad(key, f"member {i} is not [id, rev, addr, nproc, rank, base]")
+            raise _bad(key, f"member {i} is not [id, rev, addr, nproc, rank, base, probe]")
         members.append(Member(*e))
     return number, members
 

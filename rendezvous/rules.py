@@ -145,7 +145,8 @@ class Plan:
 
 
 def _member(node: PresentNode) -> Member:
-    return Member(node.record.id, node.rev, node.record.addr, node.record.nproc)
+    r = node.record
+    return Member(r.id, node.rev, r.addr, r.nproc, probe=r.probe)
 
 
 def earliest_failure(failures: dict[str, FailureRecord]) -> FailureReport | None:

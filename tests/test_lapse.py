@@ -374,3 +374,48 @@ def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
             n.shutdown(leave=False)
         for c in clients:
             c.close()
+
+
+def test_a_member_that_died_in_the_outage_is_proven_dead_by_whoever_leads_after_it(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """c's agent dies while etcd is frozen past the TTL; nobody probes it meanwhile. The
+    lead went with its holder's lease, and the node that claims it after the outage
+    never read c's record (gone now): it proves c dead from the probe port the round
+    recorded, and ends the round at once, not after the outage's grace (a and b are
+    back; c is not on its way)."""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=3, last_call_timeout=0.1)
+    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "abc", conf, (2, 3))
+    a, b, c = nodes
+    try:
+        for n in nodes:
+            n.start()
+        threads = [threading.Thread(target=n.next_round, kwargs={"timeout": 10}) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert [n.round.size if n.round else 0 for n in nodes] == [3, 3, 3]
+        dead = c.rev
+        freeze(fresh_etcd, 4, lambda: c.shutdown(leave=False))
+        for n in (a, b):
+            wait_until(lambda n=n: check(n) is RoundEnd.LAPSED, 10, "its lease found dropped")
+            wait_until(n.resume, 10, "it to carry on")
+        wait_until(
+            lambda: [check(n) for n in (a, b)] == [None, None] and (a.leads or b.leads),
+            10,
+            "a or b to claim the lead",
+        )
+        lead = a if a.leads else b
+        wait_until(lambda: lead.mirror.complete, 10, "the leader to read the whole job")
+        assert lead.session.outage() is not None and check(lead) is None, "c has a grace"
+        lead.probe_members()
+        assert lead.lead.proven == {"c": dead}
+        assert lead.session.outage() is not None, "still in the grace: the proof ended it"
+        change = lead.check()
+        assert change is not None and change.end is RoundEnd.LOST and change.nodes == ("c",)
+    finally:
+        for n in nodes:
+            n.shutdown(leave=False)
+        for cl in clients:
+            cl.close()

@@ -171,7 +171,8 @@ def test_etcd_away_past_the_lease_ttl_restarts_no_one(
         if kill:
             back = wait_world(tmp_path, 2, after=thawed, timeout=60) - thawed
             print(f"training at world size 2 {back:.2f}s after etcd answered again")
-            assert back < TTL, "the dead node was given the outage's grace"
+            said = "\n".join(a.transcript() for a in agents[:2])
+            assert back < TTL, f"the dead node was given the outage's grace\n{said}"
         for a in agents[:2]:
             assert a.wait(120) == 0, a.transcript()
             said = a.transcript()
@@ -222,7 +223,8 @@ def test_sigterm_leave_then_two_joins_at_once(
         assert "new workers follow" not in said, said
     for a in (*agents[:2], *new):
         assert a.wait(120) == 0, a.transcript()
-    assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), "a and b kept their processes"
+    said = "\n".join(a.transcript() for a in agents[:2])
+    assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), f"a and b kept their processes\n{said}"
     check_run(tmp_path, changes=3)
 
 

@@ -31,7 +31,8 @@ ETCD_TXN_OPS = 128  # etcd's default --max-txn-ops
 
 def a_round(n: int, nproc: int = 8) -> RoundRecord:
     members = tuple(
-        Member(f"node-{i:05d}", 1000 + i, f"10.0.{i // 250}.{i % 250}", nproc) for i in range(n)
+        Member(f"node-{i:05d}", 1000 + i, f"10.0.{i // 250}.{i % 250}", nproc, probe=40000 + i)
+        for i in range(n)
     )
     names = tuple(m.id for m in members)
     return RoundRecord(7, members, "10.0.0.0", 29500, 29501, joined=names)
@@ -88,6 +89,7 @@ def test_10000_members_fit_etcd_limits_and_each_node_reads_a_few_kb() -> None:
     [
         (b'{"round": 1, "members": [["a", 1, "h", 1, 0]]}', "member 0 is not"),
         (b'{"round": 1, "members": [["a", "1", "h", 1, 0, 0]]}', "member 0 is not"),
+        (b'{"round": 1, "members": [["a", 1, "h", 1, 0, 0, "9"]]}', "member 0 is not"),
         (b'{"members": []}', "missing field 'round'"),
         (b"[1]", "expected a JSON object"),
     ],
@@ -95,6 +97,11 @@ def test_10000_members_fit_etcd_limits_and_each_node_reads_a_few_kb() -> None:
 def test_a_malformed_bucket_names_its_key(raw: bytes, why: str) -> None:
     with pytest.raises(MalformedRecordError, match=f"/j/members/3: {why}"):
         decode_bucket("/j/members/3", raw)
+
+
+def test_a_member_written_before_members_had_probe_ports_reads_as_unprobeable() -> None:
+    raw = b'{"round": 4, "members": [["a", 7, "h", 2, 0, 0]]}'
+    assert decode_bucket("/j/members/0", raw) == (4, [Member("a", 7, "h", 2, 0, 0, probe=0)])
 
 
 def test_a_malformed_header_names_its_key() -> None:
