@@ -1,8 +1,10 @@
 """The benchmarks' training script: a small gloo DDP loop logging every step.
 
-Each worker appends ``{"t", "step", "rank", "world", "pid"}`` lines to
-``$RESULT_DIR/w<pid>.jsonl``. Plain (the default), it never resumes from a checkpoint: the
-benchmarks time recovery, not training, and ``step`` counts this process's steps. With
+Each worker appends ``{"t", "step", "rank", "world", "pid", "commit"}`` lines (``commit``:
+the seconds the previous step's ``commit()`` took; ``plain``: a step of an ``--ab`` phase
+without it) to ``$RESULT_DIR/w<pid>.jsonl``. Plain
+(the default), it never resumes from a checkpoint: the benchmarks time recovery, not
+training, and ``step`` counts this process's steps. With
 ``--live`` it runs the loop in ``elastic.State.run``, so under elastic-run its workers keep
 their processes through membership changes (or, with ``--restart-mode respawn``, new ones
 resume from the snapshots), and ``step`` is the job's committed step it trains: a step
@@ -13,7 +15,10 @@ by default the tiny Linear(32, 1)) and its optimizer state live on cuda:0 (every
 on the same GPU: gloo ranks, several to a device), so a worker that keeps its process
 through a change keeps its CUDA context and its model on the device.
 
-    python benchmarks/ddp_steps.py [step seconds] [--live] [--device cuda] [--width 2048]
+With ``--ab N`` (and ``--live``) the loop commits for N steps, then trains N without
+``commit()``, in turn: the same processes, group and moment of the machine measure both.
+
+    python benchmarks/ddp_steps.py [step seconds] [--live] [--ab N] [--device cuda] [--width 2048]
 """
 
 from __future__ import annotations
@@ -32,12 +37,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 STEPS = 10**9
 
 
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], pause: float) -> None:
+def train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], pause: float, ab: int = 0
+) -> None:
     ddp = DDP(model)  # on the process group of this round
     rank, world = dist.get_rank(), dist.get_world_size()
     pid = os.getpid()
     first = next(model.parameters())
-    for step in range(STEPS):
+    committed = 0.0  # seconds the last commit() took
+    for i in range(STEPS):
+        step = i
+        plain = ab > 0 and (i // ab) % 2 == 1  # a phase without commit() (--ab)
         x = torch.randn(16, first.shape[-1], device=first.device)
         loss = ddp(x).pow(2).mean()
         opt.zero_grad()
@@ -45,12 +55,16 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], paus
         opt.step()
         if state is not None:
             step = state.step + 1  # the job's step, once committed
-        row = {"t": time.time(), "step": step, "rank": rank, "world": world, "pid": pid}
+        row = {"t": time.time(), "step": step, "rank": rank, "world": world, "pid": pid,
+               "commit": committed, "plain": plain}  # fmt: skip
         out.write(json.dumps(row))
         out.write("\n")
         out.flush()
-        if state is not None:
+        committed = 0.0
+        if state is not None and not plain:
+            began = time.perf_counter()
             state.commit()
+            committed = time.perf_counter() - began
         time.sleep(pause)
 
 
@@ -71,6 +85,14 @@ def main() -> None:
     ap.add_argument("--live", action="store_true")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--width", type=int, default=0)
+    ap.add_argument(
+        "--ab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --live: N steps with "
+        "commit(), N without, in turn (the steps of each phase are the same ones)",
+    )
     a = ap.parse_args()
     if a.live:  # before the process group, as the README says: a newcomer's worker can
         import elastic  # then start before its node joins (elastic/agent/lobby.py)
@@ -86,7 +108,7 @@ def main() -> None:
             train(model, opt, out, a.pause)
             return
         state = elastic.State(model=model, optimizer=opt)
-        state.run(train, model, opt, out, a.pause)
+        state.run(train, model, opt, out, a.pause, a.ab)
 
 
 if __name__ == "__main__":

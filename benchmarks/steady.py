@@ -6,7 +6,11 @@ launcher or of ``elastic.State`` shows), under stock torchrun, under elastic-run
 under elastic-run with the loop in ``State.run`` and ``commit()`` every step (snapshots
 at the default ``--snapshot-every auto``). Each run trains for ``--seconds``; the first
 ``--warmup`` seconds are left out. Printed: the median step time of each run (from every
-rank's logged step times) and its ratio to torchrun's and to elastic-run's plain step.
+rank's logged step times) and its ratio to torchrun's and to elastic-run's plain step;
+and, from one more run that trains ``AB`` steps with ``commit()`` and ``AB`` without in
+turn, the step with it over the step without (this VM's plain step moves 1.4-4 ms
+between runs, more than the differences it is to show: a paired figure, measured in the
+same processes at the same moments, is not moved by that); and the agents' own CPU.
 The kinds take turns, ``--repeat`` times, so a slow spell of the machine hits all alike.
 
     python benchmarks/steady.py [--repeat 3] [--seconds 8] [--warmup 3]
@@ -22,7 +26,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,8 +55,35 @@ def state_cmd(etcd: str, run_id: str) -> list[str]:
     return [*elastic_cmd(etcd, run_id), "--live"]
 
 
-def step_time(make: Callable[[str, str], list[str]], etcd: str, work: Path, a: Any) -> float:
-    """The median seconds between one rank's consecutive steps, after the warm-up."""
+AB = 100  # steps per phase of the paired run: 0.2-0.4 s here, shorter than a slow spell
+
+
+def ab_cmd(etcd: str, run_id: str) -> list[str]:
+    return [*state_cmd(etcd, run_id), "--ab", str(AB)]
+
+
+class Measured(NamedTuple):
+    """One run: the median seconds between a rank's consecutive steps; for the paired
+    run, the mean step with ``commit()`` over the mean step without it, from the phases
+    of one run (a slow spell of the machine slows both alike); the agents' CPU, in
+    cores, over the same time."""
+
+    step: float
+    paired: float
+    agents: float
+
+
+def _cpu(p: psutil.Process) -> float:
+    """Seconds of CPU ``p`` itself used (its children aside)."""
+    try:
+        t = p.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(t.user + t.system)
+
+
+def step_time(make: Callable[[str, str], list[str]], etcd: str, work: Path, a: Any) -> Measured:
+    """One run of ``make``'s launcher, measured after the warm-up (see ``Measured``)."""
     results = work / "steps"
     results.mkdir(parents=True)
     cmd = make(etcd, work.name)
@@ -63,17 +96,31 @@ def step_time(make: Callable[[str, str], list[str]], etcd: str, work: Path, a: A
         started = first_step(results, 2, 0, 120)
         if started is None:
             raise RuntimeError(f"the job never trained at world size 2; see {work}")
-        time.sleep(max(0.0, started + a.warmup + a.seconds - time.time()))
+        time.sleep(max(0.0, started + a.warmup - time.time()))
+        agents = [psutil.Process(n.proc.pid) for n in nodes]
+        cpu0, t0 = sum(_cpu(p) for p in agents), time.monotonic()
+        time.sleep(a.seconds)
+        agent_cores = (sum(_cpu(p) for p in agents) - cpu0) / (time.monotonic() - t0)
     finally:
         for n in nodes:
             n.stop()
     gaps: list[float] = []
+    phases: dict[bool, list[float]] = {True: [], False: []}  # plain: the gaps of a phase
     for rank in (0, 1):
-        ts = [s["t"] for s in steps(results) if s["rank"] == rank and s["t"] > started + a.warmup]
-        gaps += [b - x for x, b in itertools.pairwise(ts)]
+        mine = [s for s in steps(results) if s["rank"] == rank and s["t"] > started + a.warmup]
+        gaps += [b["t"] - x["t"] for x, b in itertools.pairwise(mine)]
+        for x, b in itertools.pairwise(mine):  # a gap ends with the commit() of its start
+            if x.get("plain") == b.get("plain"):
+                phases[bool(x.get("plain"))].append(b["t"] - x["t"])
     if len(gaps) < 10:
         raise RuntimeError(f"only {len(gaps)} steps measured; see {work}")
-    return statistics.median(gaps)
+    paired = 0.0
+    if phases[True] and phases[False]:
+        paired = statistics.mean(phases[False]) / statistics.mean(phases[True])
+    return Measured(statistics.median(gaps), paired, agent_cores)
+
+
+PAIRED = "State, commit() on/off by turns"
 
 
 def main() -> None:
@@ -86,25 +133,36 @@ def main() -> None:
         "torchrun": torchrun_cmd,
         "elastic-run": elastic_cmd,
         "elastic-run, State + commit()": state_cmd,
+        PAIRED: ab_cmd,
     }
     base = Path(tempfile.mkdtemp(prefix="elastic-run-steady-"))
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    runs: dict[str, list[Measured]] = {k: [] for k in kinds}
     with EtcdServer(name="bench") as etcd:
         for i in range(a.repeat):
             for k, make in kinds.items():
-                times[k].append(step_time(make, etcd.endpoint, base / f"{make.__name__}{i}", a))
+                runs[k].append(step_time(make, etcd.endpoint, base / f"{make.__name__}{i}", a))
             print(
-                f"run {i + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms" for k, v in times.items())
+                f"run {i + 1}: "
+                + ", ".join(f"{k} {v[-1].step * 1e3:.2f} ms" for k, v in runs.items())
             )
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(m.step for m in v) for k, v in runs.items()}
     print("\nmedian step time of a tiny DDP step on 2 nodes (1 worker each), no pause")
     print(f"{'':<32}{'step':>10}{'/ torchrun':>12}{'/ elastic-run':>15}   runs (ms)")
-    for k, v in times.items():
-        runs = " ".join(f"{x * 1e3:.2f}" for x in v)
+    for k, v in runs.items():
+        each = " ".join(f"{m.step * 1e3:.2f}" for m in v)
         print(
             f"{k:<32}{med[k] * 1e3:>8.2f}ms{med[k] / med['torchrun']:>11.2f}x"
-            f"{med[k] / med['elastic-run']:>14.2f}x   {runs}"
+            f"{med[k] / med['elastic-run']:>14.2f}x   {each}"
         )
+    ratios = [m.paired for m in runs[PAIRED]]
+    print(
+        f"\nin one run, {AB} steps with commit() and {AB} without in turn: the step with it "
+        f"is {statistics.median(ratios):.3f}x the step without (mean over the phases; runs: "
+        f"{' '.join(f'{x:.3f}' for x in ratios)})"
+    )
+    print("\nthe two agents' CPU meanwhile, in cores (median of the runs)")
+    for k, v in runs.items():
+        print(f"{k:<32}{statistics.median(m.agents for m in v):>10.3f}")
     print(f"(logs under {base})")
 
 

@@ -465,3 +465,41 @@ def test_two_agents_side_by_side_do_not_fight_for_the_port(
         assert explicit.wait(60) == 1
         errors = [line for line in explicit.err if "error:" in line]
         assert errors and "--metrics-port 9400: cannot listen on 127.0.0.1:9400" in errors[0]
+
+
+def test_progress_metrics_are_written_at_most_every_so_often_and_lose_nothing(
+    tmp_path: Path,
+) -> None:
+    """A step may come every millisecond: the step metrics take the latest figures once
+    per ``METRICS_EVERY`` (the first report writes at once), and ``flush`` (State.close,
+    a re-formation's relabel) writes what was held back: no sample is left uncounted."""
+    code = """
+import json
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from elastic.worker import progress
+
+progress.METRICS_EVERY = 3600.0  # one write, then held back for the test's whole length
+
+def seen():
+    r = CollectorRegistry()
+    MultiProcessCollector(r)
+    return {s.name: s.value for m in r.collect() for s in m.samples}
+
+for i in range(1, 1001):
+    progress.report(i, 0.5, 3)
+held = seen()
+progress.flush()
+print(json.dumps([held, seen()]))
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    held, flushed = json.loads(done.stdout)
+    assert (
+        held["elastic_run_training_step"] == 1 and held["elastic_run_training_samples_total"] == 3
+    )
+    assert flushed["elastic_run_training_step"] == 1000
+    assert flushed["elastic_run_training_samples_total"] == 3000

@@ -63,3 +63,31 @@ def test_the_round_is_read_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert state.round.device == torch.device("cpu") or torch.cuda.is_available()
     with pytest.raises(ValueError, match="'round' is a name State uses itself"):
         State(round=1)
+
+
+class Loader:
+    """An object told of each commit, as a framework adapter's is."""
+
+    def __init__(self) -> None:
+        self.commits = 0
+
+    def on_commit(self) -> None:
+        self.commits += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"commits": self.commits}
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        self.commits = d["commits"]
+
+
+def test_an_object_set_anew_is_the_one_told_of_the_next_commits() -> None:
+    """``commit()`` finds the objects it tells once, not at every step: setting one
+    anew is what makes it look again."""
+    first, second = Loader(), Loader()
+    state = State(loader=first, model=torch.nn.Linear(2, 2))
+    state.commit()
+    state.loader = second
+    state.commit()
+    state.commit()
+    assert (first.commits, second.commits, state.step) == (1, 2, 3)

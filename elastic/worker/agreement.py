@@ -18,9 +18,10 @@ Torch-free and clock-free: fed measured seconds, tested on synthetic ones.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
+
+from elastic.worker.cadence import median
 
 SHARE = 0.02  # of step time the agreements may cost
 LATENCY = 0.05  # seconds of steps a stop, pause or due snapshot may wait, at most
@@ -84,8 +85,8 @@ class Agreement:
     def proposal(self, every: int | None = None) -> int:
         """This rank's gap, from its figures; with a fixed snapshot interval ``every``,
         the largest divisor of it that is no longer (the least of such proposals is one)."""
-        step_s = statistics.median(self._steps) if self._steps else None
-        cost_s = statistics.median(self._costs) if self._costs else None
+        step_s = median(self._steps) if self._steps else None
+        cost_s = median(self._costs) if self._costs else None
         self.choice = choose(step_s, cost_s)
         gap = self.choice.steps
         if every:

@@ -14,10 +14,9 @@ Torch-free, and the clock is injected: tested on synthetic step times.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 WARMUP = 2  # the first steps allocate (optimizer state, snapshot slots): not measured
@@ -30,6 +29,13 @@ STEPS_KEPT = 9  # clean step times kept: their median is a step's time
 COSTS_KEPT = 5  # snapshot costs kept: their median is a snapshot's cost
 AIM = 0.8  # a new interval aims at this share of the budget: room for noise
 LOW = 0.4  # and is kept while its cost stays between this share and all of the budget
+
+
+def median(xs: Iterable[float]) -> float:
+    """``statistics.median``, at a third of its cost: it runs at every step."""
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 @dataclass(frozen=True)
@@ -88,12 +94,12 @@ class Cadence:
     @property
     def step_s(self) -> float | None:
         """A clean step's time: the median of the latest ones (robust to a stray one)."""
-        return statistics.median(self._steps) if self._steps else None
+        return median(self._steps) if self._steps else None
 
     @property
     def cost_s(self) -> float | None:
         """A snapshot's cost: the median of the latest ones."""
-        return max(statistics.median(self._costs), 0.0) if self._costs else None
+        return max(median(self._costs), 0.0) if self._costs else None
 
     @property
     def at_risk(self) -> int:

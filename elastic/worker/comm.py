@@ -99,8 +99,11 @@ class ControlGroup:
     @property
     def generation(self) -> int:
         """Changes with the group (a new default group after a re-formation): what
-        ``agreement.Agreement`` starts its schedule over on."""
-        self.group()
+        ``agreement.Agreement`` starts its schedule over on. Asked at every commit: one
+        look at the default group while it is the one the control group was made for."""
+        d = dist()
+        if d is None or d.group.WORLD is not self._for:
+            self.group()
         return self._generation
 
     def forget(self) -> None:

@@ -15,9 +15,16 @@ from typing import Any
 from elastic import contract
 from elastic.contract import MULTIPROC_ENV, NODE_ID_ENV
 
+# seconds between writes of the step metrics: a scrape comes every few seconds, a step
+# may come every millisecond, and each write is a locked store in a shared file
+METRICS_EVERY = 0.2
+
 _metrics: dict[str, Any] | None = None
 _last: tuple[float, float] | None = None  # (time, samples) at the previous report
 _parents: dict[str, Any] = {}  # the metrics, declared once per process
+_marked: contract.ControlBlock | None = None  # the block told this worker reports
+_written: float | None = None  # monotonic time the step metrics were last written
+_pending: list[Any] = [None, None, 0]  # step, loss, samples reported since then
 
 
 def _get() -> dict[str, Any] | None:
@@ -44,6 +51,7 @@ def relabel() -> None:
     """The worker's rank changed (a live re-formation): report under the new labels."""
     global _metrics, _last
     if _metrics:
+        flush()
         _metrics, _last = None, None
 
 
@@ -115,25 +123,51 @@ def _declare() -> dict[str, Any]:
 
 def report(step: int | None = None, loss: float | None = None, samples: int | None = None) -> None:
     """Progress of this worker: ``samples`` trained on since the last report. Also tells
-    the agent the worker is alive (see --worker-hang-timeout)."""
-    global _last
+    the agent the worker is alive (see --worker-hang-timeout), at every report; the
+    metrics take the latest figures every ``METRICS_EVERY`` seconds."""
+    global _marked, _written
     block = contract.worker_block()
     if block is not None:
-        block.mark(contract.REPORTS)
+        if block is not _marked:
+            block.mark(contract.REPORTS)
+            _marked = block
         block.beat(step)
     m = _get()
     if m is None:
         return
+    pending = _pending
+    if step is not None:
+        pending[0] = step
+    if loss is not None:
+        pending[1] = loss
+    if samples:
+        pending[2] += samples
+    now = time.monotonic()
+    if _written is None or now - _written >= METRICS_EVERY:
+        _written = now
+        _write(m, now)
+
+
+def _write(m: dict[str, Any], now: float) -> None:
+    global _last
+    step, loss, samples = _pending
+    _pending[:] = [None, None, 0]
     if step is not None:
         m["step"].set(step)
     if loss is not None:
         m["loss"].set(float(loss))
     if samples:
         m["samples"].inc(samples)
-        now = time.monotonic()
         if _last is not None and now > _last[0]:
             m["rate"].set(samples / (now - _last[0]))
         _last = (now, samples)
+
+
+def flush() -> None:
+    """Write what the throttle holds back (before the labels change, or at the end)."""
+    m = _get()
+    if m is not None and _pending != [None, None, 0]:
+        _write(m, time.monotonic())
 
 
 def snapshot(seconds: float, nbytes: int) -> None:

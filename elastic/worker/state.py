@@ -103,6 +103,8 @@ class _Core:
     rebuild: Callable[[], dict[str, Any]] | None = None  # run()'s reshard: sharded, live
     held: reshard.Held | None = None  # the shards kept from a broken group until resync
     kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
+    # the samplers and the objects told of each commit, while the objects stay the same
+    per_step: tuple[list[ElasticSampler], list[Any]] | None = None
 
     @property
     def comm(self) -> comm.ControlGroup:
@@ -112,12 +114,29 @@ class _Core:
         return [_stepping(o) for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
 
     def samplers(self) -> list[ElasticSampler]:
-        return [o for o in self.objects.values() if isinstance(o, ElasticSampler)]
+        if self.per_step is None:
+            self.per_step = self._per_step()
+        return self.per_step[0]
 
     def committing(self) -> list[Any]:
         """Objects told of each commit (``on_commit()``): what they hold as of the last
         one is what a live re-formation carries on from (a loader's place in its epoch)."""
-        return [o for o in self.objects.values() if callable(getattr(o, "on_commit", None))]
+        if self.per_step is None:
+            self.per_step = self._per_step()
+        return self.per_step[1]
+
+    def _per_step(self) -> tuple[list[ElasticSampler], list[Any]]:
+        """What ``commit()`` touches every step, found once (``replaced`` says when the
+        objects change): a getattr a Module does not answer costs an exception."""
+        objects = self.objects.values()
+        return (
+            [o for o in objects if isinstance(o, ElasticSampler)],
+            [o for o in objects if callable(getattr(o, "on_commit", None))],
+        )
+
+    def replaced(self) -> None:
+        """An object was set anew (``state.model = ...``, a reshard)."""
+        self.per_step = None
 
     def stopping(self) -> bool:
         return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
@@ -208,6 +227,7 @@ class State:
             core.values[name] = value
         elif name in core.objects:
             core.objects[name] = value
+            core.replaced()
         elif name in RESERVED:
             raise AttributeError(f"State.{name} cannot be set")
         else:
@@ -242,13 +262,15 @@ class State:
         core.values["step"] += 1
         step = core.values["step"]
         samplers = core.samplers()
-        before = sum(s.consumed for s in samplers)
-        for s in samplers:
-            s.advance(1)
+        samples = 0
+        if samplers:
+            before = sum(s.consumed for s in samplers)
+            for s in samplers:
+                s.advance(1)
+            samples = (sum(s.consumed for s in samplers) - before) // max(comm.world(), 1)
         for o in core.committing():
             o.on_commit()  # before any snapshot of this step
-        after = sum(s.consumed for s in samplers)
-        progress.report(step, loss, (after - before) // max(comm.world(), 1))
+        progress.report(step, loss, samples)
         cadence = core.cadence
         now = cadence.clock()
         agreement = core.agreement
@@ -295,7 +317,7 @@ class State:
         near = logged is not None and all(
             a / 2 < b < a * 2 for a, b in zip(logged, figures, strict=True)
         )
-        if comm.rank() != 0 or near:
+        if near or comm.rank() != 0:
             return  # the log shows the first choice and moves of 2x; the metrics all
         core.logged = figures
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
@@ -634,6 +656,7 @@ class State:
         assert self._core.rebuild is not None  # sharded state is live only with one
         reshard.forget_old_meshes()
         reshard.replace(self._core.objects, self._core.rebuild())
+        self._core.replaced()
         self._hook_optimizers()
 
     def _restore_sharded(self, held: reshard.Held | None = None) -> int:
@@ -698,6 +721,7 @@ class State:
         """Finish background work (the process exiting does the same, less politely)."""
         self._core.snapshotter.close()
         rng.flush()
+        progress.flush()
         for h in self._core.hooks:
             h.remove()
         alive.stop()  # training is over: what follows is not judged for hangs
