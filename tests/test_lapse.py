@@ -33,7 +33,7 @@ TTL = 2
 @pytest.fixture
 def pair(fresh_etcd: EtcdServer, run_id: str) -> Iterator[list[Rendezvous]]:
     """Nodes a and b of a two-node job, in round 1, on an etcd of the test's own."""
-    with two_nodes(fresh_etcd, run_id, TTL) as nodes:
+    with in_round(fresh_etcd, run_id, TTL) as nodes:
         yield nodes
 
 
@@ -51,10 +51,16 @@ def unstarted(
 
 
 @contextlib.contextmanager
-def two_nodes(fresh_etcd: EtcdServer, run_id: str, ttl: int) -> Iterator[list[Rendezvous]]:
-    """Nodes a and b of a two-node job on ``fresh_etcd``, in round 1."""
+def in_round(
+    fresh_etcd: EtcdServer,
+    run_id: str,
+    ttl: int,
+    names: str = "ab",
+    nnodes: tuple[int, int] = (2, 2),
+) -> Iterator[list[Rendezvous]]:
+    """Nodes ``names`` (a and b) of a job of ``nnodes`` on ``fresh_etcd``, in round 1."""
     conf = RdzvConf(connect_timeout=2, lease_ttl=ttl, last_call_timeout=0.1)
-    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "ab", conf)
+    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, names, conf, nnodes)
     for n in nodes:
         n.start()
     threads = [threading.Thread(target=n.next_round, kwargs={"timeout": 10}) for n in nodes]
@@ -63,7 +69,7 @@ def two_nodes(fresh_etcd: EtcdServer, run_id: str, ttl: int) -> Iterator[list[Re
     for t in threads:
         t.join(15)
     try:
-        assert [n.round.number if n.round else 0 for n in nodes] == [1, 1]
+        assert [n.round.number if n.round else 0 for n in nodes] == [1] * len(nodes)
         yield nodes
     finally:
         for n in nodes:
@@ -179,7 +185,7 @@ def test_a_write_said_again_later_never_holds_the_loop_while_etcd_is_frozen(
     later (each used to wait out the 5 s request timeout, and the agent's loop with
     it: a SIGTERM then waited 22 s), and once etcd answers, the next upkeep says it.
     (A TTL that outlasts the freeze: this is not the lapse of the tests above.)"""
-    with two_nodes(fresh_etcd, run_id, ttl=30) as pair:
+    with in_round(fresh_etcd, run_id, ttl=30) as pair:
         leader = next(n for n in pair if n.lead.holds(n.mirror.view()))
         took: list[float] = []
         errors: list[Exception] = []
@@ -384,18 +390,8 @@ def test_a_member_that_died_in_the_outage_is_proven_dead_by_whoever_leads_after_
     never read c's record (gone now): it proves c dead from the probe port the round
     recorded, and ends the round at once, not after the outage's grace (a and b are
     back; c is not on its way)."""
-    conf = RdzvConf(connect_timeout=2, lease_ttl=3, last_call_timeout=0.1)
-    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "abc", conf, (2, 3))
-    a, b, c = nodes
-    try:
-        for n in nodes:
-            n.start()
-        threads = [threading.Thread(target=n.next_round, kwargs={"timeout": 10}) for n in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(15)
-        assert [n.round.size if n.round else 0 for n in nodes] == [3, 3, 3]
+    with in_round(fresh_etcd, run_id, 3, "abc", (2, 3)) as nodes:
+        a, b, c = nodes
         dead = c.rev
         freeze(fresh_etcd, 4, lambda: c.shutdown(leave=False))
         for n in (a, b):
@@ -414,8 +410,3 @@ def test_a_member_that_died_in_the_outage_is_proven_dead_by_whoever_leads_after_
         assert lead.session.outage() is not None, "still in the grace: the proof ended it"
         change = lead.check()
         assert change is not None and change.end is RoundEnd.LOST and change.nodes == ("c",)
-    finally:
-        for n in nodes:
-            n.shutdown(leave=False)
-        for cl in clients:
-            cl.close()
