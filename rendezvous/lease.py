@@ -122,10 +122,7 @@ class LeaseKeeper:
         if lease_id and not self.lost:  # a lost lease is gone already
             try:
                 self._client.revoke(lease_id, timeout=timeout)
-            except RendezvousError as e:
-                if "lease not found" in str(e):  # expired before this node heard of it
-                    log.debug("lease %x was gone already", lease_id)
-                    return
+            except RendezvousError as e:  # one gone already is no error (client.revoke)
                 log.warning(
                     "could not revoke lease %x (it expires in %ss): %s", lease_id, self.ttl, e
                 )
