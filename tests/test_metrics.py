@@ -472,7 +472,8 @@ def test_progress_metrics_are_written_at_most_every_so_often_and_lose_nothing(
 ) -> None:
     """A step may come every millisecond: the step metrics take the latest figures once
     per ``METRICS_EVERY`` (the first report writes at once), and ``flush`` (State.close,
-    a re-formation's relabel) writes what was held back: no sample is left uncounted."""
+    a re-formation's relabel, the process's exit) writes what was held back: no sample is
+    left uncounted."""
     code = """
 import json
 from prometheus_client import CollectorRegistry
@@ -491,6 +492,8 @@ for i in range(1, 1001):
 held = seen()
 progress.flush()
 print(json.dumps([held, seen()]))
+for i in range(1001, 1011):
+    progress.report(i, None, 3)  # and the process exits: an atexit flush writes them
 """
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     done = subprocess.run(
@@ -503,3 +506,14 @@ print(json.dumps([held, seen()]))
     )
     assert flushed["elastic_run_training_step"] == 1000
     assert flushed["elastic_run_training_samples_total"] == 3000
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    total = [
+        s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name == "elastic_run_training_samples_total"
+    ]
+    assert total == [3030.0]

@@ -8,6 +8,7 @@ them into its endpoint. Outside elastic-run (torchrun, plain python) this does n
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from typing import Any
@@ -144,6 +145,8 @@ def report(step: int | None = None, loss: float | None = None, samples: int | No
         pending[2] += samples
     now = time.monotonic()
     if _written is None or now - _written >= METRICS_EVERY:
+        if _written is None:
+            atexit.register(flush)  # a script need not close its State
         _written = now
         _write(m, now)
 
