@@ -39,15 +39,22 @@ def pair(fresh_etcd: EtcdServer, run_id: str) -> Iterator[list[Rendezvous]]:
 
 def unstarted(
     endpoint: str, run_id: str, names: str, conf: RdzvConf, nnodes: tuple[int, int] = (2, 2)
-) -> tuple[list[Rendezvous], list[EtcdClient]]:
+) -> list[Rendezvous]:
     """Nodes ``names`` of a job of ``nnodes`` (min, max), each with a client of its own,
-    not yet registered."""
-    nodes, clients = [], []
+    not yet registered (``stop`` them)."""
+    nodes = []
     for name in names:
         e, opts = build_options(endpoint, run_id, *nnodes, conf)
-        clients.append(EtcdClient(e))
-        nodes.append(Rendezvous(clients[-1], opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
-    return nodes, clients
+        nodes.append(Rendezvous(EtcdClient(e), opts, NodeSpec(id=name, addr="127.0.0.1", nproc=1)))
+    return nodes
+
+
+def stop(nodes: list[Rendezvous]) -> None:
+    """End ``nodes`` as a dead agent would (no leaving), and close their clients."""
+    for n in nodes:
+        n.shutdown(leave=False)
+    for n in nodes:
+        n.client.close()
 
 
 @contextlib.contextmanager
@@ -60,7 +67,7 @@ def in_round(
 ) -> Iterator[list[Rendezvous]]:
     """Nodes ``names`` (a and b) of a job of ``nnodes`` on ``fresh_etcd``, in round 1."""
     conf = RdzvConf(connect_timeout=2, lease_ttl=ttl, last_call_timeout=0.1)
-    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, names, conf, nnodes)
+    nodes = unstarted(fresh_etcd.endpoint, run_id, names, conf, nnodes)
     for n in nodes:
         n.start()
     threads = [threading.Thread(target=n.next_round, kwargs={"timeout": 10}) for n in nodes]
@@ -72,10 +79,7 @@ def in_round(
         assert [n.round.number if n.round else 0 for n in nodes] == [1] * len(nodes)
         yield nodes
     finally:
-        for n in nodes:
-            n.shutdown(leave=False)
-        for c in clients:
-            c.close()
+        stop(nodes)
 
 
 def freeze(server: EtcdServer, seconds: float, during: Callable[[], None]) -> None:
@@ -220,7 +224,7 @@ def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_ane
     it drops the lease, and the registration that names it is refused ("requested lease
     not found"). The node grants another and joins (it exited with that error)."""
     conf = RdzvConf(connect_timeout=10, lease_ttl=TTL, last_call_timeout=0.1)
-    [node], [client] = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 2))
+    [node] = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 2))
     keeper = node.session.lease
     grant = keeper.grant
     granted: list[int] = []
@@ -237,11 +241,10 @@ def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_ane
         node.start()
         rec = record(node)
         assert len(granted) == 2 and rec is not None and rec.id == "a"
-        kv = client.get(node.session.node_key)
+        kv = node.client.get(node.session.node_key)
         assert kv is not None and kv.lease == granted[1]
     finally:
-        node.shutdown(leave=False)
-        client.close()
+        stop([node])
 
 
 def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
@@ -252,7 +255,7 @@ def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
     etcd answers and joins (it exited with "etcd unreachable"); a signal meanwhile (the
     agent's cancel) ends the wait at once."""
     conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
-    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
+    nodes = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
     for n in nodes:
         n.glance()  # etcd answers this process
     cancel = threading.Event()
@@ -283,10 +286,7 @@ def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
         assert outcome["b"] == "joined", outcome
         assert record(nodes[1]) is not None
     finally:
-        for n in nodes:
-            n.shutdown(leave=False)
-        for c in clients:
-            c.close()
+        stop(nodes)
 
 
 def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
@@ -297,7 +297,7 @@ def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
     The next try finds the node id held on this node's own lease: registered (it read
     "node id already taken" and exited)."""
     conf = RdzvConf(connect_timeout=10, lease_ttl=6, last_call_timeout=0.1)
-    [node], [client] = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 2))
+    [node] = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 2))
     node.glance()  # etcd answers this process: tries of 2 s
     keeper = node.session.lease
     grant = keeper.grant
@@ -316,11 +316,10 @@ def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
     try:
         node.start()
         frozen.join(10)
-        kv = client.get(node.session.node_key)
+        kv = node.client.get(node.session.node_key)
         assert kv is not None and kv.lease == node.session.lease_id
     finally:
-        node.shutdown(leave=False)
-        client.close()
+        stop([node])
 
 
 def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
@@ -330,7 +329,7 @@ def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
     again as a new node, etcd freezes for longer than a try (it exited with "etcd
     unreachable"). a tries again until etcd answers, and b takes it into a round."""
     conf = RdzvConf(connect_timeout=2, lease_ttl=6, last_call_timeout=0.1)
-    nodes, clients = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
+    nodes = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
     a, b = nodes
     rounds: dict[str, object] = {}
 
@@ -376,10 +375,7 @@ def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
         assert isinstance(rounds["a"], RoundRecord), rounds
         assert rounds["a"].number == 3 and rounds["a"].size == 2, rounds["a"]
     finally:
-        for n in nodes:
-            n.shutdown(leave=False)
-        for c in clients:
-            c.close()
+        stop(nodes)
 
 
 def test_a_member_that_died_in_the_outage_is_proven_dead_by_whoever_leads_after_it(
