@@ -148,21 +148,28 @@ class Lead:
             rev = node.rev if node is not None else ld.rev
             self._check_gone({ld.id: (ld.addr, ld.probe, lead_kv.lease, rev)}, every)
 
-    def probe_nodes(
-        self, view: JobView, nodes: tuple[str, ...], mine: RoundRecord | None = None
-    ) -> None:
-        """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py).
-        With ``mine``: also its members whose records are gone already, from the probe
-        ports the round recorded, to prove them dead (``proven``): an outage that dropped
-        their leases keeps them in the round for a grace otherwise, and the node that
-        proved it before may not be the one that leads after it."""
-        me = self.session.me.id
-        present = {n: view.nodes[n] for n in nodes if n in view.nodes and n != me}
-        targets = {n: (x.record.addr, x.record.probe, x.lease, x.rev) for n, x in present.items()}
-        for m in mine.members if mine is not None else ():
+    def probe_nodes(self, view: JobView, nodes: tuple[str, ...]) -> None:
+        """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py)."""
+        self._check_gone(self._present(view, nodes))
+
+    def probe_round(self, view: JobView, mine: RoundRecord) -> None:
+        """``probe_nodes`` for the members of ``mine``, and those whose records are gone
+        already too, from the probe ports the round recorded, to prove them dead
+        (``proven``): an outage that dropped their leases keeps them in the round for a
+        grace otherwise, and the node that proved it before may not lead after it."""
+        targets = self._present(view, tuple(m.id for m in mine.members))
+        for m in mine.members:
             if m.id not in view.nodes and m.probe and self.proven.get(m.id) != m.rev:
                 targets[m.id] = (m.addr, m.probe, 0, m.rev)  # no lease left to revoke
         self._check_gone(targets)
+
+    def _present(
+        self, view: JobView, nodes: tuple[str, ...]
+    ) -> dict[str, tuple[str, int, int, int]]:
+        """The probe targets among ``nodes`` that the view holds (this node aside)."""
+        me = self.session.me.id
+        present = {n: view.nodes[n] for n in nodes if n in view.nodes and n != me}
+        return {n: (x.record.addr, x.record.probe, x.lease, x.rev) for n, x in present.items()}
 
     def _check_gone(
         self, targets: dict[str, tuple[str, int, int, int]], every: float = PROBE_EVERY

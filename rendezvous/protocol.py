@@ -107,7 +107,7 @@ class Rendezvous:
             if rules.successor(self.round, self.me.id, self.rev):
                 self.lead.probe_leader(view)
         elif self.round is not None:
-            self.lead.probe_nodes(view, tuple(m.id for m in self.round.members), self.round)
+            self.lead.probe_round(view, self.round)
 
     def key(self, rel: str) -> str:
         return self.options.job_prefix + rel

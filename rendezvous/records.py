@@ -345,7 +345,7 @@ class Member:
     apart: a node that lost its lease and registered again is a new member. ``rank`` (its
     group rank) and ``base`` (its first worker's global rank) are set by the round.
     ``probe``: its agent's probe port (0: unknown), so that whoever leads can prove it dead
-    once its record is gone (``Lead.probe_nodes``)."""
+    once its record is gone (``Lead.probe_round``)."""
 
     id: str
     rev: int

@@ -114,25 +114,23 @@ class _Core:
         return [_stepping(o) for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
 
     def samplers(self) -> list[ElasticSampler]:
-        if self.per_step is None:
-            self.per_step = self._per_step()
-        return self.per_step[0]
+        return self._per_step()[0]
 
     def committing(self) -> list[Any]:
         """Objects told of each commit (``on_commit()``): what they hold as of the last
         one is what a live re-formation carries on from (a loader's place in its epoch)."""
-        if self.per_step is None:
-            self.per_step = self._per_step()
-        return self.per_step[1]
+        return self._per_step()[1]
 
     def _per_step(self) -> tuple[list[ElasticSampler], list[Any]]:
         """What ``commit()`` touches every step, found once (``replaced`` says when the
         objects change): a getattr a Module does not answer costs an exception."""
-        objects = self.objects.values()
-        return (
-            [o for o in objects if isinstance(o, ElasticSampler)],
-            [o for o in objects if callable(getattr(o, "on_commit", None))],
-        )
+        if self.per_step is None:
+            objects = self.objects.values()
+            self.per_step = (
+                [o for o in objects if isinstance(o, ElasticSampler)],
+                [o for o in objects if callable(getattr(o, "on_commit", None))],
+            )
+        return self.per_step
 
     def replaced(self) -> None:
         """An object was set anew (``state.model = ...``, a reshard)."""
