@@ -17,13 +17,22 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import pytest
 from harness import ROOT
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
+
+
+class Batched(NamedTuple):
+    """A run of ``BATCH``: what it did, and its own log dir."""
+
+    done: subprocess.CompletedProcess
+    logs: Path
+
+
 SCRIPT = str(ROOT / "tests" / "scripts" / "compat.py")
 ECHO = str(ROOT / "tests" / "scripts" / "echo.py")
 LAUNCHERS = {
@@ -65,6 +74,71 @@ def both(*args: str, **kw: object) -> dict[str, subprocess.CompletedProcess]:
 
 def lines(text: str) -> list[str]:
     return sorted(line for line in text.splitlines() if line.strip())
+
+
+# Command lines that share no port, file or input: both launchers run each of them up
+# front, several at once (most of a run is torchrun's ``import torch``), and the tests
+# below read what they did. ``{logs}``: a log dir of the command line's own.
+CONSOLE = {
+    "plain": ("--nproc-per-node", "2"),
+    "tee": ("--nproc-per-node", "2", "--tee", "3"),
+    "tee-stdout-redirect-stderr": ("--nproc-per-node", "2", "--tee", "1", "--redirects", "2"),
+    "filter": ("--nproc-per-node", "2", "--local-ranks-filter", "1"),
+    "tee-filter": ("--nproc-per-node", "2", "--tee", "3", "--local-ranks-filter", "0"),
+}
+SCRIPT_RUNS = {
+    "module": ("-m", "json.tool", "--help"),
+    "no-python": ("--no-python", "echo", "hi"),
+    "run-path": ("--run-path", ECHO),
+}
+REFUSED = {
+    "no-python-with-module": ("--no-python", "--module", ECHO),
+    "nproc-unknown": ("--nproc-per-node", "unknown", ECHO),
+    "logs-specs": ("--logs-specs", "DOESNOT_EXIST", ECHO),
+    "unknown-flag": ("--nprocs", "2", ECHO),
+    "no-script": (),
+}
+TWO = ("--nproc-per-node", "2")
+TEMPLATE = "${role_name}-${rank}-${local_rank}| "
+BATCH: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    **{f"console-{k}": (("--log-dir", "{logs}", *v, ECHO), {}) for k, v in CONSOLE.items()},
+    **{f"script-{k}": (("--nproc-per-node", "1", *v), {}) for k, v in SCRIPT_RUNS.items()},
+    **{f"refused-{k}": (v, {}) for k, v in REFUSED.items()},
+    "prefix": (
+        ("--nproc-per-node", "2", "--tee", "3", ECHO),
+        {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TEMPLATE},
+    ),
+    "log-dir": (("--log-dir", "{logs}", "--rdzv-id", "j", "-r", "3", "-t", "0", *TWO, ECHO), {}),
+    "abbreviated": (("--redirect=3", "--nproc-per-node", "2", ECHO), {}),
+    "other-backends": (("--standalone", "--rdzv-conf", "join_timeout=30,store_type=tcp", ECHO), {}),
+    "nobody-reads": (("--standalone", "--rdzv-conf", "join_timout=30", ECHO), {}),
+    "quoted": (
+        ("--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", ECHO),
+        {},
+    ),
+}
+AT_ONCE = 4  # runs at a time: more only queue for the two cores
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Batched]]:
+    """What each of ``BATCH`` did under each launcher."""
+    base = tmp_path_factory.mktemp("compat")
+
+    def one(job: tuple[str, str]) -> Batched:
+        name, who = job
+        args, extra = BATCH[name]
+        logs = base / name / who
+        done = run(who, *(a.format(logs=logs) for a in args), **extra)  # type: ignore[arg-type]
+        return Batched(done, logs)
+
+    jobs = [(name, who) for name in BATCH for who in LAUNCHERS]
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        done = list(pool.map(one, jobs))
+    out: dict[str, dict[str, Batched]] = {name: {} for name in BATCH}
+    for (name, who), d in zip(jobs, done, strict=True):
+        out[name][who] = d
+    return out
 
 
 def port_pair(taken: set[int] | None = None) -> int:
@@ -163,27 +237,27 @@ def test_stdin_reaches_the_worker() -> None:
         assert lines(done.stdout) == ["rank 0 read '42'"], who
 
 
-def test_abbreviated_flags() -> None:
-    for who, done in both("--redirect=3", "--nproc-per-node", "2", ECHO).items():
+def test_abbreviated_flags(ran: dict[str, dict[str, Batched]]) -> None:
+    for who, (done, _) in ran["abbreviated"].items():
         assert done.returncode == 0, (who, done.stderr)
         assert "hello" not in done.stdout and "complaint" not in done.stderr, who
 
 
-def test_rdzv_conf_keys_of_other_backends() -> None:
-    got = both("--standalone", "--rdzv-conf", "join_timeout=30,store_type=tcp", ECHO)
+def test_rdzv_conf_keys_of_other_backends(ran: dict[str, dict[str, Batched]]) -> None:
+    got = {who: b.done for who, b in ran["other-backends"].items()}
     for who, done in got.items():
         assert done.returncode == 0, (who, done.stderr)
         assert lines(done.stdout) == ["hello from 0"], who
     assert "store_type: a key of torchrun's backends, no effect" in got["elastic-run"].stderr
 
 
-def test_rdzv_conf_keys_nobody_reads_and_quotes_left_by_a_list_command_line() -> None:
+def test_rdzv_conf_keys_nobody_reads_and_quotes_left_by_a_list_command_line(
+    ran: dict[str, dict[str, Batched]],
+) -> None:
     """A key no backend reads is ignored by both (elastic-run names it and the key it
     resembles); PyTorch's own launcher tests pass the value with literal quotes."""
-    got = both("--standalone", "--rdzv-conf", "join_timout=30", ECHO)
-    quoted = both(
-        "--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", ECHO
-    )
+    got = {who: b.done for who, b in ran["nobody-reads"].items()}
+    quoted = {who: b.done for who, b in ran["quoted"].items()}
     for who in LAUNCHERS:
         for done in (got[who], quoted[who]):
             assert done.returncode == 0, (who, done.stderr)
@@ -204,53 +278,36 @@ def test_file_timer_watchdog_kills_the_expired_worker() -> None:
     assert ours.returncode == 1 and "its file timer 'slow_step' expired" in ours.stderr
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("--nproc-per-node", "2"),
-        ("--nproc-per-node", "2", "--tee", "3"),
-        ("--nproc-per-node", "2", "--tee", "1", "--redirects", "2"),
-        ("--nproc-per-node", "2", "--local-ranks-filter", "1"),
-        ("--nproc-per-node", "2", "--tee", "3", "--local-ranks-filter", "0"),
-    ],
-    ids=["plain", "tee", "tee-stdout-redirect-stderr", "filter", "tee-filter"],
-)
-def test_console_output_is_the_same(flags: tuple[str, ...], tmp_path: Path) -> None:
-    got = both("--log-dir", str(tmp_path / "logs"), *flags, ECHO)
-    theirs, ours = got["torchrun"], got["elastic-run"]
+@pytest.mark.parametrize("flags", CONSOLE)
+def test_console_output_is_the_same(flags: str, ran: dict[str, dict[str, Batched]]) -> None:
+    got = ran[f"console-{flags}"]
+    theirs, ours = got["torchrun"].done, got["elastic-run"].done
     assert theirs.returncode == ours.returncode == 0, ours.stderr
     assert lines(ours.stdout) == lines(theirs.stdout)
     worker_err = [s for s in lines(theirs.stderr) if "complaint" in s]
     assert [s for s in lines(ours.stderr) if "complaint" in s] == worker_err
 
 
-def test_prefix_template_with_tee() -> None:
-    template = "${role_name}-${rank}-${local_rank}| "
-    got = both("--nproc-per-node", "2", "--tee", "3", ECHO,
-               TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=template)  # fmt: skip
+def test_prefix_template_with_tee(ran: dict[str, dict[str, Batched]]) -> None:
+    got = {who: b.done for who, b in ran["prefix"].items()}
     assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)
     assert "default-1-1| hello from 1" in got["elastic-run"].stdout
 
 
-def test_log_dir_layout(tmp_path: Path) -> None:
-    got = each(lambda who: run(who, "--log-dir", str(tmp_path / who), "--rdzv-id", "j", "-r", "3",
-                               "-t", "0", "--nproc-per-node", "2", ECHO))  # fmt: skip
-    for done in got.values():
+def test_log_dir_layout(ran: dict[str, dict[str, Batched]]) -> None:
+    got = ran["log-dir"]
+    for done, _ in got.values():
         assert done.returncode == 0, done.stderr
     layout = {}
     for who in LAUNCHERS:
-        (run_dir,) = (tmp_path / who).iterdir()  # <log-dir>/<run id>_<suffix>/: one per run
+        (run_dir,) = got[who].logs.iterdir()  # <log-dir>/<run id>_<suffix>/: one per run
         layout[who] = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.log"))
     assert layout["elastic-run"] == layout["torchrun"]
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [("-m", "json.tool", "--help"), ("--no-python", "echo", "hi"), ("--run-path", ECHO)],
-    ids=["module", "no-python", "run-path"],
-)
-def test_how_the_script_runs(flags: tuple[str, ...]) -> None:
-    got = both("--nproc-per-node", "1", *flags)
+@pytest.mark.parametrize("flags", SCRIPT_RUNS)
+def test_how_the_script_runs(flags: str, ran: dict[str, dict[str, Batched]]) -> None:
+    got = {who: b.done for who, b in ran[f"script-{flags}"].items()}
     assert got["torchrun"].returncode == got["elastic-run"].returncode == 0
     assert lines(got["elastic-run"].stdout) == lines(got["torchrun"].stdout)
 
@@ -271,19 +328,11 @@ def test_one_node_with_a_master_port_gets_the_master_addr_and_run_path_its_path(
         ], who
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("--no-python", "--module", ECHO),
-        ("--nproc-per-node", "unknown", ECHO),
-        ("--logs-specs", "DOESNOT_EXIST", ECHO),
-        ("--nprocs", "2", ECHO),
-        (),
-    ],
-    ids=["no-python-with-module", "nproc-unknown", "logs-specs", "unknown-flag", "no-script"],
-)
-def test_refused_command_lines_exit_as_under_torchrun(args: tuple[str, ...]) -> None:
-    got = both(*args)
+@pytest.mark.parametrize("args", REFUSED)
+def test_refused_command_lines_exit_as_under_torchrun(
+    args: str, ran: dict[str, dict[str, Batched]]
+) -> None:
+    got = {who: b.done for who, b in ran[f"refused-{args}"].items()}
     assert got["elastic-run"].returncode == got["torchrun"].returncode != 0, {
         who: (done.returncode, done.stderr[-300:]) for who, done in got.items()
     }
