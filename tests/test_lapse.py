@@ -323,12 +323,15 @@ def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
 
 
 def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
-    fresh_etcd: EtcdServer, run_id: str
+    fresh_etcd: EtcdServer, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two faults: a's lease is gone and b re-forms without it (a is fenced); as a joins
     again as a new node, etcd freezes for longer than a try (it exited with "etcd
-    unreachable"). a tries again until etcd answers, and b takes it into a round."""
-    conf = RdzvConf(connect_timeout=2, lease_ttl=6, last_call_timeout=0.1)
+    unreachable"). a tries again until etcd answers, and b takes it into a round. (b's
+    lease outlives the freeze: a TTL of 9 s leaves it 2.5 s after the thaw, at its
+    keep-alive's worst, for the client to reach etcd again; at 6 s, 0.5 s was once too
+    little in the whole suite, and b had its own outage to recover from.)"""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=9, last_call_timeout=0.1)
     nodes = unstarted(fresh_etcd.endpoint, run_id, "ab", conf, (1, 2))
     a, b = nodes
     rounds: dict[str, object] = {}
@@ -372,6 +375,7 @@ def test_a_fenced_node_joins_again_through_an_etcd_outage_that_comes_as_it_does(
         wait_until(lambda: check(b) is RoundEnd.WAITING, 15, "b to see a waiting")
         next_round(b)
         joining.join(15)
+        assert "could not join again yet" in caplog.text  # the fault did hit a's try
         assert isinstance(rounds["a"], RoundRecord), rounds
         assert rounds["a"].number == 3 and rounds["a"].size == 2, rounds["a"]
     finally:

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from agents import TTL, start_agent, wait_world, worker_pids
+from agents import TTL, gone, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from etcd_servers import EtcdCluster
 from harness import ROOT, Proc, wait_until
@@ -106,20 +106,34 @@ def survivors_kept(out: Path, before: set[int], after_world: int = 2) -> None:
 def test_sigstop_of_a_node(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
+    """c's agent and worker frozen: a and b re-form without it at its lease's TTL, in
+    their own processes. Thawed, c finds its lease gone, fences itself (its stale worker
+    killed, never training in a newer round) and joins again as a new node."""
     agents = three(procs, etcd, run_id, tmp_path)
     before = pids_at(tmp_path, 3)
     frozen = agents[2]
-    tree = [frozen.pid, *worker_pids(frozen)]
+    stale = worker_pids(frozen)
+    tree = [frozen.pid, *stale]
+    stopped = time.time()
     for pid in tree:
         os.kill(pid, signal.SIGSTOP)
     try:
-        wait_world(tmp_path, 2, after=time.time(), timeout=60)
-        for a in agents[:2]:
-            assert a.wait(120) == 0, a.transcript()
+        wait_world(tmp_path, 2, after=stopped, timeout=60)
     finally:
-        frozen.kill_tree()
+        for pid in tree:
+            os.kill(pid, signal.SIGCONT)
+    frozen.wait_output("fenced", timeout=15)
+    wait_until(lambda: gone(stale), 5, "the fenced node's stale worker to be killed")
+    for a in agents:
+        assert a.wait(120) == 0, a.transcript()
+    # after the freeze a stale worker logs at most the step it was frozen in (its row is
+    # written after the thaw), in its old round
+    mine = [r for r in rows(tmp_path) if r["pid"] in stale]
+    last = max(r["step"] for r in mine if r["t"] <= stopped)
+    late = [r for r in mine if r["t"] > stopped + 0.5]
+    assert all(r["world"] == 3 and r["step"] <= last + 1 for r in late), late
     survivors_kept(tmp_path, before - set(tree))
-    check_run(tmp_path, changes=1)
+    check_run(tmp_path, changes=2)  # the loss, and c's joining again if training was not over
 
 
 @pytest.mark.parametrize(
