@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from agents import start_agent
-from harness import ROOT, Proc
+from agents import gone, start_agent, wait_workers
+from harness import ROOT, Proc, wait_until
 
 from elastic.agent.devices import DeviceError, choose_devices, count_devices, nvml_device_count
 from elastic.agent.etcd_server import EtcdServer
@@ -105,25 +105,33 @@ def test_the_examples_run(tmp_path: Path) -> None:
 def test_ddp_examples_survive_a_node_sigkill(
     etcd: EtcdServer, run_id: str, procs: list[Proc], script: str
 ) -> None:
-    """The rank-0 node is killed: the respawn example resumes in new workers, the
+    """The rank-0 node (the round's store host, the harder case of a node loss) is
+    killed: its workers die with it; the respawn example resumes in new workers, the
     State.run one in the same ones; either way the survivor, now rank 0, goes on printing
-    (a rank kept from before State.run would leave it silent)."""
+    (a rank kept from before State.run would leave it silent). The loss is reported first
+    and as the cause, never as the survivor's own failure, and charges no restart."""
     args = ("--epochs", "3", "--step-time", "0.02")
     a = start_agent(procs, etcd.endpoint, run_id, "a", EXAMPLES / script, *args, nnodes="1:2")
     a.wait_output("registered as a", timeout=30)  # a joins first, so rank 0 is on a
     b = start_agent(procs, etcd.endpoint, run_id, "b", EXAMPLES / script, *args, nnodes="1:2")
     first = a.wait_output("epoch 0: loss", timeout=90)
     assert "world size 2" in first
+    workers = wait_workers(a, 1)
     a.signal(signal.SIGKILL)
+    wait_until(lambda: gone(workers), 1.0, "the killed agent's workers to die")
     assert b.wait(180) == 0, b.transcript()
-    out = "\n".join(b.out)
+    out, log = "\n".join(b.out), list(b.err)
     if script == "train_live.py":
-        logs = "\n".join(b.err)
-        assert "workers re-form live" in logs and "training from step" in out
-        assert "new workers follow" not in logs
+        assert "workers re-form live" in b.transcript() and "training from step" in out
+        assert "new workers follow" not in b.transcript()
     else:
         assert "resumed at epoch" in out
     assert "epoch 2: loss" in out and "world size 1" in out
+    lost_at = next(i for i, line in enumerate(log) if "lost a" in line)
+    assert not any("Traceback" in line for line in log[:lost_at]), log[:lost_at]
+    assert not any("workers failed" in line or "restart 1 after" in line for line in log), log
+    told = [i for i, line in enumerate(log) if "its collective failed when" in line]
+    assert all(i > lost_at for i in told), log
 
 
 def test_tuner_candidates_and_recommendation() -> None:
