@@ -91,20 +91,21 @@ def test_the_proposal_uses_the_median_step_and_agreement_times() -> None:
     assert [a.proposal(every) for every in (3, 7, 10, 100, 1000)] == [3, 7, 10, 25, 25]
 
 
-def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
-    """Real ranks (two processes, gloo) committing steps that take no time: they agree
-    every LIMIT steps, not every step, and a stop asked of one rank only (at step 1500)
-    stops both at the same step, at most a gap later."""
+def ranks(script: str, world: int, *args: str) -> list[list[str]]:
+    """``tests/scripts/<script>`` run as ``world`` gloo ranks: each one's words printed."""
     port = free_port()
-    script = str(ROOT / "tests" / "scripts" / "commit_pair.py")
+    path = str(ROOT / "tests" / "scripts" / script)
 
     def env(rank: int) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        return {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank),
+                "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}  # fmt: skip
 
     procs = [
-        subprocess.Popen([sys.executable, script], env=env(r), stdout=subprocess.PIPE, text=True)
-        for r in (0, 1)
+        subprocess.Popen(
+            [sys.executable, path, *args], env=env(r), stdout=subprocess.PIPE, text=True
+        )
+        for r in range(world)
     ]
     try:
         outs = [p.communicate(timeout=60)[0].split() for p in procs]
@@ -113,7 +114,15 @@ def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [p.returncode for p in procs] == [0] * world, outs
+    return outs
+
+
+def test_two_ranks_agree_at_the_same_steps_and_stop_together() -> None:
+    """Real ranks (two processes, gloo) committing steps that take no time: they agree
+    every LIMIT steps, not every step, and a stop asked of one rank only (at step 1500)
+    stops both at the same step, at most a gap later."""
+    outs = ranks("commit_pair.py", 2)
     # "rank R stopped S gap G agreements N", the same on both ranks but for R
     assert all(o[2:] == outs[0][2:] and len(o) == 8 for o in outs), outs
     stopped, gap, agreements = (int(outs[0][i]) for i in (3, 5, 7))
@@ -157,3 +166,38 @@ def test_with_a_fixed_interval_snapshots_land_exactly_on_it(
     assert state._core.agreement.gap == 3
     assert [s for s in agreements if s > 20] == list(range(21, 61, 3))  # not every step
     assert snapshots == list(range(3, 61, 3)), snapshots
+
+
+def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_no_weight() -> None:
+    """Three real ranks under DDP (a division by 3 is inexact): once every rank's DDP
+    carries the hook, a stop asked of rank 1 alone after step 200 reaches all of them in
+    step 201's gradient all-reduce, and they stop there together, with next to no
+    agreement of their own; the weights are bitwise those of DDP without State."""
+    folded = ranks("doorbell_ranks.py", 3, "fold")
+    plain = ranks("doorbell_ranks.py", 3, "plain")
+    # "rank R stopped S active A agreements N DIGEST"
+    assert {tuple(o[2:]) for o in folded} == {tuple(folded[0][2:])}, folded
+    assert folded[0][3] == "201" and folded[0][5] == "True", folded
+    # a handful: the first on the group, the snapshot cadence's first choices, the stop
+    assert int(folded[0][7]) <= 10, folded
+    assert [o[8] for o in folded] == [o[8] for o in plain], (folded, plain)
+
+
+def test_a_script_whose_ddp_has_its_own_hook_keeps_the_agreements_own_collective() -> None:
+    """Rank 0's DDP carries a hook of the script's own: the ranks agree not to fold (their
+    reductions keep one size, no hang) and a stop comes through the schedule, at the
+    next agreement."""
+    outs = ranks("doorbell_ranks.py", 2, "own-hook")
+    assert {tuple(o[2:8]) for o in outs} == {tuple(outs[0][2:8])}, outs
+    stopped = int(outs[0][3])
+    assert outs[0][5] == "False" and 200 <= stopped <= 200 + LIMIT, outs
+
+
+def test_where_the_bell_rode_in_the_reduction_it_alone_says_but_a_new_group_agrees() -> None:
+    a = Agreement()
+    assert a.due(1, group=1, bell=False)  # the first commit on a group, whatever the bell
+    a.agreed(1, 5)
+    assert not a.due(5, group=1, bell=False)  # the schedule would agree at 5
+    assert a.due(3, group=1, bell=True)  # a rank rang
+    assert a.due(5, group=1, bell=None)  # no reduction carried it: the schedule
+    assert a.due(6, group=2, bell=False)  # a re-formation

@@ -180,3 +180,39 @@ def test_state_by_default_snapshots_as_often_as_the_budget_allows(
     assert max(b - a for a, b in itertools.pairwise(long)) == 5
     assert "snapshot every 5 step(s), at most 5 step(s) lost" in caplog.text
     state.close()
+
+
+def test_the_time_a_snapshot_blocks_the_training_thread_is_part_of_its_cost() -> None:
+    """commit() takes the snapshot between two steps' times: without ``blocked`` a
+    snapshot that holds the thread 50 ms but disturbs nothing after it would look free."""
+    c = Cadence(0.02)
+    taken: list[int] = []
+    for step in range(1, 200):
+        if step > 1:
+            c.observe(0.1, False)
+        due = c.due(step)
+        c.agree(c.proposal)
+        if due:
+            c.taken(step)
+            c.blocked(0.05)
+            taken.append(step)
+    assert c.cost_s == pytest.approx(0.05)
+    assert c.interval == 32  # as for 50 ms of a disturbed step
+
+
+def test_a_proposal_is_urgent_when_new_and_none_agreed_or_twice_as_frequent() -> None:
+    c = Cadence(0.02)
+    assert not c.urgent  # nothing proposed yet
+    c.proposal = 40
+    assert c.urgent  # none agreed yet
+    c.agree(40)
+    assert not c.urgent  # agreed
+    c.proposal = 30
+    assert not c.urgent  # a little more often: agreed at the next snapshot
+    c.proposal = 20
+    assert c.urgent  # twice as often
+    c.agree(80)  # another rank's longer proposal won
+    assert not c.urgent  # told once: not asked again at every step
+    c.proposal = 90
+    assert not c.urgent  # less often: at the next snapshot
+    assert not Cadence(0.02, fixed=5).urgent

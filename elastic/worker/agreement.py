@@ -10,7 +10,8 @@ snapshot waits at most that long (plus a step). A gap is only ever used once eve
 agreed on it (the MIN of their proposals), so all ranks agree at the same steps: the
 multiples of the gap. With ``--snapshot-every N`` the gap divides N, so every N-th step
 is an agreement and snapshots land exactly there. A new process group starts again at a
-gap of 1.
+gap of 1. Where DDP's gradient all-reduce carries ``doorbell``, the ranks agree exactly
+when one of them rang it, and the schedule is only the fallback.
 
 Torch-free and clock-free: fed measured seconds, tested on synthetic ones.
 """
@@ -70,9 +71,14 @@ class Agreement:
         self._steps: deque[float] = deque(maxlen=KEPT)
         self._costs: deque[float] = deque(maxlen=KEPT)
 
-    def due(self, step: int, group: int) -> bool:
+    def due(self, step: int, group: int, bell: bool | None = None) -> bool:
+        """``bell``: whether a rank rang ``doorbell`` in this step's gradient reduction
+        (None: none carried it); where it did, it alone says."""
         if group != self._group:
             self._group, self._next, self.gap = group, None, 1
+            return True
+        if bell is not None:
+            return bell
         return self._next is None or step >= self._next
 
     def stepped(self, seconds: float) -> None:

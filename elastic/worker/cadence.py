@@ -3,10 +3,10 @@
 ``--snapshot-every auto`` (the default) measures, as training runs, what a step takes and
 what a snapshot adds to it, and snapshots every N steps for the smallest N whose cost
 stays at or below ``--snapshot-budget`` of the step time (CheckFreq's rule). A snapshot's
-cost is measured, not assumed: it is the time the steps it disturbed (the step right
-after it, and any step started while its copy was still running) took beyond a clean
-step, so the copy's competition for cores and memory bandwidth is counted along with
-the time it blocked the training thread.
+cost is measured, not assumed: it is the time it blocked the training thread (inside
+``commit()``) plus the time the steps it disturbed (the step right after it, and any
+step started while its copy was still running) took beyond a clean step, so the copy's
+competition for cores and memory bandwidth is counted too.
 
 Torch-free, and the clock is injected: tested on synthetic step times.
 """
@@ -82,6 +82,7 @@ class Cadence:
         self.clock = clock  # what State times the steps with
         self.interval = fixed if fixed is not None else 0  # 0: not chosen yet
         self.proposal = self.interval
+        self._told = self.proposal  # the proposal this rank last took to an agreement
         self.last = 0  # the step of the latest snapshot
         self.choice: Choice | None = None  # this rank's latest choice, for the log
         self._steps: deque[float] = deque(maxlen=STEPS_KEPT)  # clean steps' times
@@ -157,9 +158,25 @@ class Cadence:
         self.last = step
         self._measuring = self.fixed is None and self.step_s is not None
 
+    @property
+    def urgent(self) -> bool:
+        """This rank's proposal is worth agreeing on before the next snapshot falls due
+        (where the ranks agree anyway): a new one, while none is agreed yet or wanting
+        snapshots twice as often or more (not one another rank's longer one outbid)."""
+        if self.proposal <= 0 or self.proposal == self._told:
+            return False
+        return self.interval == 0 or 2 * self.proposal <= self.interval
+
+    def blocked(self, seconds: float) -> None:
+        """The snapshot just taken held the training thread for ``seconds`` (inside
+        ``commit()``, which no step's time includes): part of its cost."""
+        if self._measuring:
+            self._excess += seconds
+
     def agree(self, interval: int) -> bool:
         """The interval every rank uses from now on (the MAX of the proposals); True if
         it changed."""
+        self._told = self.proposal
         if self.fixed is not None or interval <= 0 or interval == self.interval:
             return False
         self.interval = interval

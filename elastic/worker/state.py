@@ -45,6 +45,7 @@ from elastic.stored import SnapshotError
 from elastic.worker import alive, comm, group, progress, reshard, rng, sharded, snapshot
 from elastic.worker.agreement import Agreement
 from elastic.worker.cadence import Cadence
+from elastic.worker.doorbell import Doorbell, Rung
 from elastic.worker.group import Group, Reformation
 from elastic.worker.restore import (
     NOTHING,
@@ -105,6 +106,8 @@ class _Core:
     kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
     # the samplers and the objects told of each commit, while the objects stay the same
     per_step: tuple[list[ElasticSampler], list[Any]] | None = None
+    doorbell: Doorbell | None = None  # the agreement's question, in DDP's reduction
+    ring: bool = False  # this rank asks the ranks to agree at the next step
 
     @property
     def comm(self) -> comm.ControlGroup:
@@ -135,6 +138,14 @@ class _Core:
     def replaced(self) -> None:
         """An object was set anew (``state.model = ...``, a reshard)."""
         self.per_step = None
+        if self.doorbell is not None:
+            self.doorbell.watch(self.objects.values())
+
+    def ringing(self) -> Rung:
+        """What this rank asks of the ranks at the step in progress (during backward)."""
+        g = self.group
+        agree = self.ring or self.stopping() or (g is not None and g.pause_asked)
+        return Rung(agree, self.due or self.cadence.due(self.values["step"] + 1))
 
     def stopping(self) -> bool:
         return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
@@ -190,6 +201,8 @@ class State:
             stop_seen=ctl.stop_generation if ctl else 0,
         )
         object.__setattr__(self, "_core", core)
+        core.doorbell = Doorbell(core.ringing)
+        core.replaced()
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> None:
@@ -276,18 +289,26 @@ class State:
             cadence.observe(now - core.last_commit, core.disturbed)
             agreement.stepped(now - core.last_commit)
         core.due = core.due or cadence.due(step)
-        if not agreement.due(step, core.comm.generation):
-            core.disturbed = core.snapshotter.copying
+        bell = core.doorbell.rang() if core.doorbell is not None else None
+        if not agreement.due(step, core.comm.generation, None if bell is None else bell.agree):
+            snap = bell is not None and bell.snapshot  # every rank's bell says so alike
+            if snap:
+                self._snapshot_due(step)
+            core.ring = cadence.urgent
+            core.disturbed = snap or core.snapshotter.copying
             core.last_commit = cadence.clock()
             return
         g = core.group
         asked = g is not None and g.pause_asked
         gap = agreement.proposal(cadence.fixed)
+        unready = core.doorbell is None or not core.doorbell.ready
         began = cadence.clock()
-        stop, due, interval, pause, least = core.comm.all_reduce(
-            [core.stopping(), core.due, cadence.proposal, asked, -gap], "MAX"
+        stop, due, interval, pause, least, unfolded = core.comm.all_reduce(
+            [core.stopping(), core.due, cadence.proposal, asked, -gap, unready], "MAX"
         )
         agreement.timed(cadence.clock() - began)
+        if core.doorbell is not None:
+            core.doorbell.fold(not unfolded)
         core.due = False
         moved = agreement.agreed(step, -least)  # MAX of the negated: the least gap
         if cadence.agree(interval) or moved:
@@ -295,20 +316,31 @@ class State:
         # the ranks stop together; a live one that was not asked to leave pauses instead
         leave = bool(stop or pause) if g is None else bool(stop) and core.stopping()
         if due or stop or pause:
-            self.snapshot(wait=leave)  # pausing: the copy overlaps the re-formation
+            self._snapshot_due(step, wait=leave)  # pausing: the copy overlaps the re-formation
         if leave:
             self._leave_for_resize()
         if stop or pause:
             raise Reformation(f"the ranks paused at step {step} for a membership change")
+        core.ring = False
         core.disturbed = bool(due) or core.snapshotter.copying
         core.last_commit = cadence.clock()
+
+    def _snapshot_due(self, step: int, wait: bool = False) -> None:
+        """The snapshot the ranks agreed on (or all asked for in the bell): its time in
+        ``commit()`` is part of its cost."""
+        cadence = self._core.cadence
+        began = cadence.clock()
+        self.snapshot(wait=wait)
+        cadence.blocked(cadence.clock() - began)
+        self._core.due = False
 
     def _tell_cadence(self) -> None:
         """The ranks agreed on a new interval or gap: logged (rank 0) and exported, with
         the steps a crash can cost (a due snapshot waits for the next agreement)."""
         core = self._core
         cadence, gap = core.cadence, core.agreement.gap
-        late = 0 if cadence.fixed else gap - 1  # a fixed interval's gap divides it
+        folded = core.doorbell is not None and core.doorbell.active
+        late = 0 if cadence.fixed or folded else gap - 1  # a fixed interval's gap divides it
         risk = cadence.at_risk + late if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
         figures, logged = (cadence.interval, gap), core.logged
@@ -321,7 +353,9 @@ class State:
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
         if cadence.choice and cadence.choice.interval != cadence.interval:
             why += f" here; another rank's figures asked for every {cadence.interval}"
-        if gap > 1:
+        if folded:
+            why += "; the ranks learn whether to agree in DDP's gradient all-reduce"
+        elif gap > 1:
             why += f"; the ranks agree every {gap} steps: {core.agreement.choice.reason}"
         log.info(
             "snapshot every %d step(s), at most %d step(s) lost to a crash: %s",
@@ -443,6 +477,8 @@ class State:
         not redone; the gradients of the step in flight go."""
         core = self._core
         core.snapshotter.wait_copy()
+        if core.doorbell is not None:
+            core.doorbell.forget()  # its DDP holds the old group
         if core.stepped:
             core.stepped = False
             core.values["step"] += 1
