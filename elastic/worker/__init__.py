@@ -12,6 +12,7 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     snapshot     the snapshot format (tensors plus a skeleton)
     cadence      how often to snapshot, from measured step and snapshot costs
     agreement    at which steps the ranks agree, from measured step and agreement costs
+    doorbell     whether to agree, asked inside DDP's gradient all-reduce
     restore      finding the newest state in the job and loading it
     rng          random number generator states
     sharded      FSDP2/DTensor state through torch.distributed.checkpoint

@@ -63,13 +63,17 @@ class Doorbell:
                 self._handles.append(module.register_forward_pre_hook(self._forward))
 
     def _forward(self, module: torch.nn.Module, _args: Any) -> None:
-        ddp = DistributedDataParallel._active_ddp_module
+        ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
         if ddp is not None and ddp is not self._ddp and ddp.module is module:
             self._carry(ddp)
 
     def _carry(self, ddp: DistributedDataParallel) -> None:
         self.forget()
-        if ddp._comm_hooks or any(p.device.type != "cpu" for p in ddp.module.parameters()):
+        if (
+            getattr(ddp, "_comm_hooks", None)  # the script's own (a built-in one: below)
+            or ddp.process_group.size() != dist.get_world_size()  # the bell must reach all
+            or any(p.device.type != "cpu" for p in ddp.module.parameters())
+        ):
             return
         try:
             # unannotated, named as DDP checks them (this module's annotations are strings)

@@ -10,8 +10,9 @@
             state.commit()           # one optimizer step done
 
 ``commit()`` counts the step, advances the ElasticSampler, reports progress to the agent,
-and (the ranks agreeing every few steps through one tiny all-reduce, ``agreement``)
-snapshots by policy or stops to let the job resize.
+and snapshots by policy or stops to let the job resize, as the ranks agree: in one tiny
+all-reduce every few steps (``agreement``), or, under DDP, only when a rank asked in
+DDP's own gradient all-reduce (``doorbell``).
 
 To keep the process through membership changes, put the training in a function (build
 DDP inside it: DDP holds the process group) and hand it to ``run``:
