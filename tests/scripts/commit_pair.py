@@ -8,9 +8,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from agreements import Agreements, stop_rank_1_at  # this directory
 
 import elastic
-from elastic.worker import comm
 
 STEPS, STOP_AT = 2000, 1500
 
@@ -19,19 +19,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     state = elastic.State(model=torch.nn.Linear(4, 1))
-    core = state._core
-    control = comm.control()
-    agreements = 0
-    real = control.all_reduce
-
-    def counted(values: list[int], op: str) -> list[int]:
-        nonlocal agreements
-        agreements += 1
-        return real(values, op)
-
-    control.all_reduce = counted  # type: ignore[method-assign]
-    if rank == 1:
-        core.stopping = lambda: core.values["step"] >= STOP_AT  # type: ignore[method-assign]
+    agreements = Agreements()
+    stop_rank_1_at(state, rank, STOP_AT)
     stopped = None
     for _ in range(STEPS):
         try:
@@ -39,7 +28,8 @@ def main() -> None:
         except SystemExit:  # saved and stopping for a resize (exit code 75)
             stopped = state.step
             break
-    print(f"rank {rank} stopped {stopped} gap {core.agreement.gap} agreements {agreements}")
+    gap = state._core.agreement.gap
+    print(f"rank {rank} stopped {stopped} gap {gap} agreements {agreements.count}")
     dist.destroy_process_group()
     os._exit(0)
 

@@ -16,11 +16,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from agreements import Agreements, stop_rank_1_at  # this directory
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic
-from elastic.worker import comm
 
 STEPS, STOP_AT = 300, 200
 
@@ -33,21 +33,10 @@ def main() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     state = None
-    agreements = 0
+    agreements = Agreements()
     if mode != "plain":
         state = elastic.State(model=net, optimizer=opt)
-        core = state._core
-        control = comm.control()
-        real = control.all_reduce
-
-        def counted(values: list[int], op: str) -> list[int]:
-            nonlocal agreements
-            agreements += 1
-            return real(values, op)
-
-        control.all_reduce = counted  # type: ignore[method-assign]
-        if rank == 1:
-            core.stopping = lambda: core.values["step"] >= STOP_AT  # type: ignore[method-assign]
+        stop_rank_1_at(state, rank, STOP_AT)
     ddp = DDP(net)
     if mode == "own-hook" and rank == 0:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -71,7 +60,7 @@ def main() -> None:
     weights = torch.cat([p.detach().flatten() for p in net.parameters()])
     digest = hashlib.sha1(repr(weights.tolist()).encode()).hexdigest()[:12]
     active = state is not None and state._core.doorbell.active  # type: ignore[union-attr]
-    print(f"rank {rank} stopped {stopped} active {active} agreements {agreements} {digest}")
+    print(f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {digest}")
     dist.destroy_process_group()
     os._exit(0)
 
