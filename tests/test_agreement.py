@@ -171,15 +171,17 @@ def test_with_a_fixed_interval_snapshots_land_exactly_on_it(
 def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_no_weight() -> None:
     """Three real ranks under DDP (a division by 3 is inexact): once every rank's DDP
     carries the hook, a stop asked of rank 1 alone after step 200 reaches all of them in
-    step 201's gradient all-reduce, and they stop there together, with next to no
-    agreement of their own; the weights are bitwise those of DDP without State."""
+    step 201's gradient all-reduce, and they stop there together (the schedule stops at
+    200, at an agreement on a multiple of its gap, or later), with few agreements of
+    their own; the weights are bitwise those of DDP without State."""
     folded = ranks("doorbell_ranks.py", 3, "fold")
     plain = ranks("doorbell_ranks.py", 3, "plain")
     # "rank R stopped S active A agreements N DIGEST"
     assert {tuple(o[2:]) for o in folded} == {tuple(folded[0][2:])}, folded
     assert folded[0][3] == "201" and folded[0][5] == "True", folded
-    # a handful: the first on the group, the snapshot cadence's first choices, the stop
-    assert int(folded[0][7]) <= 10, folded
+    # a few: the first on the group, the snapshot cadence's choices (noisy here: snapshots
+    # without a node dir cost next to nothing), the stop
+    assert int(folded[0][7]) <= 20, folded
     assert [o[8] for o in folded] == [o[8] for o in plain], (folded, plain)
 
 
