@@ -172,8 +172,8 @@ def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_n
     """Three real ranks under DDP (a division by 3 is inexact): once every rank's DDP
     carries the hook, a stop asked of rank 1 alone after step 200 reaches all of them in
     step 201's gradient all-reduce, and they stop there together (the schedule stops at
-    200, at an agreement on a multiple of its gap, or later), with few agreements of
-    their own; the weights are bitwise those of DDP without State."""
+    the first multiple of its gap from 200 on), with few agreements of their own; the
+    weights are bitwise those of DDP without State."""
     folded = ranks("doorbell_ranks.py", 3, "fold")
     plain = ranks("doorbell_ranks.py", 3, "plain")
     # "rank R stopped S active A agreements N DIGEST"
