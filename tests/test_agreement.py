@@ -175,14 +175,13 @@ def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_n
     the first multiple of its gap from 200 on), with few agreements of their own; the
     weights are bitwise those of DDP without State."""
     folded = ranks("doorbell_ranks.py", 3, "fold")
-    plain = ranks("doorbell_ranks.py", 3, "plain")
-    # "rank R stopped S active A agreements N DIGEST"
+    # "rank R stopped S active A agreements N SAME"
     assert {tuple(o[2:]) for o in folded} == {tuple(folded[0][2:])}, folded
     assert folded[0][3] == "201" and folded[0][5] == "True", folded
     # a few: the first on the group, the snapshot cadence's choices (noisy here: snapshots
     # without a node dir cost next to nothing), the stop
     assert int(folded[0][7]) <= 20, folded
-    assert [o[8] for o in folded] == [o[8] for o in plain], (folded, plain)
+    assert folded[0][8] == "True", folded  # the same model beside it, under DDP alone
 
 
 def test_a_script_whose_ddp_has_its_own_hook_keeps_the_agreements_own_collective() -> None:

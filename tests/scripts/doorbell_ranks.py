@@ -1,16 +1,16 @@
 """One rank of a gloo DDP job (for tests/test_agreement.py) that commits every step; rank 1
-alone is asked to stop once step STOP_AT is committed. Prints where it stopped, whether
-the doorbell rode in DDP's gradient all-reduce, how many agreements of their own the
-ranks held, and a digest of the final weights.
+alone is asked to stop once step STOP_AT is committed. Beside the model State holds, the
+same model trains on the same data under a DDP of its own, without State. Prints where
+it stopped, whether the doorbell rode in DDP's gradient all-reduce, how many agreements
+of their own the ranks held, and whether the two models' weights are bitwise equal.
 
     doorbell_ranks.py fold       # State around the module, DDP built after it
     doorbell_ranks.py own-hook   # rank 0's DDP carries a hook of the script's own
-    doorbell_ranks.py plain      # no State: the weights DDP alone gives (the same steps)
 """
 
 from __future__ import annotations
 
-import hashlib
+import copy
 import os
 import sys
 
@@ -31,36 +31,32 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    ref = copy.deepcopy(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    state = None
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     agreements = Agreements()
-    if mode != "plain":
-        state = elastic.State(model=net, optimizer=opt)
-        stop_rank_1_at(state, rank, STOP_AT)
-    ddp = DDP(net)
+    state = elastic.State(model=net, optimizer=opt)
+    stop_rank_1_at(state, rank, STOP_AT)
+    ddp, plain = DDP(net), DDP(ref)
     if mode == "own-hook" and rank == 0:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     data = torch.Generator().manual_seed(rank)
     stopped = None
-    for i in range(STEPS):
+    for _ in range(STEPS):
         x = torch.randn(4, 8, generator=data)
-        loss = ddp(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if state is None:
-            if i + 1 == STOP_AT + 1:  # where the fold stops: the step after it was asked
-                break
-            continue
+        for model, optimizer in ((plain, ref_opt), (ddp, opt)):
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
         try:
             state.commit()
         except SystemExit:  # saved and stopping for a resize (exit code 75)
             stopped = state.step
             break
-    weights = torch.cat([p.detach().flatten() for p in net.parameters()])
-    digest = hashlib.sha1(repr(weights.tolist()).encode()).hexdigest()[:12]
-    active = state is not None and state._core.doorbell.active  # type: ignore[union-attr]
-    print(f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {digest}")
+    same = all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters(), strict=True))
+    active = state._core.doorbell.active
+    print(f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {same}")
     dist.destroy_process_group()
     os._exit(0)
 
