@@ -107,8 +107,12 @@ class _Core:
     kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
     # the samplers and the objects told of each commit, while the objects stay the same
     per_step: tuple[list[ElasticSampler], list[Any]] | None = None
-    doorbell: Doorbell | None = None  # the agreement's question, in DDP's reduction
+    doorbell: Doorbell = field(init=False)  # the agreement's question, in DDP's reduction
     ring: bool = False  # this rank asks the ranks to agree at the next step
+
+    def __post_init__(self) -> None:
+        self.doorbell = Doorbell(self.ringing)
+        self.doorbell.watch(self.objects.values())
 
     @property
     def comm(self) -> comm.ControlGroup:
@@ -139,8 +143,7 @@ class _Core:
     def replaced(self) -> None:
         """An object was set anew (``state.model = ...``, a reshard)."""
         self.per_step = None
-        if self.doorbell is not None:
-            self.doorbell.watch(self.objects.values())
+        self.doorbell.watch(self.objects.values())
 
     def ringing(self) -> Rung:
         """What this rank asks of the ranks at the step in progress (during backward)."""
@@ -202,8 +205,6 @@ class State:
             stop_seen=ctl.stop_generation if ctl else 0,
         )
         object.__setattr__(self, "_core", core)
-        core.doorbell = Doorbell(core.ringing)
-        core.replaced()
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> None:
@@ -290,7 +291,7 @@ class State:
             cadence.observe(now - core.last_commit, core.disturbed)
             agreement.stepped(now - core.last_commit)
         core.due = core.due or cadence.due(step)
-        bell = core.doorbell.rang() if core.doorbell is not None else None
+        bell = core.doorbell.rang()
         if not agreement.due(step, core.comm.generation, None if bell is None else bell.agree):
             snap = bell is not None and bell.snapshot  # every rank's bell says so alike
             if snap:
@@ -302,14 +303,13 @@ class State:
         g = core.group
         asked = g is not None and g.pause_asked
         gap = agreement.proposal(cadence.fixed)
-        unready = core.doorbell is None or not core.doorbell.ready
+        unready = not core.doorbell.ready
         began = cadence.clock()
         stop, due, interval, pause, least, unfolded = core.comm.all_reduce(
             [core.stopping(), core.due, cadence.proposal, asked, -gap, unready], "MAX"
         )
         agreement.timed(cadence.clock() - began)
-        if core.doorbell is not None:
-            core.doorbell.fold(not unfolded)
+        core.doorbell.fold(not unfolded)
         core.due = False
         moved = agreement.agreed(step, -least)  # MAX of the negated: the least gap
         if cadence.agree(interval) or moved:
@@ -340,7 +340,7 @@ class State:
         the steps a crash can cost (a due snapshot waits for the next agreement)."""
         core = self._core
         cadence, gap = core.cadence, core.agreement.gap
-        folded = core.doorbell is not None and core.doorbell.active
+        folded = core.doorbell.active
         late = 0 if cadence.fixed or folded else gap - 1  # a fixed interval's gap divides it
         risk = cadence.at_risk + late if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
@@ -478,8 +478,7 @@ class State:
         not redone; the gradients of the step in flight go."""
         core = self._core
         core.snapshotter.wait_copy()
-        if core.doorbell is not None:
-            core.doorbell.forget()  # its DDP holds the old group
+        core.doorbell.forget()  # its DDP holds the old group
         if core.stepped:
             core.stepped = False
             core.values["step"] += 1

@@ -1,5 +1,5 @@
-"""For the agreement tests' scripts: count a State's agreements of its own, and ask rank
-1 alone to stop once a step is committed."""
+"""For the agreement tests' scripts: count a State's agreements of its own, ask rank 1
+alone to stop once a step is committed, and commit until the ranks stop."""
 
 from __future__ import annotations
 
@@ -28,3 +28,12 @@ def stop_rank_1_at(state: Any, rank: int, step: int) -> None:
     if rank == 1:
         core = state._core
         core.stopping = lambda: core.values["step"] >= step
+
+
+def stopped_at(state: Any) -> int | None:
+    """``state.commit()``; the step the ranks stopped at, if they stopped for a resize."""
+    try:
+        state.commit()
+    except SystemExit:  # saved and stopping for a resize (exit code 75)
+        return int(state.step)
+    return None

@@ -8,7 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from agreements import Agreements, stop_rank_1_at  # this directory
+from agreements import Agreements, stop_rank_1_at, stopped_at  # this directory
 
 import elastic
 
@@ -23,10 +23,8 @@ def main() -> None:
     stop_rank_1_at(state, rank, STOP_AT)
     stopped = None
     for _ in range(STEPS):
-        try:
-            state.commit()
-        except SystemExit:  # saved and stopping for a resize (exit code 75)
-            stopped = state.step
+        stopped = stopped_at(state)
+        if stopped is not None:
             break
     gap = state._core.agreement.gap
     print(f"rank {rank} stopped {stopped} gap {gap} agreements {agreements.count}")

@@ -16,7 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from agreements import Agreements, stop_rank_1_at  # this directory
+from agreements import Agreements, stop_rank_1_at, stopped_at  # this directory
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -49,10 +49,8 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        try:
-            state.commit()
-        except SystemExit:  # saved and stopping for a resize (exit code 75)
-            stopped = state.step
+        stopped = stopped_at(state)
+        if stopped is not None:
             break
     same = all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters(), strict=True))
     active = state._core.doorbell.active
