@@ -216,3 +216,18 @@ def test_a_proposal_is_urgent_when_new_and_none_agreed_or_twice_as_frequent() ->
     c.proposal = 90
     assert not c.urgent  # less often: at the next snapshot
     assert not Cadence(0.02, fixed=5).urgent
+
+
+def test_a_new_proposal_that_is_not_urgent_is_asked_with_the_next_snapshot() -> None:
+    """Under DDP's bell a snapshot-only ring agrees on nothing: a proposal that waits for
+    the next snapshot must ask for the agreement there, or it is never agreed."""
+    c = Cadence(0.02)
+    c.proposal = 40
+    c.agree(40)
+    assert not c.asks(snapshot=True)  # nothing new
+    c.proposal = 60  # less often: not urgent
+    assert not c.asks(snapshot=False) and c.asks(snapshot=True)
+    c.agree(60)
+    assert not c.asks(snapshot=True)
+    c.proposal = 20  # three times as often: at once
+    assert c.asks(snapshot=False)

@@ -163,9 +163,21 @@ class Cadence:
         """This rank's proposal is worth agreeing on before the next snapshot falls due
         (where the ranks agree anyway): a new one, while none is agreed yet or wanting
         snapshots twice as often or more (not one another rank's longer one outbid)."""
-        if self.proposal <= 0 or self.proposal == self._told:
+        if not self._new:
             return False
         return self.interval == 0 or 2 * self.proposal <= self.interval
+
+    def asks(self, snapshot: bool) -> bool:
+        """Whether this rank asks the ranks to agree on its proposal at a step where
+        ``snapshot`` is due or not: an urgent one at once, any other new one with the
+        next snapshot (where the ranks' own schedule agrees anyway; without asking, a
+        bell that rang for the snapshot alone would never carry it)."""
+        return self.urgent or (snapshot and self._new)
+
+    @property
+    def _new(self) -> bool:
+        """A proposal this rank has not yet taken to an agreement."""
+        return self.proposal > 0 and self.proposal != self._told
 
     def blocked(self, seconds: float) -> None:
         """The snapshot just taken held the training thread for ``seconds`` (inside

@@ -51,6 +51,7 @@ class Doorbell:
         self._reduced = 0  # reductions that carried the bell
         self._read = 0  # ... as of the last ``rang``
         self._rang = Rung(False, False)
+        self._fold: _Fold | None = None
 
     def watch(self, objects: Iterable[Any]) -> None:
         """Look for the DDP of ``objects`` (again, after they were replaced)."""
@@ -107,27 +108,47 @@ class Doorbell:
         self, group: dist.ProcessGroup, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        buf.mul_(1.0 / group.size())  # as DDP's own does it: scaled first, then summed
         if not (self.active and bucket.index() == 0):
+            buf.mul_(1.0 / group.size())  # as DDP's own does it: scaled first, then summed
             work = dist.all_reduce(buf, group=group, async_op=True)
             assert work is not None
             plain: torch.futures.Future[torch.Tensor] = work.get_future().then(
                 lambda f: f.value()[0]
             )
             return plain
-        n = buf.numel()
-        asks = self._pending()
-        both = torch.cat([buf, buf.new_tensor([float(asks.agree), float(asks.snapshot)])])
+        fold = self._fold
+        if fold is None or not fold.fits(buf):
+            fold = self._fold = _Fold(buf)
+        torch.mul(buf, 1.0 / group.size(), out=fold.head)
+        fold.tail.copy_(fold.asks[self._pending()])
 
-        def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            reduced = f.value()[0]
-            buf.copy_(reduced[:n])
-            agree, snapshot = (reduced[n:] > 0).tolist()
-            self._rang = Rung(agree, snapshot)
+        def done(_: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            buf.copy_(fold.head)
+            agree, snapshot = fold.tail.tolist()
+            self._rang = Rung(agree > 0, snapshot > 0)
             self._reduced += 1
             return buf
 
-        work = dist.all_reduce(both, group=group, async_op=True)
+        work = dist.all_reduce(fold.both, group=group, async_op=True)
         assert work is not None
         folded: torch.futures.Future[torch.Tensor] = work.get_future().then(done)
         return folded
+
+
+class _Fold:
+    """The first bucket with the bell behind it, made once: a fresh tensor and a
+    concatenation every step cost about 3% of a 2 ms step here. One buffer serves every
+    step: DDP awaits a step's reductions before its backward ends."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        n = buf.numel()
+        self.both = buf.new_empty(n + 2)
+        self.head, self.tail = self.both[:n], self.both[n:]
+        self.asks = {r: buf.new_tensor([float(r.agree), float(r.snapshot)]) for r in _RUNGS}
+
+    def fits(self, buf: torch.Tensor) -> bool:
+        """DDP rebuilds its buckets after the first step: the first may change size."""
+        return self.head.numel() == buf.numel() and self.both.dtype == buf.dtype
+
+
+_RUNGS = [Rung(a, s) for a in (False, True) for s in (False, True)]

@@ -108,7 +108,6 @@ class _Core:
     # the samplers and the objects told of each commit, while the objects stay the same
     per_step: tuple[list[ElasticSampler], list[Any]] | None = None
     doorbell: Doorbell = field(init=False)  # the agreement's question, in DDP's reduction
-    ring: bool = False  # this rank asks the ranks to agree at the next step
 
     def __post_init__(self) -> None:
         self.doorbell = Doorbell(self.ringing)
@@ -148,8 +147,9 @@ class _Core:
     def ringing(self) -> Rung:
         """What this rank asks of the ranks at the step in progress (during backward)."""
         g = self.group
-        agree = self.ring or self.stopping() or (g is not None and g.pause_asked)
-        return Rung(agree, self.due or self.cadence.due(self.values["step"] + 1))
+        snapshot = bool(self.due or self.cadence.due(self.values["step"] + 1))
+        pause = g is not None and g.pause_asked
+        return Rung(bool(self.stopping() or pause or self.cadence.asks(snapshot)), snapshot)
 
     def stopping(self) -> bool:
         return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
@@ -296,7 +296,6 @@ class State:
             snap = bell is not None and bell.snapshot  # every rank's bell says so alike
             if snap:
                 self._snapshot_due(step)
-            core.ring = cadence.urgent
             core.disturbed = snap or core.snapshotter.copying
             core.last_commit = cadence.clock()
             return
@@ -322,7 +321,6 @@ class State:
             self._leave_for_resize()
         if stop or pause:
             raise Reformation(f"the ranks paused at step {step} for a membership change")
-        core.ring = False
         core.disturbed = bool(due) or core.snapshotter.copying
         core.last_commit = cadence.clock()
 
