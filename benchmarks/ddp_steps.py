@@ -15,8 +15,10 @@ by default the tiny Linear(32, 1)) and its optimizer state live on cuda:0 (every
 on the same GPU: gloo ranks, several to a device), so a worker that keeps its process
 through a change keeps its CUDA context and its model on the device.
 
-With ``--ab N`` (and ``--live``) the loop commits for N steps, then trains N without
-``commit()``, in turn: the same processes, group and moment of the machine measure both.
+With ``--ab N`` (and ``--live``) the loop commits for N steps, then trains N steps of a
+twin model (the same layers) in a DDP State knows nothing of, in turn: the same
+processes, group and moment of the machine measure the step with all State adds (its
+comm hook included) and the plain step.
 
     python benchmarks/ddp_steps.py [step seconds] [--live] [--ab N] [--device cuda] [--width 2048]
 """
@@ -38,9 +40,16 @@ STEPS = 10**9
 
 
 def train(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, out: IO[str], pause: float, ab: int = 0
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    out: IO[str],
+    pause: float,
+    ab: int = 0,
+    twin: torch.nn.Module | None = None,
 ) -> None:
     ddp = DDP(model)  # on the process group of this round
+    plain_ddp = DDP(twin) if twin is not None else ddp  # --ab's plain phases: no State
+    plain_opt = torch.optim.SGD(twin.parameters(), lr=0.01) if twin is not None else opt
     rank, world = dist.get_rank(), dist.get_world_size()
     pid = os.getpid()
     first = next(model.parameters())
@@ -49,10 +58,11 @@ def train(
         step = i
         plain = ab > 0 and (i // ab) % 2 == 1  # a phase without commit() (--ab)
         x = torch.randn(16, first.shape[-1], device=first.device)
-        loss = ddp(x).pow(2).mean()
-        opt.zero_grad()
+        net, o = (plain_ddp, plain_opt) if plain else (ddp, opt)
+        loss = net(x).pow(2).mean()
+        o.zero_grad()
         loss.backward()
-        opt.step()
+        o.step()
         if state is not None:
             step = state.step + 1  # the job's step, once committed
         row = {"t": time.time(), "step": step, "rank": rank, "world": world, "pid": pid,
@@ -107,8 +117,9 @@ def main() -> None:
         if not a.live:
             train(model, opt, out, a.pause)
             return
+        twin = build(a.device, a.width) if a.ab else None
         state = elastic.State(model=model, optimizer=opt)
-        state.run(train, model, opt, out, a.pause, a.ab)
+        state.run(train, model, opt, out, a.pause, a.ab, twin)
 
 
 if __name__ == "__main__":

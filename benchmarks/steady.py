@@ -7,8 +7,9 @@ under elastic-run with the loop in ``State.run`` and ``commit()`` every step (sn
 at the default ``--snapshot-every auto``). Each run trains for ``--seconds``; the first
 ``--warmup`` seconds are left out. Printed: the median step time of each run (from every
 rank's logged step times) and its ratio to torchrun's and to elastic-run's plain step;
-and, from one more run that trains ``AB`` steps with ``commit()`` and ``AB`` without in
-turn, the step with it over the step without (this VM's plain step moves 1.4-4 ms
+and, from one more run that trains ``AB`` steps under ``State`` (its comm hook and
+``commit()``) and ``AB`` of a twin model in a DDP ``State`` does not know, in turn, the
+step with it over the step without (this VM's plain step moves 1.4-4 ms
 between runs, more than the differences it is to show: a paired figure, measured in the
 same processes at the same moments, is not moved by that); and the agents' own CPU.
 The kinds take turns, ``--repeat`` times, so a slow spell of the machine hits all alike.
@@ -120,7 +121,7 @@ def step_time(make: Callable[[str, str], list[str]], etcd: str, work: Path, a: A
     return Measured(statistics.median(gaps), paired, agent_cores)
 
 
-PAIRED = "State, commit() on/off by turns"
+PAIRED = "State / plain DDP, by turns"
 
 
 def main() -> None:
@@ -156,8 +157,9 @@ def main() -> None:
         )
     ratios = [m.paired for m in runs[PAIRED]]
     print(
-        f"\nin one run, {AB} steps with commit() and {AB} without in turn: the step with it "
-        f"is {statistics.median(ratios):.3f}x the step without (mean over the phases; runs: "
+        f"\nin one run, {AB} steps under State (comm hook and commit()) and {AB} of a twin "
+        f"model in a plain DDP in turn: the step with State is "
+        f"{statistics.median(ratios):.3f}x the plain step (mean over the phases; runs: "
         f"{' '.join(f'{x:.3f}' for x in ratios)})"
     )
     print("\nthe two agents' CPU meanwhile, in cores (median of the runs)")
