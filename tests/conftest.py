@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import code_tools
 import psutil
 import pytest
 from harness import TAG_VAR, Proc, tagged_processes
@@ -20,6 +21,17 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
 
 REQUIRE_ALL = os.environ.get("ELASTIC_RUN_REQUIRE_ALL") == "1"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    items = session.items
+    code_tools.start(
+        [i.callspec.id for i in items if getattr(i, "originalname", "") == "test_tool_is_clean"]
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    code_tools.stop()
 
 
 def need(condition: bool, why: str) -> None:

@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 
 import pytest
+from code_tools import TOOLS, result
 from harness import ROOT
 
 
-@pytest.mark.parametrize(
-    "tool",
-    [
-        ["ruff", "check", "."],
-        ["ruff", "format", "--check", "."],
-        ["mypy"],  # configured in pyproject.toml: elastic and rendezvous, strict
-    ],
-    ids=["ruff-check", "ruff-format", "mypy"],
-)
-def test_tool_is_clean(tool: list[str]) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", *tool], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_tool_is_clean(tool: str) -> None:
+    code, out = result(tool)  # started beside the first tests (conftest)
+    assert code == 0, out
 
 
 @pytest.mark.parametrize("package", ["elastic/agent", "elastic/worker"])
