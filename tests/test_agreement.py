@@ -178,9 +178,10 @@ def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_n
     # "rank R stopped S active A agreements N SAME"
     assert {tuple(o[2:]) for o in folded} == {tuple(folded[0][2:])}, folded
     assert folded[0][3] == "201" and folded[0][5] == "True", folded
-    # a few: the first on the group, the snapshot cadence's choices (noisy here: snapshots
-    # without a node dir cost next to nothing), the stop
-    assert int(folded[0][7]) <= 20, folded
+    # not every step: the first on the group, the stop, and the snapshot cadence's new
+    # intervals, each with a snapshot (noisy here, 12-24 in 200 steps: snapshots without a
+    # node dir cost next to nothing, so they come every few steps)
+    assert int(folded[0][7]) <= 40, folded
     assert folded[0][8] == "True", folded  # the same model beside it, under DDP alone
 
 
@@ -192,6 +193,22 @@ def test_a_script_whose_ddp_has_its_own_hook_keeps_the_agreements_own_collective
     assert {tuple(o[2:8]) for o in outs} == {tuple(outs[0][2:8])}, outs
     stopped = int(outs[0][3])
     assert outs[0][5] == "False" and 200 <= stopped <= 200 + LIMIT, outs
+
+
+def test_a_hook_the_script_registers_after_training_began_takes_over_from_the_bell() -> None:
+    """DDP takes one comm hook, and State's went on at the first forward: a hook the
+    script registers later (rank 0 a Python one, rank 1 a built-in one, at step 50 of a
+    folding run) still works as under plain DDP: the bell asks the ranks to stop folding,
+    the script's hook gets every bucket from the step after, a stop comes through the
+    schedule, and the weights are bitwise those of plain DDP with the same hooks."""
+    outs = ranks("doorbell_ranks.py", 2, "late-hook")
+    # "rank R stopped S active A agreements N SAME calls C"
+    assert {tuple(o[2:9]) for o in outs} == {tuple(outs[0][2:9])}, outs
+    stopped = int(outs[0][3])
+    assert outs[0][5] == "False" and 200 <= stopped <= 200 + LIMIT, outs
+    assert outs[0][8] == "True", outs  # the same weights as DDP with the script's hooks
+    # every step's reduction from the step after the one that asked to stop folding
+    assert int(outs[0][10]) == (stopped - 50) * 2 - 1, outs  # both DDPs, one folded step
 
 
 def test_where_the_bell_rode_in_the_reduction_it_alone_says_but_a_new_group_agrees() -> None:

@@ -176,8 +176,8 @@ class Cadence:
 
     @property
     def _new(self) -> bool:
-        """A proposal this rank has not yet taken to an agreement."""
-        return self.proposal > 0 and self.proposal != self._told
+        """A proposal this rank has not yet taken to an agreement, nor agreed already."""
+        return 0 < self.proposal != self.interval and self.proposal != self._told
 
     def blocked(self, seconds: float) -> None:
         """The snapshot just taken held the training thread for ``seconds`` (inside

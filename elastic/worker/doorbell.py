@@ -13,12 +13,13 @@ its own. A step whose gradients were not reduced (``no_sync``) falls back to
 ``agreement``'s schedule.
 
 The hook goes on (inert: DDP's own division and all-reduce, in Python) at the first
-forward of the DDP around one of State's modules (a forward pre-hook on the module: a
-script registers a hook of its own before that), and folds the bell in only once every
-rank said, in an agreement, that its DDP carries the hook (a script's own hook leaves no
-room for it): the ranks' reductions always have the same size. CPU buckets only: reading
-the bell out of a GPU bucket would make every step wait for the device, so a CUDA model
-keeps the agreement's own collective.
+forward of the DDP around one of State's modules (a forward pre-hook on the module; a
+DDP that already has a hook of the script's own is left alone), and folds the bell in
+only once every rank said, in an agreement, that its DDP carries the hook: the ranks'
+reductions always have the same size. A hook the script registers later (DDP takes one,
+once) is handed the buckets once the ranks agreed to stop folding, one step later. CPU
+buckets only: reading the bell out of a GPU bucket would make every step wait for the
+device, so a CUDA model keeps the agreement's own collective.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -38,6 +40,14 @@ class Rung(NamedTuple):
     snapshot: bool
 
 
+class _Slot:
+    """One DDP carrying the hook, and the comm hook the script registered on it after ours
+    (DDP takes one hook: ours hands the script's its buckets)."""
+
+    def __init__(self) -> None:
+        self.theirs: tuple[object, Callable[..., Any]] | None = None
+
+
 class Doorbell:
     """This rank's end of the bell. ``watch`` the State's objects; ``ready`` goes into the
     agreement, whose outcome ``fold`` takes; ``rang`` says, once per step, what the last
@@ -46,6 +56,7 @@ class Doorbell:
     def __init__(self, pending: Callable[[], Rung]) -> None:
         self._pending = pending
         self._ddp: DistributedDataParallel | None = None  # the DDP carrying the hook
+        self._slot: _Slot | None = None  # ... its slot
         self._handles: list[Any] = []
         self.active = False  # every rank's DDP carries it: the bell is in the reduction
         self._reduced = 0  # reductions that carried the bell
@@ -76,26 +87,29 @@ class Doorbell:
             or any(p.device.type != "cpu" for p in ddp.module.parameters())
         ):
             return
+        slot = _Slot()
         try:
             # unannotated, named as DDP checks them (this module's annotations are strings)
-            hook = lambda state, bucket: self._hook(state, bucket)  # noqa: E731
+            hook = lambda state, bucket: self._hook(state, bucket, slot)  # noqa: E731
             ddp.register_comm_hook(ddp.process_group, hook)
         except RuntimeError:  # a built-in hook of the script's own
             return
-        self._ddp = ddp
+        _adopt_later_hooks(ddp, slot)
+        self._ddp, self._slot = ddp, slot
 
     def forget(self) -> None:
         """Let go of the DDP (a re-formation: it holds the old process group)."""
-        self._ddp, self.active = None, False
+        self._ddp, self._slot, self.active = None, None, False
 
     @property
     def ready(self) -> bool:
-        """This rank's DDP carries the hook: what every rank must say before it folds."""
-        return self._ddp is not None
+        """This rank's DDP carries the hook, and no hook of the script's own came since:
+        what every rank must say before it folds (or goes on folding)."""
+        return self._slot is not None and self._slot.theirs is None
 
     def fold(self, everyone_ready: bool) -> None:
         """The ranks agreed: the bell goes into the reductions from the next step, or not."""
-        self.active = everyone_ready and self._ddp is not None
+        self.active = everyone_ready and self.ready
 
     def rang(self) -> Rung | None:
         """What the ranks asked in a reduction since the last call; None if none carried it."""
@@ -105,10 +119,14 @@ class Doorbell:
         return self._rang
 
     def _hook(
-        self, group: dist.ProcessGroup, bucket: dist.GradBucket
+        self, group: dist.ProcessGroup, bucket: dist.GradBucket, slot: _Slot
     ) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        if not (self.active and bucket.index() == 0):
+        if not (self.active and slot is self._slot and bucket.index() == 0):
+            if slot.theirs is not None:
+                state, theirs = slot.theirs
+                out: torch.futures.Future[torch.Tensor] = theirs(state, bucket)
+                return out
             buf.mul_(1.0 / group.size())  # as DDP's own does it: scaled first, then summed
             work = dist.all_reduce(buf, group=group, async_op=True)
             assert work is not None
@@ -120,7 +138,10 @@ class Doorbell:
         if fold is None or not fold.fits(buf):
             fold = self._fold = _Fold(buf)
         torch.mul(buf, 1.0 / group.size(), out=fold.head)
-        fold.tail.copy_(fold.asks[self._pending()])
+        asks = self._pending()
+        if slot.theirs is not None:  # the script's hook came: every rank stops folding
+            asks = Rung(True, asks.snapshot)
+        fold.tail.copy_(fold.asks[asks])
 
         def done(_: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             buf.copy_(fold.head)
@@ -133,6 +154,38 @@ class Doorbell:
         assert work is not None
         folded: torch.futures.Future[torch.Tensor] = work.get_future().then(done)
         return folded
+
+
+def _adopt_later_hooks(ddp: DistributedDataParallel, slot: _Slot) -> None:
+    """A comm hook the script registers on ``ddp`` after ours (DDP takes one, once) goes
+    into ``slot``: ours hands it every bucket once the ranks stopped folding (the next
+    agreement, which the bell asks for at once), and the first bucket until then, as
+    DDP's own all-reduce would. Checked and refused as DDP does."""
+
+    def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+        if slot.theirs is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
+        ddp._check_comm_hook(hook)
+        if ddp.logger is not None:
+            ddp.logger._set_comm_hook_name(hook.__qualname__)
+        ddp._comm_hooks.append((hook, state))
+        slot.theirs = (state, hook)
+
+    def register_builtin_comm_hook(comm_hook_type: dist.BuiltinCommHookType) -> None:
+        # DDP's C++ hooks, as the Python ones they equal
+        builtin = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in builtin:
+            raise ValueError(f"unknown built-in comm hook {comm_hook_type}")
+        register_comm_hook(ddp.process_group, builtin[comm_hook_type])
+
+    # instance attributes before the class's methods (a Module keeps plain values so)
+    ddp.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
+    ddp._register_builtin_comm_hook = register_builtin_comm_hook  # type: ignore[method-assign]
 
 
 class _Fold:

@@ -6,6 +6,8 @@ of their own the ranks held, and whether the two models' weights are bitwise equ
 
     doorbell_ranks.py fold       # State around the module, DDP built after it
     doorbell_ranks.py own-hook   # rank 0's DDP carries a hook of the script's own
+    doorbell_ranks.py late-hook  # after step LATE rank 0 registers a Python hook, rank 1
+                                 # a built-in one (both DDPs alike); calls: rank 0's
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic
 
-STEPS, STOP_AT = 300, 200
+STEPS, STOP_AT, LATE = 300, 200, 50
 
 
 def main() -> None:
@@ -42,7 +44,20 @@ def main() -> None:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     data = torch.Generator().manual_seed(rank)
     stopped = None
-    for _ in range(STEPS):
+    calls = 0
+
+    def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+        nonlocal calls
+        calls += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    for i in range(STEPS):
+        if mode == "late-hook" and i == LATE:
+            for d in (plain, ddp):
+                if rank == 0:
+                    d.register_comm_hook(None, counted)
+                else:
+                    d._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         x = torch.randn(4, 8, generator=data)
         for model, optimizer in ((plain, ref_opt), (ddp, opt)):
             loss = model(x).pow(2).mean()
@@ -54,7 +69,10 @@ def main() -> None:
             break
     same = all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters(), strict=True))
     active = state._core.doorbell.active
-    print(f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {same}")
+    print(
+        f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {same} "
+        f"calls {calls}"
+    )
     dist.destroy_process_group()
     os._exit(0)
 
