@@ -128,8 +128,8 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
             sh("umount", "-l", m, check=False)
         if spaces or mounts:
             pytest.fail(f"left behind: namespaces {spaces}, mounts {mounts}", pytrace=False)
-        # Node directories of agents a test SIGKILLed are otherwise only swept by the
-        # next launch; sweep them here so /dev/shm holds nothing after the suite.
+        # Node directories of agents a test SIGKILLed are otherwise only swept by a later
+        # launch, minutes later; sweep them here so /dev/shm holds nothing after the suite.
         from elastic.agent import nodedir
 
-        nodedir.remove_stale()
+        nodedir.remove_stale(grace=0)

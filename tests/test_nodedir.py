@@ -41,7 +41,7 @@ def test_remove_stale_keeps_live_and_foreign_folders(
     (ended / nodedir.OWNER).write_text(json.dumps({**me, "start": 1.0}))  # pid reused since
     unmarked = tmp_path / "something-else"
     unmarked.mkdir()
-    nodedir.remove_stale()
+    nodedir.remove_stale(grace=0)
     assert mine.is_dir() and foreign.is_dir() and unmarked.is_dir()
     assert not ended.exists()
     nodedir.remove(mine)
@@ -66,7 +66,8 @@ def test_a_restarted_node_inherits_its_dead_predecessors_snapshot(
 ) -> None:
     """Agent a of job J starts again on this host: the newest folder a dead a of J left
     becomes its predecessor (an older one goes), a dead b's of J stays for b to inherit,
-    another job's goes. Kept, the snapshot moves in and the dead workers' files go."""
+    another job's stays for the grace its node has to start again, then goes. Kept, the
+    snapshot moves in and the dead workers' files go."""
     monkeypatch.setattr(nodedir, "_base", lambda: tmp_path)
     me = nodedir._owner(os.getpid())
     assert me is not None
@@ -78,8 +79,14 @@ def test_a_restarted_node_inherits_its_dead_predecessors_snapshot(
     other_node = _dead_agents_folder(tmp_path, "J_b.3", {**dead, "job": "J", "node": "b"}, 40)
     other_job = _dead_agents_folder(tmp_path, "K_a.4", {**dead, "job": "K", "node": "a"}, 9)
     mine = nodedir.create("J", "a")
-    assert not older.exists() and not newer.exists() and not other_job.exists()
-    assert other_node.is_dir()
+    assert not older.exists() and not newer.exists()
+    assert other_node.is_dir() and other_job.is_dir()  # K's node a may start again
+    first_found = float((other_job / nodedir.GONE).read_text())
+    nodedir.remove_stale("J", "a", mine)  # a while later: still within the grace
+    assert float((other_job / nodedir.GONE).read_text()) == first_found
+    (other_job / nodedir.GONE).write_text(str(first_found - nodedir.GRACE))
+    nodedir.remove_stale("J", "a", mine)  # the grace is over
+    assert not other_job.exists() and other_node.is_dir()
     assert nodedir.predecessor_step(mine) == 40
     nodedir.inherit(mine, keep=True)
     assert SnapshotSlots(mine, create=False).newest() == (0, 40)

@@ -6,8 +6,10 @@ without the chance to, but those of its own job: an agent that starts again as t
 node of the same job (a restarted pod, whose /dev/shm is the pod's) finds its
 predecessor's folder and keeps its snapshot, if the job in etcd is still the one it was
 taken in (``keeps``): every node that held the newest state may be gone, but not that
-copy. A dead agent's folder of the job goes when a node ends the job, or another job's
-agent starts on the host.
+copy. A dead agent's folder of the job goes when a node ends the job; another job's
+agent starting on the host leaves it for ``GRACE`` from the moment one first found it
+dead (its node may start again: a restarted pod, a host rebooted into the job), then
+removes it (it holds shared memory the host may need).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -34,6 +37,8 @@ def _base() -> Path:
 
 
 OWNER = "owner.json"  # who made the directory: judged before removing it
+GONE = "gone-since"  # when an agent first found the owner dead (seconds since the epoch)
+GRACE = 600.0  # seconds another job's agent leaves a dead agent's folder for its node
 PREDECESSOR = "predecessor"  # a dead agent's folder of the same job and node, until judged
 SNAPSHOT_FILES = ("slots.hdr", "slot0.bin", "slot1.bin", "rng-rank*-step*.pt")
 
@@ -82,19 +87,24 @@ def _stale(me: dict[str, object]) -> list[tuple[Path, dict[str, object]]]:
     return found
 
 
-def remove_stale(run_id: str = "", node_id: str = "", mine: Path | None = None) -> None:
+def remove_stale(
+    run_id: str = "", node_id: str = "", mine: Path | None = None, grace: float = GRACE
+) -> None:
     """Remove the directories of agents that ended without removing their own, but those
     of job ``run_id``: the newest of node ``node_id`` becomes ``mine``'s ``PREDECESSOR``,
     and the other nodes' may be this one's to inherit once they start again here (they
-    go when the job ends: ``remove_job``)."""
+    go when the job ends: ``remove_job``). Another job's go once dead for ``grace``."""
     me = _owner(os.getpid())
     if me is None:
         return
-    removed, same = 0, []
+    removed, waiting, same = 0, 0, []
     for d, owner in _stale(me):
         if run_id and owner.get("job") == run_id:
             if owner.get("node") == node_id and mine is not None:
                 same.append((_number(owner.get("start")), d))
+            continue
+        if _gone_for(d) < grace:
+            waiting += 1
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed += 1
@@ -111,6 +121,25 @@ def remove_stale(run_id: str = "", node_id: str = "", mine: Path | None = None) 
             removed,
             _base(),
         )
+    if waiting:
+        log.info(
+            "left %d snapshot folder(s) in %s of other jobs' agents that ended without removing "
+            "them: their nodes may start again (they go %.0f min after first found)",
+            waiting,
+            _base(),
+            grace / 60,
+        )
+
+
+def _gone_for(d: Path) -> float:
+    """Seconds since an agent first found ``d``'s owner dead (0: just now, stamped)."""
+    stamp = d / GONE
+    try:
+        return max(0.0, time.time() - float(stamp.read_text()))
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            stamp.write_text(f"{time.time():.3f}")
+        return 0.0
 
 
 def remove_job(run_id: str) -> None:
