@@ -211,6 +211,16 @@ def test_a_hook_the_script_registers_after_training_began_takes_over_from_the_be
     assert int(outs[0][10]) == (stopped - 50) * 2 - 1, outs  # both DDPs, one folded step
 
 
+def test_a_reduction_that_carried_the_bell_and_failed_fails_the_step() -> None:
+    """A peer lost while the bell rides in the reduction: the survivor's backward fails
+    at once, as under plain DDP, and never trains on its own unreduced gradients."""
+    outs = ranks("doorbell_ranks.py", 2, "peer-lost")
+    assert sorted(" ".join(o) for o in outs) == [
+        "rank 0 failed-after 100",
+        "rank 1 left-after 100",
+    ], outs
+
+
 def test_where_the_bell_rode_in_the_reduction_it_alone_says_but_a_new_group_agrees() -> None:
     a = Agreement()
     assert a.due(1, group=1, bell=False)  # the first commit on a group, whatever the bell

@@ -143,7 +143,8 @@ class Doorbell:
             asks = Rung(True, asks.snapshot)
         fold.tail.copy_(fold.asks[asks])
 
-        def done(_: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            f.value()  # raises a failed reduction's error (a peer lost): the step fails
             buf.copy_(fold.head)
             agree, snapshot = fold.tail.tolist()
             self._rang = Rung(agree > 0, snapshot > 0)

@@ -8,6 +8,8 @@ of their own the ranks held, and whether the two models' weights are bitwise equ
     doorbell_ranks.py own-hook   # rank 0's DDP carries a hook of the script's own
     doorbell_ranks.py late-hook  # after step LATE rank 0 registers a Python hook, rank 1
                                  # a built-in one (both DDPs alike); calls: rank 0's
+    doorbell_ranks.py peer-lost  # State's DDP alone; rank 1 exits after committing LOST;
+                                 # prints "rank R left|failed-after STEP"
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic
 
-STEPS, STOP_AT, LATE = 300, 200, 50
+STEPS, STOP_AT, LATE, LOST = 300, 200, 50, 100
 
 
 def main() -> None:
@@ -59,14 +61,24 @@ def main() -> None:
                 else:
                     d._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         x = torch.randn(4, 8, generator=data)
-        for model, optimizer in ((plain, ref_opt), (ddp, opt)):
-            loss = model(x).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        pairs = ((ddp, opt),) if mode == "peer-lost" else ((plain, ref_opt), (ddp, opt))
+        try:
+            for model, optimizer in pairs:
+                loss = model(x).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        except RuntimeError:  # gloo's error for a lost peer
+            if mode != "peer-lost":
+                raise
+            print(f"rank {rank} failed-after {state.step}")
+            os._exit(0)
         stopped = stopped_at(state)
         if stopped is not None:
             break
+        if mode == "peer-lost" and rank == 1 and state.step == LOST:
+            print(f"rank {rank} left-after {state.step}", flush=True)
+            os._exit(0)
     same = all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters(), strict=True))
     active = state._core.doorbell.active
     print(
