@@ -65,26 +65,26 @@ def start_on(
     )
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(epochs: int = EPOCHS) -> dict[str, torch.Tensor]:
     """The model after the same steps with no change at all, in this process."""
     import sys
 
     sys.path.insert(0, str(SCRIPT.parent))
     from live_train import undisturbed
 
-    return undisturbed(SAMPLES, EPOCHS, GLOBAL)
+    return undisturbed(SAMPLES, epochs, GLOBAL)
 
 
-def check_run(out: Path, changes: int) -> None:
+def check_run(out: Path, changes: int, epochs: int = EPOCHS) -> None:
     """No sample lost; at most the steps in flight repeated; the undisturbed model."""
     history = rows(out)
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         used = [i for r in history if r["epoch"] == epoch for i in r["indices"]]
         assert sorted(set(used)) == list(range(SAMPLES)), f"epoch {epoch} lost samples"
         assert len(used) - SAMPLES <= changes * GLOBAL, f"epoch {epoch}: repeats beyond a step"
     final = torch.load(out / "final.pt")
-    assert final["step"] == EPOCHS * SAMPLES // GLOBAL
-    for k, v in reference().items():
+    assert final["step"] == epochs * SAMPLES // GLOBAL
+    for k, v in reference(epochs).items():
         torch.testing.assert_close(final["model"][k], v, rtol=1e-4, atol=1e-5)
 
 
@@ -211,7 +211,10 @@ def test_sigterm_leave_then_two_joins_at_once(
     with the ranks it expects (rank 2 of 3: neither knows of the other); they read none
     before init_process_group (elastic/worker/placed.py), so the round that places them
     otherwise re-forms them in place too, and a and b train on meanwhile."""
-    args = ("--slow-below-world", "3", "--micro-batch", "2")  # 24 over 2, 3 or 4 ranks
+    # 24 over 2, 3 or 4 ranks; slow until both newcomers train, however far apart their
+    # workers get ready on a busy machine (one at world 3 while the other still starts)
+    args = ("--slow-below-world", "4", "--micro-batch", "2", "--epochs", "6")
+    epochs = 6
     agents = [
         start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="2:4") for n in "abc"
     ]
@@ -239,7 +242,35 @@ def test_sigterm_leave_then_two_joins_at_once(
         assert a.wait(120) == 0, a.transcript()
     said = "\n".join(a.transcript() for a in agents[:2])
     assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), f"a and b kept their processes\n{said}"
-    check_run(tmp_path, changes=3)
+    check_run(tmp_path, changes=3, epochs=epochs)
+
+
+def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """d joins a and b; its worker, started ahead, is placed and forms the group, then
+    builds its model before State.run (held by a file here). e joins meanwhile: d's agent
+    waits for its worker to reach State.run instead of stopping it (a new worker would cost
+    the job a worker start), and all four re-form in place."""
+    args = ("--slow-below-world", "4", "--micro-batch", "2", "--epochs", "6")
+    epochs = 6
+    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="2:4") for n in "ab")
+    wait_world(tmp_path, 2, timeout=90)
+    (tmp_path / "building").touch()
+    d = start_on(procs, etcd.endpoint, run_id, tmp_path, "d", *args, "--slow-build", nnodes="2:4")
+    d.wait_output("workers re-form live", timeout=60)  # placed in round 2, building
+    kept = set(worker_pids(d))
+    e = start_on(procs, etcd.endpoint, run_id, tmp_path, "e", *args, nnodes="2:4")
+    d.wait_output("on their way into State.run", timeout=60)
+    (tmp_path / "building").unlink()
+    wait_world(tmp_path, 4, after=time.time() - 1, timeout=60)
+    assert kept <= pids_at(tmp_path, 4), d.transcript()
+    for n in (a, b, d, e):
+        assert n.wait(120) == 0, n.transcript()
+    said = d.transcript()
+    assert "new workers follow" not in said and "resizing" not in said, said
+    assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), "a and b kept their processes"
+    check_run(tmp_path, changes=2, epochs=epochs)
 
 
 def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(

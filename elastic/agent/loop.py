@@ -27,6 +27,7 @@ from elastic.agent.core import (
     Start,
     Stop,
     decide,
+    waits_for_live,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut
@@ -210,6 +211,9 @@ class Agent:
         self._prepared_at = 0.0  # when workers started ahead of joining (lobby)
         self._announced = False  # what the rendezvous was told: its workers re-form in place
         self._live_seen = False  # the workers re-formed in place this round (State.run)
+        self._placed_in_place = False  # this round placed the held workers (Start.REFORM)
+        self._change_seen: dict[RoundEnd, float] = {}  # when each change was first seen
+        self._said_waiting = False  # the wait for workers on their way in was logged
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
         self.checkpoint_dir = checkpoint_dir
@@ -461,7 +465,7 @@ class Agent:
                 # wait in the round's store, or connect to a store host that is gone)
                 self.rdzv.probe_members()
             change = self.rdzv.check()
-            if change is not None:
+            if change is not None and not self._waits_for_live(change, live):
                 self._change = change
                 return change.end
             stranded = self.workers.stranded()
@@ -470,6 +474,17 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
+
+    def _waits_for_live(self, change: Change, live: bool) -> bool:
+        """A graceful change waits while the workers placed in place go into State.run
+        (``core.waits_for_live``); said once."""
+        coming = self._placed_in_place and not live and self.restart_mode is RestartMode.LIVE
+        since = self._change_seen.setdefault(change.end, time.monotonic())
+        why = waits_for_live(change.end, coming, time.monotonic() - since)
+        if why is not None and not self._said_waiting:
+            log.info("%s", why)
+            self._said_waiting = True
+        return why is not None
 
     def _judge_resume(self) -> None:
         """Once the workers say where the round resumed: warn if that trains committed
@@ -680,6 +695,9 @@ class Agent:
         in_place = how is Start.REFORM
         self._resuming = (self.workers.last_step(), self.rdzv.progress(), r.number)
         self._live_seen = False  # this round's workers say it again
+        self._placed_in_place = in_place
+        self._change_seen.clear()
+        self._said_waiting = False
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None

@@ -119,6 +119,12 @@ def main() -> None:
         help="after training, write $RESULT_DIR/trained and exit once $RESULT_DIR/release is",
     )
     ap.add_argument("--slow-send", action="store_true", help="see SlowToPack; logs State's")
+    ap.add_argument(
+        "--slow-build",
+        action="store_true",
+        help="between init_process_group and State.run, wait while $RESULT_DIR/building "
+        "exists (60 s at most): a model that takes that long to build",
+    )
     a = ap.parse_args()
     results = Path(os.environ["RESULT_DIR"])
     extra = {"slow": SlowToPack(results)} if a.slow_send else {}
@@ -126,6 +132,9 @@ def main() -> None:
         logging.basicConfig(format="%(message)s")
         logging.getLogger("elastic").setLevel(logging.INFO)
     dist.init_process_group("gloo")
+    deadline = time.monotonic() + 60
+    while a.slow_build and (results / "building").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     model = net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch)
