@@ -8,7 +8,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import code_tools
@@ -21,17 +21,51 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import build_options
 
 REQUIRE_ALL = os.environ.get("ELASTIC_RUN_REQUIRE_ALL") == "1"
+PARALLEL = "PYTEST_XDIST_WORKER" in os.environ  # one of several pytest-xdist workers
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if PARALLEL:  # every worker collects every test: the one that runs them starts the tools
+        return
     items = session.items
     code_tools.start(
         [i.callspec.id for i in items if getattr(i, "originalname", "") == "test_tool_is_clean"]
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Side by side, the files with the most end-to-end runs go first (each worker takes
+    whole files, the next one when it is done: the big ones last would leave one lane
+    running alone at the end). Run alone, the order is the files' own."""
+    if not PARALLEL:
+        return
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + (
+            item.get_closest_marker("slow") is not None
+        )
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     code_tools.stop()
+    if not hasattr(session.config, "workerinput"):  # the last one out: no worker runs now
+        from elastic.agent import nodedir
+
+        nodedir.remove_stale(grace=0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report ends with what each of its processes said (most tests wait
+    on an event, and the event that did not come is explained in an agent's log)."""
+    report = yield
+    if report.failed and call.when == "call":
+        for p in item.stash.get(STARTED, []):
+            report.sections.append((f"{p.name} (pid {p.pid})", p.transcript()))
+    return report
 
 
 def need(condition: bool, why: str) -> None:
@@ -80,18 +114,23 @@ def run_id(request: pytest.FixtureRequest) -> str:
     return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
+STARTED = pytest.StashKey[list[Proc]]()
+
+
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
+def procs(request: pytest.FixtureRequest) -> Iterator[list[Proc]]:
     """Processes a test starts; all killed (with descendants) at the end."""
     started: list[Proc] = []
+    request.node.stash[STARTED] = started
     yield started
     for p in started:
         p.kill_tree()
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every process a test starts carries a tag; none may outlive the test."""
+def no_leftover_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every process a test starts carries a tag; none may outlive the test. Namespaces and
+    mounts are this worker's own (by name, under its base temp) when workers run side by side."""
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     old = os.environ.get(TAG_VAR)
     os.environ[TAG_VAR] = tag
@@ -119,10 +158,11 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         spaces = leftover_namespaces()
         for ns in spaces:
             sh("ip", "netns", "del", ns, check=False)
+        base = str(tmp_path_factory.getbasetemp())
         mounts = [
             line.split()[1]
             for line in Path("/proc/mounts").read_text().splitlines()
-            if "/pytest-of-" in line.split()[1]
+            if line.split()[1].startswith(base)
         ]
         for m in mounts:
             sh("umount", "-l", m, check=False)
@@ -130,6 +170,9 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
             pytest.fail(f"left behind: namespaces {spaces}, mounts {mounts}", pytrace=False)
         # Node directories of agents a test SIGKILLed are otherwise only swept by a later
         # launch, minutes later; sweep them here so /dev/shm holds nothing after the suite.
-        from elastic.agent import nodedir
+        # Side by side, another worker's test may be about to restart a node that inherits
+        # its dead folder: then only the session's end sweeps (pytest_sessionfinish).
+        if not PARALLEL:
+            from elastic.agent import nodedir
 
-        nodedir.remove_stale(grace=0)
+            nodedir.remove_stale(grace=0)

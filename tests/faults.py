@@ -54,8 +54,9 @@ def can_make_namespaces() -> bool:
 @contextlib.contextmanager
 def isolated_node() -> Iterator[NetNode]:
     need(can_make_namespaces(), "network namespaces need root and iproute2")
-    tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
-    subnet = random.randrange(1, 250)
+    tag = f"{_mine()}{random.randrange(100):02d}"
+    lane, lanes = _lane()
+    subnet = random.randrange(1 + lane, 250, lanes)  # pytest-xdist workers never share one
     node = NetNode(
         ns=f"{PREFIX}{tag}",
         host_if=f"elh{tag}",
@@ -82,13 +83,24 @@ def isolated_node() -> Iterator[NetNode]:
         sh("ip", "link", "del", node.host_if, check=False)
 
 
+def _mine() -> str:
+    """This test process's part of a namespace's name: a parallel worker sweeps only its own."""
+    return f"{os.getpid() % 10000:04d}"
+
+
+def _lane() -> tuple[int, int]:
+    """This pytest-xdist worker's index and the number of workers ((0, 1) without xdist)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return int(worker or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def leftover_namespaces() -> list[str]:
     if not can_make_namespaces():
         return []
     return [
         line.split()[0]
         for line in sh("ip", "netns", "list", check=False).splitlines()
-        if line.startswith(PREFIX)
+        if line.startswith(f"{PREFIX}{_mine()}")
     ]
 
 

@@ -417,15 +417,24 @@ def test_scrape_config_example_is_valid() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("0.0.0.0", port))
+    except OSError:
+        return False
+    sock.listen()
+    return True
+
+
 def test_two_agents_side_by_side_do_not_fight_for_the_port(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:
     """The default port falls back to a free one when another agent has it."""
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        with contextlib.suppress(OSError):  # if someone has it already: the same situation
-            busy.bind(("0.0.0.0", 9400))
-            busy.listen()
+        # held here for the whole test: another agent of this machine (a test beside this
+        # one) may have it now, but only for its own short run
+        wait_until(lambda: _bound(busy, 9400), 120, "the default metrics port to be free")
         p = Proc(
             [
                 sys.executable,

@@ -251,6 +251,8 @@ def test_fsdp_state_is_resharded_live_through_a_join_and_a_kill(
             "--steps",
             "40",
             "--live",
+            "--slow-until-world",
+            "3",
             nnodes="2:3",
             extra=(
                 "--checkpoint-dir",

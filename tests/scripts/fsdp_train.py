@@ -35,6 +35,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--step-time", type=float, default=0.1)
     ap.add_argument("--live", action="store_true")
+    ap.add_argument(
+        "--slow-until-world",
+        type=int,
+        default=0,
+        help="0.4 s steps until this process trained at that world size: a join in the test "
+        "lands while it trains, however slowly the newcomer starts",
+    )
     ap.add_argument("--cuda", action="store_true")
     a = ap.parse_args()
     device = torch.device("cpu")
@@ -61,8 +68,12 @@ def main() -> None:
         out.write(json.dumps({**row, "pid": os.getpid(), "device": str(device), **kw}) + "\n")
         out.flush()
 
+    grown = False  # this process trained at --slow-until-world
+
     def train() -> None:
+        nonlocal grown
         model, opt = state.model, state.optimizer  # new ones after each re-sharding
+        grown = grown or dist.get_world_size() >= a.slow_until_world
         if state.step:
             log(event="restored", step=state.step, checksum=checksum(model))
         g = torch.Generator().manual_seed(1000 * state.step + dist.get_rank())
@@ -73,7 +84,7 @@ def main() -> None:
             opt.zero_grad()
             log(event="step", step=state.step + 1, checksum=checksum(model))
             state.commit()  # may save and stop here for a resize: the step above is kept
-            time.sleep(a.step_time)
+            time.sleep(a.step_time if grown else max(a.step_time, 0.4))
 
     if a.live:
         state.run(train, reshard=shard)
