@@ -32,7 +32,7 @@ def test_readme_starts_with_the_run_and_test_commands() -> None:
     commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
     assert commands == [
         ".ci/install && elastic-run --nproc-per-node 2 examples/train_ddp.py",
-        ".ci/install --test && python3 -m pytest -q",
+        ".ci/install --test && python3 -m pytest -q -n 2 --dist loadfile",
     ]
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci, ".ci/run must run the README's test command"
