@@ -477,8 +477,14 @@ class Agent:
 
     def _waits_for_live(self, change: Change, live: bool) -> bool:
         """A graceful change waits while the workers placed in place go into State.run
-        (``core.waits_for_live``); said once."""
-        coming = self._placed_in_place and not live and self.restart_mode is RestartMode.LIVE
+        (``core.waits_for_live``); said once. Workers that resumed in this placement and
+        are not live any more are done with State.run: nothing to wait for."""
+        coming = (
+            self._placed_in_place
+            and not live
+            and self.restart_mode is RestartMode.LIVE
+            and self.workers.restored() is None
+        )
         since = self._change_seen.setdefault(change.end, time.monotonic())
         why = waits_for_live(change.end, coming, time.monotonic() - since)
         if why is not None and not self._said_waiting:
