@@ -62,14 +62,17 @@ def start_agent(
     return p
 
 
-def steps(result_dir: Path) -> list[dict]:
-    """Every step every worker logged (train_loop.py's JSON lines), in time order."""
+def steps(result_dir: Path, tried: bool = False) -> list[dict]:
+    """Every step every worker logged (train_loop.py's JSON lines), in time order; with
+    ``tried``, instead, the steps elastic_train.py began to reduce (its "tried" rows)."""
     out = []
     for f in result_dir.glob("w*.jsonl"):
         for line in f.read_text().splitlines():
             if line.strip():
                 with contextlib.suppress(json.JSONDecodeError):  # a line being written now
-                    out.append(json.loads(line))
+                    row = json.loads(line)
+                    if row.get("tried", False) == tried:
+                        out.append(row)
     return sorted(out, key=lambda s: s["t"])
 
 
@@ -145,9 +148,22 @@ def kept_steps(history: list[dict]) -> dict[tuple[int, int], list[dict]]:
     return {k: v[max(v)] for k, v in by_step.items()}
 
 
-def samples_once(history: list[dict], samples: int, epochs: int) -> None:
-    """Every sample of every epoch was trained on exactly once in the kept steps."""
+def samples_once(
+    history: list[dict], samples: int, epochs: int, tried: list[dict] | None = None
+) -> None:
+    """Every sample of every epoch was trained on exactly once in the kept steps. A rank
+    whose row of a kept step is missing (a peer was lost as the step's reduction ended:
+    the others' reduction had its samples, its own failed) is read from ``tried``."""
     kept = kept_steps(history)
+    for (epoch, step), rows in kept.items():
+        port, ranks = rows[0]["port"], {r["rank"] for r in rows}
+        rows.extend(
+            r
+            for r in tried or []
+            if (r["epoch"], r["step"], r["port"]) == (epoch, step, port)
+            and r["rank"] not in ranks
+            and r["rank"] < rows[0]["world"]
+        )
     for epoch in range(epochs):
         used = sorted(
             i for (e, _), rows in kept.items() if e == epoch for r in rows for i in r["indices"]

@@ -128,7 +128,7 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(
         assert [r for r in history if r["pid"] in stale and r["t"] > cut + 0.5] == [], (
             "a stale worker trained after the cut"
         )
-        samples_once(history, SAMPLES, EPOCHS)
+        samples_once(history, SAMPLES, EPOCHS, steps(tmp_path, tried=True))
         record(
             "a node cut off from the others and etcd (veth link down; forkserver)",
             recover_s=round(resumed - cut, 1),
@@ -170,7 +170,7 @@ def test_etcd_restart_longer_than_the_ttl_leaves_training_alone(
         finish(*agents)
         assert {r["pid"] for r in steps(tmp_path)} == pids, "a worker was restarted"
         assert all(rounds_seen(a) == [1] for a in agents), [a.err[-5:] for a in agents]
-        samples_once(steps(tmp_path), SAMPLES, EPOCHS)
+        samples_once(steps(tmp_path), SAMPLES, EPOCHS, steps(tmp_path, tried=True))
     record(
         f"etcd killed, back after {away:g}s (lease TTL {TTL}s)",
         recover_s=0,
@@ -231,7 +231,7 @@ def test_a_frozen_worker_is_found_blamed_alone_and_charged_once_as_a_node_is_los
     resumed = wait_world(tmp_path, 2, after=killed, timeout=60)
     finish(a, c)
     history = steps(tmp_path)
-    samples_once(history, SAMPLES, EPOCHS)
+    samples_once(history, SAMPLES, EPOCHS, steps(tmp_path, tried=True))
     assert victim.pid not in {r["pid"] for r in history if r["t"] > killed}
     assert not any("hung:" in ln for x in (a, b) for ln in x.err), "a blocked rank was blamed"
     # c's hang is charged once, whether b's loss lands in the same round or the next
@@ -311,6 +311,8 @@ def test_full_then_read_only_checkpoint_disk_while_training(
                 str(disk),
                 "--checkpoint-every",
                 "1",
+                "--snapshot-every",  # a checkpoint every step, however busy the host: the
+                "1",  # cost budget would space the snapshots out, and the disk might not fill
                 "--checkpoint-keep",
                 "50",
                 "--metrics-port",
@@ -341,7 +343,7 @@ def test_full_then_read_only_checkpoint_disk_while_training(
         finish(agent)
         assert CheckpointDir(disk).newest_valid()[0] == good[0], "the last good one survived"
         assert any("checkpoint of step" in ln and "failed" in ln for ln in agent.err)
-        samples_once(steps(tmp_path), SAMPLES, EPOCHS)
+        samples_once(steps(tmp_path), SAMPLES, EPOCHS, steps(tmp_path, tried=True))
     record(
         "checkpoint disk full, then read-only, while training",
         recover_s=0,

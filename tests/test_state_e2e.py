@@ -167,7 +167,7 @@ def test_three_two_three_nodes_every_sample_exactly_once(
     assert [
         sorted({r["world"] for r in history if r["round"] == i}) for i in range(len(rounds))
     ] == [[3], [2], [3]]
-    samples_once(history, 480, 3)  # every sample of every epoch, exactly once
+    samples_once(history, 480, 3, steps(out, tried=True))  # every sample, exactly once
     # torchrun's count, per agent: a node loss counts (under torchrun the survivors' workers
     # fail), though it charges no restart of the budget; a join does not, and the newcomer's
     # first round is 0

@@ -74,10 +74,16 @@ def main() -> None:
         seen: list[int] = []
         for i, (idx, x, y) in enumerate(loader):
             last = (i + 1) % accumulation == 0
+            seen += idx.tolist()
+            if last:  # the reduction below takes these samples into every rank's step, even
+                # if this rank fails before its row (a peer lost as the reduction ends)
+                out.write(json.dumps({"tried": True, "epoch": epoch, "step": state.step + 1,
+                                      "rank": rank, "port": int(os.environ["MASTER_PORT"]),
+                                      "t": time.time(), "indices": seen}) + "\n")  # fmt: skip
+                out.flush()
             with nullcontext() if last else model.no_sync():
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
-            seen += idx.tolist()
             if not last:
                 continue
             opt.step()
