@@ -280,7 +280,9 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
     (the leader, rank 0, the round's store host) is SIGKILLed; d starts at once. b takes
     each change as the next one, in its own process, and ends with d; the restarts
     charged are none (a loss is no failure)."""
-    slow = ("--slow-below-world", "2")  # training outlasts d's start, however slow
+    # training outlasts d's start, however slow (10 s on a busy host: 25 slow steps)
+    slow = ("--slow-below-world", "2", "--epochs", "6")
+    epochs = 6
     a = start_on(procs, etcd.endpoint, run_id, tmp_path, "a", *slow, nnodes="1:3")
     a.wait_output("registered as a", timeout=30)  # a claims the lead as it registers
     c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *slow, nnodes="1:3")
@@ -305,7 +307,7 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
         assert n.wait(120) == 0, n.transcript()
         assert "no live re-formation" not in n.transcript()
         assert "after a worker failure" not in n.transcript()
-    check_run(tmp_path, changes=3)
+    check_run(tmp_path, changes=3, epochs=epochs)
 
 
 @pytest.mark.parametrize("phase", ["forming", "resyncing"])
