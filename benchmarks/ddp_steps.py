@@ -96,6 +96,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--width", type=int, default=0)
     ap.add_argument(
+        "--build-s",
+        type=float,
+        default=0.0,
+        help="seconds between init_process_group and State.run (a model slow to build)",
+    )
+    ap.add_argument(
         "--ab",
         type=int,
         default=0,
@@ -110,6 +116,7 @@ def main() -> None:
         logging.basicConfig(format="%(message)s")  # State's account of each re-formation
         logging.getLogger("elastic").setLevel(logging.INFO)
     dist.init_process_group("gloo")
+    time.sleep(a.build_s)
     model = build(a.device, a.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     path = os.path.join(os.environ["RESULT_DIR"], f"w{os.getpid()}.jsonl")

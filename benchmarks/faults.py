@@ -24,6 +24,8 @@ job's budget, with the nodes whose own failure they were.
     hung worker   c's worker SIGSTOPped, its agent alive: found by the learned bound
     join          c joins a and b
     two joins     c and d join a and b at once (each expects rank 2 of 3)
+    join building  c joins a and b; as c's worker, placed, builds its model (8 s before
+                  State.run), d joins: from c's placement to the first step at world 4
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
     kill etcd restarting  etcd and c SIGKILLed together, etcd started again 1 s later
@@ -89,12 +91,12 @@ class Job:
         self.results.mkdir(parents=True)
         self.nodes: dict[str, Node] = {}
 
-    def start(self, name: str) -> Node:
+    def start(self, name: str, *script_args: str) -> Node:
         cmd = [sys.executable, "-m", "elastic", "--nnodes", self.nnodes, "--nproc-per-node",
                "1", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.work.name,
                "--rdzv-conf", CONF, "--node-id", name, "--local-addr", "127.0.0.1",
                "--restart-mode", self.mode, "--max-restarts", "3", SCRIPT, STEP_S,
-               "--live", *self.script_args]  # fmt: skip
+               "--live", *self.script_args, *script_args]  # fmt: skip
         node = Node(cmd, {"RESULT_DIR": str(self.results)}, self.work / f"{name}.log")
         self.nodes[name] = node
         return node
@@ -271,6 +273,25 @@ def two_joins(job: Job) -> Outcome:
     return job.outcome(last, resumed - last)
 
 
+def join_building(job: Job) -> Outcome:
+    """c joins a and b; its worker, placed, builds its model for 8 s before State.run, and
+    d starts meanwhile (its worker is ready in 2-4 s). Timed: from c's placement to the
+    first step at world 4, whose floor is c's build; whether c's worker was kept is
+    printed (a replaced one starts and builds again)."""
+    job.nnodes = "1:4"
+    start_training(job, "ab")
+    job.start("c", "--build-s", "8")
+    job.wait_log("c", "round 2:")  # placed: its worker builds now
+    at = time.time()
+    job.start("d")
+    resumed = first_step(job.results, 4, at, TIMEOUT)
+    if resumed is None:
+        return job.outcome(at, None)
+    kept = "new workers follow" not in job.log("c") and "resizing" not in job.log("c")
+    print(f"join building ({job.mode}): c's worker {'kept' if kept else 'replaced'}", flush=True)
+    return job.outcome(at, resumed - at)
+
+
 def ctrl_c(job: Job) -> Outcome:
     job.nnodes = "1"
     node = job.start("a")
@@ -327,6 +348,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "hung worker": hung_worker,
     "join": join,
     "two joins": two_joins,
+    "join building": join_building,
     "Ctrl-C": ctrl_c,
     "etcd frozen": etcd_frozen,
     "kill etcd restarting": kill_etcd_restarting,

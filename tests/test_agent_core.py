@@ -241,7 +241,7 @@ def test_only_a_graceful_change_waits_for_workers_on_their_way_into_state_run(
     why = core.waits_for_live(end, coming=True, waited=0.0)
     assert (why is not None) is graceful
     if why is not None:
-        assert end.value in why and "State.run" in why
+        assert "State.run" in why
     assert core.waits_for_live(end, coming=False, waited=0.0) is None
     assert core.waits_for_live(end, coming=True, waited=core.COMING_LIVE_S) is None
     # what it waits for is the in-place stop: a graceful change pauses live workers

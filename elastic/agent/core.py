@@ -267,8 +267,8 @@ def waits_for_live(end: RoundEnd, coming: bool, waited: float) -> str | None:
     if waited >= COMING_LIVE_S:
         return None
     return (
-        f"{end.value}: the workers placed in place are on their way into State.run; "
-        f"they re-form there (waited {waited:.1f} of {COMING_LIVE_S:.0f}s)"
+        f"the workers placed in place are on their way into State.run: they re-form there, "
+        f"not anew (waited {waited:.1f} of {COMING_LIVE_S:.0f}s for a {end.value} change)"
     )
 
 

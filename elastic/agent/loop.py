@@ -488,7 +488,7 @@ class Agent:
         since = self._change_seen.setdefault(change.end, time.monotonic())
         why = waits_for_live(change.end, coming, time.monotonic() - since)
         if why is not None and not self._said_waiting:
-            log.info("%s", why)
+            log.info("%s: %s", change.detail, why)
             self._said_waiting = True
         return why is not None
 
