@@ -13,11 +13,15 @@ class Agreements:
 
     def __init__(self) -> None:
         self.count = 0
+        self.steps: list[int] = []  # the State's committed step at each (once ``state`` set)
+        self.state: Any = None
         control = comm.control()
         real = control.all_reduce
 
         def counted(values: list[int], op: str) -> list[int]:
             self.count += 1
+            if self.state is not None:
+                self.steps.append(int(self.state._core.values["step"]))
             return real(values, op)
 
         control.all_reduce = counted  # type: ignore[method-assign]

@@ -40,6 +40,7 @@ def main() -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     agreements = Agreements()
     state = elastic.State(model=net, optimizer=opt)
+    agreements.state = state
     stop_rank_1_at(state, rank, STOP_AT)
     ddp, plain = DDP(net), DDP(ref)
     if mode == "own-hook" and rank == 0:
@@ -83,7 +84,7 @@ def main() -> None:
     active = state._core.doorbell.active
     print(
         f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {same} "
-        f"calls {calls}"
+        f"calls {calls} agreed-at {','.join(map(str, agreements.steps[-4:]))}"
     )
     dist.destroy_process_group()
     os._exit(0)
