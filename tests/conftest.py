@@ -8,6 +8,7 @@ import re
 import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -39,12 +40,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     running alone at the end). Run alone, the order is the files' own."""
     if not PARALLEL:
         return
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + (
-            item.get_closest_marker("slow") is not None
-        )
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

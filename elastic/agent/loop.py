@@ -212,8 +212,7 @@ class Agent:
         self._announced = False  # what the rendezvous was told: its workers re-form in place
         self._live_seen = False  # the workers re-formed in place this round (State.run)
         self._placed_in_place = False  # this round placed the held workers (Start.REFORM)
-        self._change_seen: dict[RoundEnd, float] = {}  # when each change was first seen
-        self._said_waiting = False  # the wait for workers on their way in was logged
+        self._waiting_since: float | None = None  # a change began to wait for them (said)
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
         self.checkpoint_dir = checkpoint_dir
@@ -485,12 +484,15 @@ class Agent:
             and self.restart_mode is RestartMode.LIVE
             and self.workers.restored() is None
         )
-        since = self._change_seen.setdefault(change.end, time.monotonic())
-        why = waits_for_live(change.end, coming, time.monotonic() - since)
-        if why is not None and not self._said_waiting:
+        now = time.monotonic()
+        since = now if self._waiting_since is None else self._waiting_since
+        why = waits_for_live(change.end, coming, now - since)
+        if why is None:
+            return False
+        if self._waiting_since is None:
             log.info("%s: %s", change.detail, why)
-            self._said_waiting = True
-        return why is not None
+            self._waiting_since = now
+        return True
 
     def _judge_resume(self) -> None:
         """Once the workers say where the round resumed: warn if that trains committed
@@ -702,8 +704,7 @@ class Agent:
         self._resuming = (self.workers.last_step(), self.rdzv.progress(), r.number)
         self._live_seen = False  # this round's workers say it again
         self._placed_in_place = in_place
-        self._change_seen.clear()
-        self._said_waiting = False
+        self._waiting_since = None
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
         store = self.store if group_rank == 0 else None
