@@ -271,12 +271,17 @@ class Rendezvous:
         )
         ops = self.client.ops
         failures = self.key(records.FAILURES).encode()
-        # Guarded by the round's revision only: a per-member liveness compare would cap
-        # jobs at etcd's --max-txn-ops (128). A member that died since the view was taken
-        # is seen as lost by everyone right after, and the round re-forms without it.
+        nodes = self.key(records.NODES).encode()
+        # Guarded by the round's revision, and by no node having registered since the
+        # view (one range compare, whatever the job's size): a watch that lags under load
+        # would leave out a node that registered before the round formed (it waited a
+        # whole round more). A per-member liveness compare would cap jobs at etcd's
+        # --max-txn-ops (128): a member that died since the view was taken is seen as
+        # lost by everyone right after, and the round re-forms without it.
         compare = [
             ops.mod(self.key(records.ROUND)) == view.round_mod_revision,
             ops.create(self.key(records.CLOSED)) == 0,
+            ops.create(nodes, range_end=prefix_range_end(nodes)) < view.revision + 1,
         ]
         buckets = rec.encode_buckets()
         stale = range(len(buckets), current.buckets if current else 0)

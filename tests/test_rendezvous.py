@@ -6,12 +6,14 @@ import signal
 import time
 
 import pytest
-from harness import ROOT, Proc, python
+from harness import ROOT, Proc, python, wait_until
+from test_lapse import stop, unstarted
 
 from elastic.agent.etcd_server import EtcdServer
 from rendezvous import records
 from rendezvous.client import EtcdClient
-from rendezvous.config import build_options
+from rendezvous.config import RdzvConf, build_options
+from rendezvous.rules import plan
 
 PARTICIPANT = ROOT / "tests" / "participant.py"
 TTL = 3
@@ -410,6 +412,30 @@ def test_a_leader_killed_while_the_next_round_forms_is_found_by_its_successor(
     assert r["members"] == ["b", "c"] and r["lost"] == ["a"] and r["restarts"] == 0
     assert says_in_place()
     client.close()
+
+
+def test_a_round_never_leaves_out_a_node_that_registered_before_it_was_written(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """The leader's view lags behind b's registration (a watch under load): the round it
+    planned without b is refused in etcd itself, and the next plan, from a view that has
+    caught up, takes b in (b used to wait a whole round more)."""
+    a, b = unstarted(etcd.endpoint, run_id, "ab", RdzvConf(last_call_timeout=0.1), (1, 2))
+    try:
+        a.start()
+        a.mirror.set_full(True)  # as the leader's
+        assert a.mirror.complete
+        stale = a.mirror.view()
+        b.start()
+        wait_until(lambda: "b" in a.mirror.view().nodes, 10, "a's view to show b")
+        for view, written in ((stale, False), (a.mirror.view(), True)):
+            p = plan(view, 1, 2, 0.0, 0, time.monotonic())
+            assert p.form, p.reason
+            assert a._write_round(view, p) is written
+        wait_until(lambda: a.mirror.view().round, 10, "a's view to show the round")
+        assert [m.id for m in a.mirror.view().round.members] == ["a", "b"]
+    finally:
+        stop([a, b])
 
 
 def seen_by(p: Proc, step: int) -> None:
