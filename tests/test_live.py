@@ -28,6 +28,7 @@ from agents import steps as rows
 from etcd_servers import EtcdCluster
 from harness import ROOT, Proc, wait_until
 
+from elastic.agent.core import COMING_LIVE_S
 from elastic.agent.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.slow
@@ -245,13 +246,16 @@ def test_sigterm_leave_then_two_joins_at_once(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
+@pytest.mark.parametrize("then", ["builds", "b-killed"])
 def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, then: str
 ) -> None:
     """d joins a and b; its worker, started ahead, is placed and forms the group, then
     builds its model before State.run (held by a file here). e joins meanwhile: d's agent
     waits for its worker to reach State.run instead of stopping it (a new worker would cost
-    the job a worker start), and all four re-form in place."""
+    the job a worker start), and all four re-form in place. ``b-killed``: b is SIGKILLed
+    during that wait; a loss waits for no one: a, d and e re-form at once (d with a new
+    worker: its own had no group to leave), and nothing is lost."""
     args = ("--slow-below-world", "4", "--micro-batch", "2", "--epochs", "6")
     epochs = 6
     a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="2:4") for n in "ab")
@@ -262,15 +266,23 @@ def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(
     kept = set(worker_pids(d))
     e = start_on(procs, etcd.endpoint, run_id, tmp_path, "e", *args, nnodes="2:4")
     d.wait_output("on their way into State.run", timeout=60)
+    if then == "b-killed":
+        kept = set(worker_pids(a))
+        killed = time.monotonic()
+        b.kill_tree()
+        d.wait_output("lost b", timeout=TTL + 2)
+        assert time.monotonic() - killed < COMING_LIVE_S, "the loss waited for d's worker"
     (tmp_path / "building").unlink()
-    wait_world(tmp_path, 4, after=time.time() - 1, timeout=60)
-    assert kept <= pids_at(tmp_path, 4), d.transcript()
-    for n in (a, b, d, e):
+    world = 4 if then == "builds" else 3
+    wait_world(tmp_path, world, after=time.time() - 1, timeout=60)
+    assert kept <= pids_at(tmp_path, world), d.transcript()
+    for n in (a, d, e) if then == "b-killed" else (a, b, d, e):
         assert n.wait(120) == 0, n.transcript()
     said = d.transcript()
-    assert "new workers follow" not in said and "resizing" not in said, said
-    assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), "a and b kept their processes"
-    check_run(tmp_path, changes=2, epochs=epochs)
+    if then == "builds":
+        assert "new workers follow" not in said and "resizing" not in said, said
+        assert pids_at(tmp_path, 2) <= pids_at(tmp_path, 4), "a and b kept their processes"
+    check_run(tmp_path, changes=2 if then == "builds" else 3, epochs=epochs)
 
 
 def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
