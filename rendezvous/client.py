@@ -8,6 +8,7 @@ reaches the caller names the endpoints and the last error.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -19,7 +20,7 @@ import etcd3
 import etcd3.exceptions
 import grpc
 from etcd3 import etcdrpc
-from etcd3.client import KVMetadata
+from etcd3.client import EtcdTokenCallCredentials, KVMetadata
 from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
@@ -94,6 +95,10 @@ class EtcdClient:
         self.options = options
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
+        self._client_token: str | None = None  # the token ``_client`` sends
+        self._token: str | None = None  # from the last login, until etcd refuses it
+        self._logging_in: concurrent.futures.Future[str] | None = None
+        self._closed = False
         self._shared: dict[object, Any] = {}
         self.answered = False  # some call was answered: the endpoint is etcd
 
@@ -107,7 +112,8 @@ class EtcdClient:
             return cast(T, obj)
 
     # -- connection ---------------------------------------------------------------------
-    def _make(self) -> etcd3.MultiEndpointEtcd3Client:
+    def _make(self, token: str | None) -> etcd3.MultiEndpointEtcd3Client:
+        """A client on fresh channels (no request yet), sending ``token`` if given."""
         o = self.options
         creds = None
         if o.secure:
@@ -120,36 +126,86 @@ class EtcdClient:
                     host, int(port), secure=o.secure, creds=creds, time_retry=1.0, opts=GRPC_OPTIONS
                 )
             )
-        client = _Etcd3Client(
-            endpoints=endpoints,
-            timeout=o.request_timeout,
-            user=o.user,
-            password=o.password,
-            failover=True,
-        )
-        if not o.secure:
-            # gRPC refuses call credentials on a plaintext channel; the auth token still
-            # travels as request metadata, which python3-etcd3 sends alongside.
-            client.call_credentials = None
+        client = _Etcd3Client(endpoints=endpoints, timeout=o.request_timeout, failover=True)
+        if token is not None:
+            client.metadata = (("token", token),)
+            # gRPC refuses call credentials on a plaintext channel; the token still travels
+            # as request metadata, which python3-etcd3 sends alongside
+            client.call_credentials = (
+                grpc.metadata_call_credentials(EtcdTokenCallCredentials(token))
+                if o.secure
+                else None
+            )
         return client
 
     def raw(self) -> etcd3.MultiEndpointEtcd3Client:
+        token = self._login() if self.options.user is not None else None
         with self._lock:
-            if self._client is None:
-                self._client = self._make()
-            return self._client
+            if self._client is None or self._client_token != token:
+                stale, self._client = self._client, self._make(token)
+                self._client_token = token
+            else:
+                stale = None
+            client = self._client
+        _close(stale)
+        return client
 
-    def _reset(self) -> None:
+    def _login(self) -> str:
+        """This client's auth token: etcd's Authenticate (a bcrypt check and a raft write,
+        slow on a loaded etcd) runs once for every caller, in a thread of its own bounded
+        by ``connect_timeout``; each caller waits for it only as long as its own deadline.
+        (Each retry used to log in anew within its caller's deadline, on new channels: an
+        etcd slower than that deadline never finished one, and after its restart the
+        nodes' leases lapsed unrenewed.)"""
         with self._lock:
-            old, self._client = self._client, None
-        if old is not None:
+            if self._token is not None:
+                return self._token
+            login = self._logging_in
+            if login is None:
+                login = self._logging_in = concurrent.futures.Future()
+                threading.Thread(
+                    target=self._log_in, args=(login,), name="etcd-login", daemon=True
+                ).start()
+        wait = getattr(_Etcd3Client._limit, "value", None) or self.options.request_timeout
+        try:
+            return login.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            raise etcd3.exceptions.ConnectionTimeoutError(
+                f"logging in as {self.options.user!r} takes etcd longer than {wait:.2g}s"
+            ) from None
+
+    def _log_in(self, login: concurrent.futures.Future[str]) -> None:
+        o = self.options
+        try:
+            client = self._make(None)
             try:
-                old.close()
-            except Exception:
-                log.debug("closing old etcd client failed", exc_info=True)
+                request = etcdrpc.AuthenticateRequest(name=o.user, password=o.password)
+                token = str(client.authstub.Authenticate(request, o.connect_timeout).token)
+            finally:
+                _close(client)
+        except BaseException as e:
+            with self._lock:
+                self._logging_in = None
+            login.set_exception(e)
+            return
+        with self._lock:
+            self._logging_in = None
+            self._token = None if self._closed else token
+        login.set_result(token)
+
+    def _reset(self, token_expired: bool = False) -> None:
+        """New channels at the next request; the token goes only when etcd refused it (a
+        new channel to the same etcd takes it: no new login for a slow answer)."""
+        with self._lock:
+            stale, self._client = self._client, None
+            if token_expired:
+                self._token = None
+        _close(stale)
 
     def close(self) -> None:
-        self._reset()
+        with self._lock:
+            self._closed = True
+        self._reset(token_expired=True)
 
     def stream(self, what: str, method: Callable[[Any], Any], requests: Iterator[Any]) -> Any:
         """A streaming call, ``method(channel)``, fed by ``requests``, on the current
@@ -204,7 +260,7 @@ class EtcdClient:
                 code, details = e.code(), e.details() or ""
                 if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
                     last = f"auth token expired ({details})"
-                    self._reset()
+                    self._reset(token_expired=True)
                 elif code in _RETRYABLE_CODES:
                     last = _SAID.get(code) or details or code.name
                     self._reset()
@@ -493,3 +549,11 @@ def _txn(
 def _split(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def _close(client: etcd3.MultiEndpointEtcd3Client | None) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            log.debug("closing old etcd client failed", exc_info=True)

@@ -1,4 +1,5 @@
-"""etcd fixtures beyond the embedded one: TLS-only members and three-member clusters."""
+"""etcd fixtures beyond the embedded one: slow logins, TLS-only members and three-member
+clusters."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ class TlsFiles:
     server_key: str
     client_cert: str | None = None
     client_key: str | None = None
+
+
+@dataclass
+class SlowLoginEtcdServer(EtcdServer):
+    """A member that hashes passwords at bcrypt cost ``cost``: each login (etcd's
+    Authenticate) then takes it about a second per 2**14 rounds, as a loaded etcd may."""
+
+    cost: int = field(default=14, kw_only=True)
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--bcrypt-cost", str(self.cost)]
 
 
 @dataclass

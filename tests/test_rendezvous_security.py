@@ -7,11 +7,14 @@ import time
 from pathlib import Path
 
 from certs import make_tls
-from etcd_servers import EtcdCluster, TlsEtcdServer
+from etcd_servers import EtcdCluster, SlowLoginEtcdServer, TlsEtcdServer
 from harness import Proc, etcdctl
 from test_rendezvous import TTL, join, join_in_order, start_round
 
 from elastic.agent.etcd_server import EtcdServer
+from rendezvous.client import EtcdClient
+from rendezvous.config import RdzvConf, build_options
+from rendezvous.errors import EtcdUnavailableError
 from rendezvous.tlsprobe import diagnose
 
 
@@ -95,6 +98,33 @@ def test_user_password_auth_survives_etcd_restart(
         wrong = join(procs, server.endpoint, run_id, "w", conf="user=root,password=nope")
         err = wrong.expect("error", timeout=15)
         assert "rejected user 'root'" in err["message"]
+
+
+def test_a_login_slower_than_every_callers_deadline_still_completes() -> None:
+    """etcd's login is a bcrypt check and a raft write: on a loaded etcd (here: a costly
+    hash, about a second) it outlasts a caller's short deadline. The one login, shared by
+    all callers, goes on past their deadlines: calls that give up early are followed by
+    ones that succeed. (Each retry used to start a login of its own, cut short in turn,
+    for ever: after an etcd restart the nodes' keep-alives never got through.)"""
+    with SlowLoginEtcdServer(cost=14) as server:
+        etcdctl(server, "user", "add", "root", "--new-user-password=s3cret")
+        etcdctl(server, "auth", "enable")
+        conf = RdzvConf.parse("user=root,password=s3cret")
+        client = EtcdClient(build_options(server.endpoint, "slow-login", 1, 1, conf)[0])
+        started = time.monotonic()
+        try:
+            took = timed_out = 0
+            while took == 0 and time.monotonic() - started < 30:
+                try:
+                    client.put("k", b"v", timeout=0.3)
+                    took = time.monotonic() - started
+                except EtcdUnavailableError:
+                    timed_out += 1
+            assert took and timed_out, (took, timed_out)
+            for _ in range(3):  # logged in: no new login for each call, however short
+                assert client.get("k", timeout=0.3) is not None
+        finally:
+            client.close()
 
 
 def test_cluster_with_one_member_stopped(run_id: str, procs: list[Proc]) -> None:
