@@ -255,6 +255,8 @@ class EtcdClient:
             except _RETRYABLE as e:
                 last = str(e) or type(e).__name__
                 if isinstance(e, etcd3.exceptions.NoServerAvailableError):
+                    # python3-etcd3's "No endpoint available and not failed": each failed
+                    last = _SAID[grpc.StatusCode.UNAVAILABLE]
                     self._reset()  # every endpoint marked failed: start over with fresh channels
             except grpc.RpcError as e:
                 code, details = e.code(), e.details() or ""
