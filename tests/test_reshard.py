@@ -26,7 +26,7 @@ def said(script: str, *args: str) -> subprocess.Popen[str]:
 
 
 def lines(p: subprocess.Popen[str]) -> list[dict]:
-    out, err = p.communicate(timeout=180)
+    out, err = p.communicate(timeout=300)  # 120 s in CI, 186 s on a slow day
     assert p.returncode == 0, err[-3000:]
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
