@@ -95,7 +95,6 @@ class EtcdClient:
         self.options = options
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
-        self._client_token: str | None = None  # the token ``_client`` sends
         self._token: str | None = None  # from the last login, until etcd refuses it
         self._logging_in: concurrent.futures.Future[str] | None = None
         self._closed = False
@@ -141,14 +140,9 @@ class EtcdClient:
     def raw(self) -> etcd3.MultiEndpointEtcd3Client:
         token = self._login() if self.options.user is not None else None
         with self._lock:
-            if self._client is None or self._client_token != token:
-                stale, self._client = self._client, self._make(token)
-                self._client_token = token
-            else:
-                stale = None
-            client = self._client
-        _close(stale)
-        return client
+            if self._client is None:  # a token etcd refused went with the client (_reset)
+                self._client = self._make(token)
+            return self._client
 
     def _login(self) -> str:
         """This client's auth token: etcd's Authenticate (a bcrypt check and a raft write,
