@@ -99,6 +99,7 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (RZ, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
     (RZ, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
     (RS, L.WORKERS_STOPPED, False): (Stop.NONE, J, None, None, N),
+    (RS, L.WORKERS_SUCCEEDED, False): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED, N),
     (RS, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
     (RS, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
     (OUT, L.WENT_ON, False): (Stop.NONE, J, None, None, N),
@@ -134,7 +135,7 @@ def test_the_table_covers_every_event_each_state_can_see() -> None:
     assert seen[R] == {*local, *RoundEnd} - {L.ROUND_FORMED, L.JOIN_TIMED_OUT}
     waiting_events = {L.ROUND_FORMED, L.SIGNALLED, L.JOIN_TIMED_OUT}
     assert seen[J] == seen[H] == waiting_events | {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
-    assert seen[RZ] == outcomes | {L.WORKERS_SUCCEEDED} and seen[RS] == outcomes
+    assert seen[RZ] == seen[RS] == outcomes | {L.WORKERS_SUCCEEDED}
     assert seen[P] == {L.WORKERS_HELD, L.HOLD_FAILED, L.SIGNALLED}
     assert seen[OUT] == {L.WENT_ON, L.SIGNALLED}
 

@@ -25,7 +25,7 @@ from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, round_env
 from elastic.agent.storehost import StoreError
-from elastic.agent.workers import Drained, GroupState
+from elastic.agent.workers import Drained, GroupState, Held
 from rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
 from rendezvous.records import (
     ClosedRecord,
@@ -152,7 +152,7 @@ class FakeWorkers:
         self._running = False
         self.live = False  # the workers run State.run (they can re-form in place)
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
-        self.hold_fails: str | None = None  # what hold() answers
+        self.held: tuple[Held, str] = (Held.HELD, "")  # what hold() answers
         self.reformed: list[list[Placement]] = []
         self.drained = Drained.STOPPED  # how drain() ends
         self.restores: deque[int | None] = deque()  # successive restored() results
@@ -217,9 +217,9 @@ class FakeWorkers:
     def stranded(self) -> list[WorkerFailure]:
         return self.strand.popleft() if self.strand else []
 
-    def hold(self, urgent: bool, timeout: float) -> str | None:
+    def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]:
         self.actions.append("abandon" if urgent else "pause")
-        return self.hold_fails
+        return self.held
 
     def reform(self, placements: list[Placement]) -> None:
         self.ahead = []
@@ -660,11 +660,37 @@ def test_a_live_re_formation_that_cannot_hold_the_workers_falls_back_to_new_ones
     job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
     workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
     workers.live = True
-    workers.hold_fails = "rank(s) [1] still in their step after 5s"
+    workers.held = (Held.FAILED, "rank(s) [1] still in their step after 5s")
     with caplog.at_level(logging.INFO):
         assert agent(job, workers).run() == 0
     assert workers.actions == ["abandon", "stop 1"] and len(workers.started) == 2
     assert "no live re-formation (rank(s) [1] still in their step" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("change", "asked"),
+    [
+        (Change(RoundEnd.WAITING, "n waiting to join", ("n",)), "pause"),
+        (Change(RoundEnd.LOST, "lost b", ("b",)), "abandon"),
+    ],
+    ids=["join", "loss"],
+)
+def test_workers_that_finish_while_asked_to_let_go_end_the_job(
+    change: Change, asked: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ask came in their last step: they left the training loop and exited 0 instead
+    of letting go, so the job closes as succeeded; new workers would only train again
+    from the last snapshot (CI saw that: steps 29 and 30 a second time)."""
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", "n")], [None, change])
+    workers = FakeWorkers([RUNNING, RUNNING])
+    workers.live = True
+    workers.held = (Held.FINISHED, "the workers finished training")
+    a = agent(job, workers)
+    with caplog.at_level(logging.INFO):
+        assert a.run() == 0
+    assert workers.actions == [asked] and len(workers.started) == 1
+    assert job.closed_as == [JobOutcome.SUCCEEDED] and a.state is AgentState.SUCCEEDED
+    assert "had finished training before the" in caplog.text
 
 
 def test_respawn_mode_never_holds_workers() -> None:
@@ -692,7 +718,7 @@ def test_a_signal_while_the_workers_are_held_has_them_save_and_exit() -> None:
     a = agent(job, workers)
     hold = workers.hold
 
-    def hold_then_signal(urgent: bool, timeout: float) -> str | None:
+    def hold_then_signal(urgent: bool, timeout: float) -> tuple[Held, str]:
         a.on_signal(signal.SIGTERM)  # arrives while the workers wait for their placement
         return hold(urgent, timeout)
 
@@ -707,7 +733,7 @@ def test_a_held_worker_that_exited_before_the_round_gives_new_workers(
     job, workers = _held_after_a_loss([round_of(2, "a")])
     hold = workers.hold
 
-    def hold_then_die(urgent: bool, timeout: float) -> str | None:
+    def hold_then_die(urgent: bool, timeout: float) -> tuple[Held, str]:
         held = hold(urgent, timeout)
         workers.live = False  # one of them exits while the round forms
         return held

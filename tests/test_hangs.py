@@ -28,7 +28,7 @@ from elastic.agent.hangs import (
 )
 from elastic.agent.logs import LogRouter
 from elastic.agent.placement import Placement
-from elastic.agent.workers import Drained, WorkerGroup
+from elastic.agent.workers import Drained, Held, WorkerGroup
 from elastic.contract import EXIT_RESIZE, ControlBlock
 from rendezvous.net import free_port
 
@@ -173,9 +173,9 @@ def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
             time.sleep(0.05)
         os.kill(group.pids[0], signal.SIGSTOP)
         asked = time.monotonic()
-        why = group.hold(urgent=True, timeout=30)
+        held, why = group.hold(urgent=True, timeout=30)
         took = time.monotonic() - asked
-        assert why is not None and why.startswith("rank 0 did not let go: hung: "), why
+        assert held is Held.FAILED and why.startswith("rank 0 did not let go: hung: "), why
         assert "process stopped" in why and 1.5 < took < 6, (took, why)
     finally:
         group.stop(0)
@@ -214,7 +214,7 @@ def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once
     group.start([alone])
     try:
         wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
-        assert group.hold(urgent=False, timeout=30) is None
+        assert group.hold(urgent=False, timeout=30) == (Held.HELD, "")
         group.reform([replace(alone, world_size=2, group_world_size=2, master_port=free_port())])
         wait_until(group.forming, 10, "it forms a round whose rank 1 never comes")
         asked = time.monotonic()
@@ -223,6 +223,50 @@ def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once
         print(f"stopped {took:.2f}s after the drain began")
         assert drained is Drained.STOPPED and took < 10, (drained, took)
         assert group.workers[0].proc.poll() == EXIT_RESIZE
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+LAST_STEP_WORKER = """
+import os, pathlib, time, torch, torch.distributed as dist, elastic
+dist.init_process_group("gloo")
+model = torch.nn.Linear(2, 1)
+state = elastic.State(model=model)
+end = pathlib.Path(os.environ["END"])
+
+def train(model):
+    while not end.exists():
+        time.sleep(0.05)
+        state.commit()
+
+state.run(train, model)
+(end.parent / "left").touch()
+time.sleep(1)  # the interpreter's end, which takes its time on a busy host
+"""
+
+
+def test_workers_asked_to_let_go_after_their_last_step_finish_the_job(tmp_path: Path) -> None:
+    """A join or a loss comes as the workers' last step ends: they cannot let go of a
+    group they no longer train in, and exit 0. That is the end of training (FINISHED:
+    the job closes), not a failure to hold them, after which new workers would train
+    the last steps again from the newest snapshot."""
+    script = tmp_path / "worker.py"
+    script.write_text(LAST_STEP_WORKER)
+    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
+    end = {"END": str(tmp_path / "end")}
+    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
+                        run_id="job", max_restarts=0, extra_env=end)  # fmt: skip
+    group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)])
+    try:
+        wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
+        (tmp_path / "end").touch()
+        wait_until((tmp_path / "left").exists, 30, "the training function returned")
+        assert group.hold(urgent=False, timeout=30) == (
+            Held.FINISHED,
+            "the workers finished training",
+        )
+        assert group.workers[0].proc.poll() == 0
     finally:
         group.stop(0)
         router.close(lambda *_: None)

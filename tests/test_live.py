@@ -333,7 +333,8 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
     --shutdown-timeout and respawned; c's worker died of its first restore). These are
     the tests of losing the rank-0 node; a node that is not rank 0: the quick-succession
     test."""
-    slow = ("--slow-below-world", "4", "--slow-send")  # training outlasts all of it
+    # training outlasts all of it, however slowly c's worker starts (15 s in CI)
+    slow = ("--slow-below-world", "4", "--slow-send", "--epochs", "6")
     flag = tmp_path / "slow-send"
     a = start(procs, etcd, run_id, tmp_path, "a", *slow)
     a.wait_output("registered as a", timeout=30)  # a registers first: rank 0
@@ -365,7 +366,7 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
         assert n.wait(120) == 0, n.transcript()
         assert "no live re-formation" not in n.transcript()
         assert "stopping workers" not in n.transcript()
-    check_run(tmp_path, changes=2)
+    check_run(tmp_path, changes=2, epochs=6)
 
 
 def test_a_worker_crash_on_one_node(

@@ -44,6 +44,7 @@ failure, that the others can go on in place without it (``lobby.step_out``).
 | RESIZING   | WORKERS_HELD      |          | -              | HOLDING        |             |
 | RESIZING   | HOLD_FAILED       |          | urgent         | JOINING        |             |
 | RESTARTING | WORKERS_STOPPED   |          | -              | JOINING        |             |
+| RESTARTING | WORKERS_SUCCEEDED |          | -              | SUCCEEDED      |             |
 | RESTARTING | WORKERS_HELD      |          | -              | HOLDING        |             |
 | RESTARTING | HOLD_FAILED       |          | urgent         | JOINING        |             |
 | OUT        | WENT_ON           |          | -              | JOINING        |             |
@@ -77,10 +78,11 @@ exits. HOLDING is JOINING with the workers held: they left their process group a
 for their placement in the next round, which re-forms them in place, unless one of them
 died meanwhile (then new workers follow).
 
-A drain can end in WORKERS_SUCCEEDED: ``elastic.State`` users asked to save that exit 0
-instead had already left their training loop, so the job is done; a new round would
-only train again from their last snapshot. HOLD_FAILED: a worker did not let go within
-``--shutdown-timeout``, or exited; new workers follow.
+A drain or a hold can end in WORKERS_SUCCEEDED: ``elastic.State`` users asked to save,
+or to let go of their group, that all exit 0 instead had already left their training
+loop (the ask came in their last step), so the job is done; a new round would only train
+again from their last snapshot. HOLD_FAILED: a worker did not let go within
+``--shutdown-timeout``, or exited otherwise; new workers follow.
 
 Stops: *drain* asks ``elastic.State`` users to save at their next step and exit
 ``EXIT_RESIZE`` (other scripts get SIGTERM, or the signal the agent got), SIGKILL after
@@ -390,9 +392,9 @@ def _stopping(state: AgentState, event: Event) -> Reaction:
                 AgentState.JOINING,
                 stop=Stop.URGENT,
             )
-        case LocalEvent.WORKERS_SUCCEEDED if state is AgentState.RESIZING:
+        case LocalEvent.WORKERS_SUCCEEDED:
             return Reaction(
-                "the workers finished training before they could stop for the resize",
+                "the workers finished training before they could stop or let go",
                 AgentState.SUCCEEDED,
                 close_job=True,
                 exit=Exit.SUCCEEDED,

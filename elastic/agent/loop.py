@@ -34,7 +34,7 @@ from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
 from elastic.agent.resumed import redone
-from elastic.agent.workers import Drained, GroupState
+from elastic.agent.workers import Drained, GroupState, Held
 from elastic.contract import RestartMode
 from rendezvous.errors import (
     RendezvousCancelled,
@@ -117,7 +117,7 @@ class Workers(Protocol):
     @property
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     def stranded(self) -> list[WorkerFailure]: ...
-    def hold(self, urgent: bool, timeout: float) -> str | None: ...
+    def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]: ...
     def reform(self, placements: list[Placement]) -> None: ...
     def fits(self, placements: list[Placement]) -> bool: ...  # started ahead as placed
     def in_lobby(self) -> bool: ...  # started ahead, all wait for their placement
@@ -773,8 +773,11 @@ class Agent:
         """The log line that says what happened and what the agent does about it."""
         change = self._change
         match event:
-            case LocalEvent.WORKERS_SUCCEEDED if self.state is AgentState.RESIZING:
-                log.info("the workers had finished training before the resize: no new round")
+            case LocalEvent.WORKERS_SUCCEEDED if self.state is not AgentState.RUNNING:
+                log.info(
+                    "the workers had finished training before the %s: no new round",
+                    "resize" if self.state is AgentState.RESIZING else "re-formation",
+                )
             case LocalEvent.WORKERS_SAVED:
                 log.info("workers saved their state and stopped for a resize")
                 self._change_why = "workers stopped for a resize"
@@ -819,9 +822,11 @@ class Agent:
         """Stop the workers as ``how`` says (or, in place, have them let go of their
         process group); what that came to."""
         if how.keeps_workers:
-            why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
-            if why is None:
+            held, why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
+            if held is Held.HELD:
                 return LocalEvent.WORKERS_HELD
+            if held is Held.FINISHED:
+                return LocalEvent.WORKERS_SUCCEEDED
             self._hold_failed = why
             return LocalEvent.HOLD_FAILED
         if how is Stop.URGENT:

@@ -56,6 +56,14 @@ class Drained(enum.Enum):
     KILLED = "killed"  # some still ran after the timeout
 
 
+class Held(enum.Enum):
+    """How a hold ended."""
+
+    HELD = "held"  # every worker let go of its group and waits for a placement
+    FINISHED = "finished"  # all exited 0: training was over before they could pause
+    FAILED = "failed"  # one exited otherwise, did not let go, or was late
+
+
 @dataclass(frozen=True)
 class ForkTarget:
     """What the fork server runs in each forked worker (``--start-method forkserver``)."""
@@ -292,26 +300,40 @@ class WorkerGroup:
             if w.proc.poll() is None and w.control.stranded
         ]
 
-    def hold(self, urgent: bool, timeout: float) -> str | None:
+    def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]:
         """Ask the workers to let go of their group (``urgent``: now, out of a blocked
         collective too; else at their next step) and wait until every one waits for a
-        placement. None once they all do, else why not (then stop them)."""
+        placement: HELD, or FAILED and why not (then stop them). FINISHED: they all
+        exited 0, having left their training loop before the ask (the ask came in the
+        last step), so the job is done; a new round would train again from a snapshot."""
         for w in self.workers:
             if not w.control.stranded:
                 (w.control.request_abandon if urgent else w.control.request_pause)()
         deadline = time.monotonic() + timeout
         while True:
             gone = [w for w in self.workers if w.proc.poll() is not None]
-            if gone:
-                return f"rank {gone[0].placement.rank} exited ({gone[0].proc.poll()})"
-            if all(w.control.stranded for w in self.workers):
-                return None
+            failed = [w for w in gone if w.proc.poll() != 0]
+            if failed:
+                return (
+                    Held.FAILED,
+                    f"rank {failed[0].placement.rank} exited ({failed[0].proc.poll()})",
+                )
+            if gone and len(gone) == len(self.workers):
+                return Held.FINISHED, "the workers finished training"
+            if all(w.control.stranded for w in self.workers if w not in gone):
+                if not gone:
+                    return Held.HELD, ""
+                return Held.FAILED, f"rank {gone[0].placement.rank} exited (0) as the others let go"
             frozen = self.frozen()  # it would never let go
             if frozen:
-                return f"rank {frozen[0].rank} did not let go: {frozen[0].message}"
+                return Held.FAILED, f"rank {frozen[0].rank} did not let go: {frozen[0].message}"
             if time.monotonic() > deadline:
-                late = [w.placement.rank for w in self.workers if not w.control.stranded]
-                return f"rank(s) {late} still in their step after {timeout:g}s"
+                late = [
+                    w.placement.rank
+                    for w in self.workers
+                    if w not in gone and not w.control.stranded
+                ]
+                return Held.FAILED, f"rank(s) {late} still in their step after {timeout:g}s"
             time.sleep(0.005)
 
     def fits(self, placements: list[Placement]) -> bool:
