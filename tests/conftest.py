@@ -34,14 +34,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     )
 
 
+SLOW_S, FAST_S = 30.0, 0.5  # a test's usual seconds on two cores, unless its mark says
+
+
+def cost(item: pytest.Item) -> float:
+    """``@pytest.mark.slow(seconds=...)`` for the longest tests; else by the mark alone."""
+    slow = item.get_closest_marker("slow")
+    return FAST_S if slow is None else float(slow.kwargs.get("seconds", SLOW_S))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Side by side, the files with the most end-to-end runs go first (each worker takes
-    whole files, the next one when it is done: the big ones last would leave one lane
-    running alone at the end). Run alone, the order is the files' own."""
+    """Side by side, the files that take longest go first (each worker takes whole files,
+    the next one when it is done: a long one last would leave one lane running alone at
+    the end). Run alone, the order is the files' own."""
     if not PARALLEL:
         return
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])
+    seconds: Counter[Path] = Counter()
+    for item in items:
+        seconds[item.path] += cost(item)
+    items.sort(key=lambda item: -seconds[item.path])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -56,6 +56,7 @@ def at_once(fn: Callable[[str], T], names: Iterable[str]) -> dict[str, T]:
         return dict(zip(names, pool.map(fn, names), strict=True))
 
 
+@pytest.mark.slow(seconds=75)
 def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -119,6 +120,7 @@ def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
                 assert torch.equal(v, got["optimizer"]["state"][p][k]), (name, p, k)
 
 
+@pytest.mark.slow(seconds=75)
 def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -168,6 +170,7 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
         assert 0 <= before + 1 - after <= 1, (name, before, after)
 
 
+@pytest.mark.slow(seconds=75)
 def test_the_examples_run(tmp_path: Path) -> None:
     """Each framework's example, as the README's examples table runs it, to the end; and
     beside them Lightning's sharded strategy (FSDP2), whose checkpoint no rank holds

@@ -246,6 +246,7 @@ def test_sigterm_leave_then_two_joins_at_once(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
+@pytest.mark.slow(seconds=75)
 @pytest.mark.parametrize("then", ["builds", "b-killed"])
 def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, then: str
