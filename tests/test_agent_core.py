@@ -155,7 +155,7 @@ def test_impossible_combinations_are_refused() -> None:
         with pytest.raises(ValueError, match="does not observe"):
             decide(state, L.SIGNALLED)
     with pytest.raises(ValueError, match="does not observe"):
-        decide(RS, L.WORKERS_SUCCEEDED)  # an urgent stop never finishes the job
+        decide(RS, L.WORKERS_FAILED)  # what a stop came to is an outcome, never a failure
     with pytest.raises(ValueError, match="does not observe"):
         decide(RZ, RoundEnd.LOST)
 
