@@ -69,6 +69,11 @@ class LeaseKeeper:
             self.back_at = now
         self.last_heard = now
 
+    def came_back(self, now: float) -> None:
+        """etcd answers again after an outage this node saw before it held a lease (as it
+        registered): the grace of ``outage_until`` runs from ``now``."""
+        self.back_at = now
+
     def outage_until(self, now: float) -> float:
         """Until when a node that vanished from etcd may be coming back (0: no outage
         lately): while etcd does not answer this node, and a TTL after it does again,

@@ -224,6 +224,8 @@ class Rendezvous:
                 self.options.last_call_timeout,
                 self.max_restarts,
                 time.monotonic(),
+                outage=self.session.outage(),
+                proven=self.lead.proven,
             )
             note.say(p.reason)
             if p.writer is not None and p.writer != self.me.id:
@@ -238,6 +240,8 @@ class Rendezvous:
                 continue
             if p.busy:
                 self.lead.probe_nodes(view, p.busy)
+            if p.lapsed and view.round is not None:  # dead ones need not be waited for
+                self.lead.probe_round(view, view.round)
             now = time.monotonic()
             if not p.enough_nodes and now >= deadline:
                 raise RendezvousTimeoutError(

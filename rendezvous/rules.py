@@ -142,6 +142,7 @@ class Plan:
     enough_nodes: bool = True
     present: int = 0  # candidates for the next round
     busy: tuple[str, ...] = ()  # present members the round waits on
+    lapsed: tuple[str, ...] = ()  # members gone in etcd's outage the round waits for
 
 
 def _member(node: PresentNode) -> Member:
@@ -184,11 +185,17 @@ def plan(
     max_restarts: int,
     now: float,
     me: str | None = None,
+    outage: tuple[float, float] | None = None,
+    proven: Mapping[str, int] | None = None,
 ) -> Plan:
     """The plan as node ``me`` needs it (all of it when ``me`` is None or the writer).
 
     A node that is not the writer learns who is, and nothing more: its view may be lean
     (see mirror.py), and with many nodes waiting every event would wake every one.
+    ``outage`` and ``proven`` as for ``round_end``: members gone in an outage of etcd
+    may be on their way back (``lapsed``), and the next round waits for them until the
+    outage's grace ends (a newcomer that registered as etcd answered again would form a
+    round without them, and fence them, though no node died).
     """
     current: RoundRecord | None = view.round
     number = current.number if current else 0
@@ -226,6 +233,17 @@ def plan(
             writer=writer,
             busy=busy,
             present=count,
+        )
+    lapsed = lapsed_in_outage(view, previous, lost, outage, proven)
+    if lapsed and outage is not None:
+        return Plan(
+            False,
+            f"waiting up to {outage[1] - now:.1f}s for {', '.join(lapsed)}: etcd was away, "
+            "and the outage may have dropped their leases as it drops every lease",
+            writer=writer,
+            wake_at=outage[1],
+            present=count,
+            lapsed=lapsed,
         )
     if count < min_nodes:
         return Plan(
@@ -273,6 +291,24 @@ def plan(
         budget_spent=charged and restarts > max_restarts,
         present=count,
     )
+
+
+def lapsed_in_outage(
+    view: JobView,
+    members: tuple[Member, ...],
+    lost: tuple[str, ...],
+    outage: tuple[float, float] | None,
+    proven: Mapping[str, int] | None,
+) -> tuple[str, ...]:
+    """The members among ``lost`` that may yet come back, all of them while etcd's outage
+    grace lasts (``outage``: (now, until)), since an outage that drops one lease drops
+    them all; unless each is known not to: proven dead (its agent refused its probe port,
+    ``proven``: node id to incarnation) or registered again as a new incarnation."""
+    if not lost or outage is None or outage[0] >= outage[1]:
+        return ()
+    proven = proven or {}
+    gone = {m.id for m in members if proven.get(m.id) == m.rev or m.id in view.nodes}
+    return () if gone.issuperset(lost) else lost
 
 
 # -- ending rounds ------------------------------------------------------------------------------
@@ -362,11 +398,7 @@ def round_end(
         return tuple(i for i in others if states[i] in wanted)
 
     lost = having(MemberState.LOST)
-    if lost and (outage is None or outage[0] >= outage[1]):
-        return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
-    proven = proven or {}
-    dead = {m.id for m in mine.members if proven.get(m.id) == m.rev}
-    if lost and dead.issuperset(lost):  # not silent through the outage: found dead
+    if lost and not lapsed_in_outage(view, mine.members, lost, outage, proven):
         return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
     if failed := _peer_failed(view, me, mine.number):
         return failed

@@ -176,6 +176,8 @@ class Session:
             ):
                 self._refused(kvs)
         self._registered(rec, revision, lease_id)
+        if outage is not None:  # the others' leases may have gone with it: their grace
+            self.lease.came_back(time.monotonic())
         return revision, kvs
 
     def _outage(

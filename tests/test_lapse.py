@@ -410,3 +410,48 @@ def test_a_member_that_died_in_the_outage_is_proven_dead_by_whoever_leads_after_
         assert lead.session.outage() is not None, "still in the grace: the proof ended it"
         change = lead.check()
         assert change is not None and change.end is RoundEnd.LOST and change.nodes == ("c",)
+
+
+def test_a_newcomer_that_registers_as_etcd_answers_again_waits_for_the_members_it_dropped(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """a and b train through an outage past the TTL; c, which read the job before it,
+    registers during it and gets through as etcd answers again, before a and b carry on
+    (their agents are slow to look). c claims the vacant lead and plans the next round: a
+    round of c alone (one node is enough) would fence a and b though no node died; it
+    waits out the outage's grace for them instead, and the three form round 2."""
+    with in_round(fresh_etcd, run_id, TTL, "ab", (1, 3)) as (a, b):
+        conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
+        (c,) = unstarted(fresh_etcd.endpoint, run_id, "c", conf, (1, 3))
+        c.glance()  # etcd answered c before: a registration that fails is an outage
+        rounds: dict[str, object] = {}
+
+        def next_round(n: Rendezvous, register: bool = False) -> None:
+            try:
+                if register:
+                    n.start()
+                rounds[n.node_id] = n.next_round(timeout=30)
+            except RendezvousError as e:
+                rounds[n.node_id] = e
+
+        joining = threading.Thread(target=next_round, args=(c, True))
+        try:
+            freeze(fresh_etcd, TTL + 1, joining.start)
+            wait_until(lambda: c.leads, 10, "c to register and claim the vacant lead")
+            time.sleep(0.5)  # c plans at once: a round of its own would be written by now
+            header = a.client.get(a.key(records.ROUND))
+            assert header is not None and RoundRecord.decode(header.key, header.value).number == 1
+            for n in (a, b):
+                wait_until(lambda n=n: check(n) is RoundEnd.LAPSED, 10, "its lease dropped")
+                assert n.resume(), "a round formed without it"
+            both = [threading.Thread(target=next_round, args=(n,)) for n in (a, b)]
+            for n, t in zip((a, b), both, strict=True):
+                wait_until(lambda n=n: check(n) is RoundEnd.WAITING, 10, "c waiting to join")
+                t.start()
+            for t in (*both, joining):
+                t.join(30)
+            assert {n: getattr(r, "number", r) for n, r in rounds.items()} == dict.fromkeys(
+                "abc", 2
+            )
+        finally:
+            stop([c])

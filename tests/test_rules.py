@@ -317,6 +317,33 @@ def test_a_member_proven_dead_is_lost_at_once_even_in_an_etcd_outage() -> None:
     assert round_end(both, "a", 1, r, 3, False, outage=outage, proven={"c": 3}) is None
 
 
+def test_a_round_after_an_etcd_outage_waits_for_the_members_it_may_have_dropped() -> None:
+    """The members a and b train on through an outage longer than the TTL; newcomer c
+    registers as etcd answers again, before a and b carry on (``resumes``). It leads
+    (their lead went with the lease), and a round of c alone would fence them though no
+    node died: it waits until the grace ends, unless each is known not to come back."""
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    r = rnd(1, a, b)
+    alone = view(c, r=r, last_join=0.0)
+    grace = (10.0, 13.0)
+    p = plan(alone, 1, 3, 0.1, 0, now=10.0, outage=grace)
+    assert not p.form and p.lapsed == ("a", "b") and p.wake_at == 13.0, p
+    assert "waiting up to 3.0s for a, b: etcd was away" in p.reason
+    # both proven dead, or one of them too and the other registered again: form now
+    assert plan(alone, 1, 3, 0.1, 0, now=10.0, outage=grace, proven={"a": 1, "b": 2}).form
+    again = view(c, node("b", 9), r=r)
+    p = plan(again, 1, 3, 0.1, 0, now=10.0, outage=grace, proven={"a": 1})
+    assert p.form and {m.id for m in p.members} == {"b", "c"} and p.lost == ("a", "b")
+    # an older incarnation's proof proves nothing; a grace that is over, no outage: form
+    assert not plan(alone, 1, 3, 0.1, 0, now=10.0, outage=grace, proven={"a": 1, "b": 1}).form
+    assert plan(alone, 1, 3, 0.1, 0, now=13.0, outage=(13.0, 13.0)).form
+    p = plan(alone, 1, 3, 0.1, 0, now=10.0)
+    assert p.form and p.members == (Member("c", 3, "h", 2),) and p.lost == ("a", "b")
+    # back as they were: the round runs, c waits to join it
+    back = view(c, *(PresentNode(replace(n.record, resumes=n.rev), n.rev) for n in (a, b)), r=r)
+    assert "running" in plan(back, 1, 3, 0.1, 0, now=10.0, outage=grace).reason
+
+
 def test_round_end_for_newcomers_and_newer_rounds() -> None:
     a, b, n = node("a", 1), node("b", 2), node("n", 9)
     r = rnd(1, a, b)
