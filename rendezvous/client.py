@@ -249,9 +249,10 @@ class EtcdClient:
             except _RETRYABLE as e:
                 last = str(e) or type(e).__name__
                 if isinstance(e, etcd3.exceptions.NoServerAvailableError):
-                    # python3-etcd3's "No endpoint available and not failed": each failed
+                    # python3-etcd3's "No endpoint available and not failed": every endpoint
+                    # was marked failed. Said as etcd's own unavailable; fresh channels next
                     last = _SAID[grpc.StatusCode.UNAVAILABLE]
-                    self._reset()  # every endpoint marked failed: start over with fresh channels
+                    self._reset()
             except grpc.RpcError as e:
                 code, details = e.code(), e.details() or ""
                 if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:

@@ -318,7 +318,7 @@ class WorkerGroup:
                     Held.FAILED,
                     f"rank {failed[0].placement.rank} exited ({failed[0].proc.poll()})",
                 )
-            if gone and len(gone) == len(self.workers):
+            if gone and self._finished():
                 return Held.FINISHED, "the workers finished training"
             if all(w.control.stranded for w in self.workers if w not in gone):
                 if not gone:
@@ -409,8 +409,12 @@ class WorkerGroup:
         self.stop(0)
         if not done and not saved:
             return Drained.KILLED
-        finished = all(w.proc.poll() == 0 for w in self.workers)
-        return Drained.FINISHED if use_state and finished else Drained.STOPPED
+        return Drained.FINISHED if use_state and self._finished() else Drained.STOPPED
+
+    def _finished(self) -> bool:
+        """Every worker exited 0: State users asked to stop or to let go of their group
+        had left their training loop before the ask (a drain's FINISHED, a hold's)."""
+        return all(w.proc.poll() == 0 for w in self.workers)
 
     def finish(self, timeout: float, grace: float) -> bool:
         """Let the workers end on their own for ``timeout``, then stop them (SIGTERM,
