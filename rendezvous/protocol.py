@@ -30,6 +30,7 @@ from rendezvous.errors import (
 from rendezvous.lead import PROBE_EVERY, Lead
 from rendezvous.mirror import JobMirror, glance
 from rendezvous.net import free_port
+from rendezvous.progress import ProgressWriter
 from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
@@ -70,6 +71,9 @@ class Rendezvous:
         self.round: RoundRecord | None = None  # the round this node is (or was last) in
         self._in_place = False  # its workers re-form in place: said in its record while it leads
         self._progress = (-1, 0.0, 0)  # the job's progress: (step written, when, round)
+        self._progress_writer = ProgressWriter(
+            client, self.key(records.PROGRESS), self.key(records.ROUND), RETRIED_TIMEOUT
+        )
         self._round_rev = 0  # the revision that wrote self.round's header
 
     @property
@@ -137,6 +141,7 @@ class Rendezvous:
         as a departure (its tombstone), not a loss."""
         if self.session.closed:
             return
+        self._progress_writer.stop()
         resign = self.lead.resignation(self.mirror.view()) if leave else None
         self.session.close(leave, resign, reachable=self.mirror.connected)
         self.mirror.stop()
@@ -383,34 +388,35 @@ class Rendezvous:
     def report_progress(self, step: int, final: bool = False) -> None:
         """Record ``step``, the newest this node's workers committed, as the job's
         (``records.ProgressRecord``, without a lease) where this node is rank 0 of its
-        round and a write is due (``rules.progress_due``; ``final``: it leaves the job).
-        Only while that round is the job's: a node that was frozen, or cut off, and does
-        not know yet that the job re-formed without it, never writes its older step over
-        the new round's. A write that fails waits for the next interval: the record only
-        makes a later warning exact."""
+        round and a write is due (``rules.progress_due``; ``final``: it leaves the job,
+        and waits for the write). Only while that round is the job's: a node that was
+        frozen, or cut off, and does not know yet that the job re-formed without it, never
+        writes its older step over the new round's. The write runs on a thread of its own
+        (``ProgressWriter``): the caller's loop does not wait on etcd. A write that fails
+        waits for the next interval: the record only makes a later warning exact."""
         r = self.round
         if r is None or r.rank_of(self.me.id) != 0 or not self.mirror.connected:
             return
+        writer = self._progress_writer
+        if writer.busy and not final:
+            return  # the write before it is still under way
         now = time.monotonic()
         written, at, number = self._progress
         if not rules.progress_due(step, written, now - at, r.size, number != r.number, final):
             return
         self._progress = (written, now, number)  # a write that fails waits an interval
         rec = ProgressRecord(step=step, node=self.me.id, round=r.number, at=time.time())
-        ops = self.client.ops
-        try:
-            current = self.client.txn(
-                [ops.mod(self.key(records.ROUND)) == self._round_rev],
-                [ops.put(self.key(records.PROGRESS), rec.encode())],
-                timeout=RETRIED_TIMEOUT,
-            )
-        except RendezvousError as e:
-            log.debug("could not record the job's progress: %s", e)
-            return
-        if not current:
-            log.debug("round %d is over: its step %d is not the job's progress", r.number, step)
-            return
-        self._progress = (step, now, r.number)
+
+        def done() -> None:
+            self._progress = (step, now, rec.round)
+
+        writer.submit(rec, self._round_rev, done)
+        if final:
+            self.flush_progress()
+
+    def flush_progress(self, timeout: float = 2 * RETRIED_TIMEOUT) -> bool:
+        """Wait (up to ``timeout``) for the progress handed over to be written, or to fail."""
+        return self._progress_writer.flush(timeout)
 
     def progress(self) -> ProgressRecord | None:
         """The job's progress as recorded (``report_progress``), if any."""

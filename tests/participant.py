@@ -120,6 +120,7 @@ def main() -> None:
             elif cmd.startswith("progress"):
                 if cmd != "progress":
                     rdzv.report_progress(int(cmd.split()[1]))
+                    rdzv.flush_progress()
                 rec = rdzv.progress()
                 emit("progress", step=rec.step if rec else -1, node=rec.node if rec else "")
             elif cmd == "announce":

@@ -217,6 +217,36 @@ def test_a_write_said_again_later_never_holds_the_loop_while_etcd_is_frozen(
         wait_until(said, 15, "the leader's record to say its workers re-form in place")
 
 
+def test_the_jobs_progress_is_written_off_the_loop_while_etcd_is_frozen(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """Rank 0 hands its step over as etcd freezes: the call returns at once (a loop held
+    for a second by each write read as a paused agent and restarted the hang clock),
+    the steps handed over while a write waits are not queued behind it, and once etcd
+    answers the newest step is the job's."""
+    with in_round(fresh_etcd, run_id, ttl=30) as pair:
+        rank0 = next(n for n in pair if n.round is not None and n.round.rank_of(n.me.id) == 0)
+        took: list[float] = []
+
+        def during() -> None:
+            for step in (5, 6, 7):
+                started = time.monotonic()
+                rank0.report_progress(step)
+                took.append(time.monotonic() - started)
+            assert not rank0.flush_progress(0.2), "etcd is frozen: the write waits"
+
+        freeze(fresh_etcd, 0, during)
+        assert max(took) < 0.1, took
+
+        def recorded(step: int) -> bool:
+            rank0.report_progress(step)
+            rank0.flush_progress()
+            kv = rank0.client.get(rank0.key(records.PROGRESS))
+            return kv is not None and records.ProgressRecord.decode(kv.key, kv.value).step == step
+
+        wait_until(lambda: recorded(8), 15, "step 8 to be the job's progress")
+
+
 def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_anew(
     fresh_etcd: EtcdServer, run_id: str
 ) -> None:
