@@ -725,11 +725,11 @@ class Agent:
             self.workers.reform(placements)
         else:
             self.workers.start(placements)
+        took = time.monotonic() - self._change_at  # to the workers' start, not the late host's
         if store is not None and late and not self._host(store, r):
             self.workers.stop(0)
             self.state = AgentState.JOINING
             return
-        took = time.monotonic() - self._change_at
         if self._previous is not None:
             self._lost_total += took
         if self.metrics is not None:
