@@ -14,7 +14,11 @@ between runs, more than the differences it is to show: a paired figure, measured
 same processes at the same moments, is not moved by that); and the agents' own CPU.
 The kinds take turns, ``--repeat`` times, so a slow spell of the machine hits all alike.
 
-    python benchmarks/steady.py [--repeat 3] [--seconds 8] [--warmup 3]
+What ``State`` adds is a cost per step (its comm hook, ``commit()``), not a share of it:
+``--width N`` trains four Linear(N, N) layers instead of the tiny Linear(32, 1), for the
+same figures at a longer step (``--width 512``: about 10 ms here).
+
+    python benchmarks/steady.py [--repeat 3] [--seconds 8] [--warmup 3] [--width N]
 """
 
 from __future__ import annotations
@@ -41,15 +45,18 @@ SCRIPT = str(Path(__file__).resolve().parent / "ddp_steps.py")
 COMMON = ["--nnodes", "2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]
 
 
+WIDTH: list[str] = []  # the script's model: --width's, where one was given
+
+
 def torchrun_cmd(etcd: str, run_id: str) -> list[str]:
     endpoint = f"127.0.0.1:{free_port()}"  # c10d: the first node hosts the store
     return [sys.executable, "-m", "torch.distributed.run", *COMMON, "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, SCRIPT, "0"]  # fmt: skip
+            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, SCRIPT, "0", *WIDTH]  # fmt: skip
 
 
 def elastic_cmd(etcd: str, run_id: str) -> list[str]:
     return [sys.executable, "-m", "elastic", *COMMON, "--rdzv-endpoint", etcd,
-            "--rdzv-id", run_id, SCRIPT, "0"]  # fmt: skip
+            "--rdzv-id", run_id, SCRIPT, "0", *WIDTH]  # fmt: skip
 
 
 def state_cmd(etcd: str, run_id: str) -> list[str]:
@@ -71,6 +78,7 @@ class Measured(NamedTuple):
 
     step: float
     paired: float
+    added: float  # seconds: the paired run's mean step with State less the one without
     agents: float
 
 
@@ -115,10 +123,11 @@ def step_time(make: Callable[[str, str], list[str]], etcd: str, work: Path, a: A
                 phases[bool(x.get("plain"))].append(b["t"] - x["t"])
     if len(gaps) < 10:
         raise RuntimeError(f"only {len(gaps)} steps measured; see {work}")
-    paired = 0.0
+    paired = added = 0.0
     if phases[True] and phases[False]:
-        paired = statistics.mean(phases[False]) / statistics.mean(phases[True])
-    return Measured(statistics.median(gaps), paired, agent_cores)
+        with_state, without = statistics.mean(phases[False]), statistics.mean(phases[True])
+        paired, added = with_state / without, with_state - without
+    return Measured(statistics.median(gaps), paired, added, agent_cores)
 
 
 PAIRED = "State / plain DDP, by turns"
@@ -129,7 +138,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=8.0, help="measured, per run")
     ap.add_argument("--warmup", type=float, default=3.0, help="left out, per run")
+    ap.add_argument("--width", type=int, default=0, help="four Linear(N, N) layers (0: tiny)")
     a = ap.parse_args()
+    if a.width < 0:
+        ap.error("--width must be 0 or more")
+    WIDTH[:] = ["--width", str(a.width)] if a.width else []
+    model = f"four Linear({a.width}, {a.width}) layers" if a.width else "a tiny Linear(32, 1)"
     kinds: dict[str, Callable[[str, str], list[str]]] = {
         "torchrun": torchrun_cmd,
         "elastic-run": elastic_cmd,
@@ -147,7 +161,7 @@ def main() -> None:
                 + ", ".join(f"{k} {v[-1].step * 1e3:.2f} ms" for k, v in runs.items())
             )
     med = {k: statistics.median(m.step for m in v) for k, v in runs.items()}
-    print("\nmedian step time of a tiny DDP step on 2 nodes (1 worker each), no pause")
+    print(f"\nmedian step time of a DDP step of {model} on 2 nodes (1 worker each), no pause")
     print(f"{'':<32}{'step':>10}{'/ torchrun':>12}{'/ elastic-run':>15}   runs (ms)")
     for k, v in runs.items():
         each = " ".join(f"{m.step * 1e3:.2f}" for m in v)
@@ -160,7 +174,8 @@ def main() -> None:
         f"\nin one run, {AB} steps under State (comm hook and commit()) and {AB} of a twin "
         f"model in a plain DDP in turn: the step with State is "
         f"{statistics.median(ratios):.3f}x the plain step (mean over the phases; runs: "
-        f"{' '.join(f'{x:.3f}' for x in ratios)})"
+        f"{' '.join(f'{x:.3f}' for x in ratios)}): "
+        f"{statistics.median(m.added for m in runs[PAIRED]) * 1e6:.0f} us more a step"
     )
     print("\nthe two agents' CPU meanwhile, in cores (median of the runs)")
     for k, v in runs.items():

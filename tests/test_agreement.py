@@ -168,14 +168,17 @@ def test_with_a_fixed_interval_snapshots_land_exactly_on_it(
     assert snapshots == list(range(3, 61, 3)), snapshots
 
 
-def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_no_weight() -> None:
+@pytest.mark.parametrize("mode", ["fold", "fold-view"])
+def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_no_weight(
+    mode: str,
+) -> None:
     """Three real ranks under DDP (a division by 3 is inexact): once every rank's DDP
     carries the hook, a stop asked of rank 1 alone after step 200 reaches all of them in
     step 201's gradient all-reduce, and they stop there together (the schedule stops at
     the first multiple of its gap from 200 on; at 200 if an agreement of the snapshot
     cadence falls there), with few agreements of their own; the weights are bitwise those
-    of DDP without State."""
-    folded = ranks("doorbell_ranks.py", 3, "fold")
+    of DDP without State (its gradients copied out of the bucket, or views of it)."""
+    folded = ranks("doorbell_ranks.py", 3, mode)
     # "rank R stopped S active A agreements N SAME calls C agreed-at STEPS" (the last 4)
     assert {tuple(o[2:]) for o in folded} == {tuple(folded[0][2:])}, folded
     # an agreement of the snapshot cadence's own in step 200's commit, where rank 1 asks

@@ -145,11 +145,10 @@ class Doorbell:
 
         def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             f.value()  # raises a failed reduction's error (a peer lost): the step fails
-            buf.copy_(fold.head)
             agree, snapshot = fold.tail.tolist()
             self._rang = Rung(agree > 0, snapshot > 0)
             self._reduced += 1
-            return buf
+            return fold.head
 
         work = dist.all_reduce(fold.both, group=group, async_op=True)
         assert work is not None
@@ -191,8 +190,11 @@ def _adopt_later_hooks(ddp: DistributedDataParallel, slot: _Slot) -> None:
 
 class _Fold:
     """The first bucket with the bell behind it, made once: a fresh tensor and a
-    concatenation every step cost about 3% of a 2 ms step here. One buffer serves every
-    step: DDP awaits a step's reductions before its backward ends."""
+    concatenation every step cost about 3% of a 2 ms step here. Its head goes back to DDP
+    as the reduced bucket: DDP copies a hook's result into the gradients (or into the
+    bucket, where they are views of it) as it would the bucket, so the bucket is not
+    copied back first. One buffer serves every step: DDP has read a step's results
+    before its backward ends."""
 
     def __init__(self, buf: torch.Tensor) -> None:
         n = buf.numel()

@@ -5,6 +5,7 @@ it stopped, whether the doorbell rode in DDP's gradient all-reduce, how many agr
 of their own the ranks held, and whether the two models' weights are bitwise equal.
 
     doorbell_ranks.py fold       # State around the module, DDP built after it
+    doorbell_ranks.py fold-view  # the same, both DDPs with gradient_as_bucket_view
     doorbell_ranks.py own-hook   # rank 0's DDP carries a hook of the script's own
     doorbell_ranks.py late-hook  # after step LATE rank 0 registers a Python hook, rank 1
                                  # a built-in one (both DDPs alike); calls: rank 0's
@@ -42,7 +43,9 @@ def main() -> None:
     state = elastic.State(model=net, optimizer=opt)
     agreements.state = state
     stop_rank_1_at(state, rank, STOP_AT)
-    ddp, plain = DDP(net), DDP(ref)
+    view = mode == "fold-view"  # the grads are views of the buckets: copied back into
+    ddp = DDP(net, gradient_as_bucket_view=view)
+    plain = DDP(ref, gradient_as_bucket_view=view)
     if mode == "own-hook" and rank == 0:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     data = torch.Generator().manual_seed(rank)
