@@ -6,16 +6,28 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import ROOT
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic import State
 from elastic.contract import NODE_DIR_ENV, SnapshotPolicy
 from elastic.worker import comm
-from elastic.worker.agreement import LATENCY, LIMIT, SHARE, Agreement, choose
+from elastic.worker.agreement import (
+    LATENCY,
+    LIMIT,
+    SETTLED,
+    SHARE,
+    Agreement,
+    bell_pays,
+    choose,
+)
+from elastic.worker.doorbell import Doorbell, Rung
 from rendezvous.net import free_port
 
 
@@ -203,19 +215,21 @@ def test_a_script_whose_ddp_has_its_own_hook_keeps_the_agreements_own_collective
 
 
 def test_a_hook_the_script_registers_after_training_began_takes_over_from_the_bell() -> None:
-    """DDP takes one comm hook, and State's went on at the first forward: a hook the
-    script registers later (rank 0 a Python one, rank 1 a built-in one, at step 50 of a
-    folding run) still works as under plain DDP: the bell asks the ranks to stop folding,
-    the script's hook gets every bucket from the step after, a stop comes through the
-    schedule, and the weights are bitwise those of plain DDP with the same hooks."""
+    """DDP takes one comm hook, and State's went on once it paid: a hook the script
+    registers later (rank 0 a Python one, rank 1 a built-in one, once the bell rides in
+    the reduction, from step 50 on) still works as under plain DDP: the bell asks the
+    ranks to stop folding, the script's hook gets every bucket from the step after, a
+    stop comes through the schedule, and the weights are bitwise those of plain DDP with
+    the same hooks."""
     outs = ranks("doorbell_ranks.py", 2, "late-hook")
-    # "rank R stopped S active A agreements N SAME calls C"
+    # "rank R stopped S active A agreements N SAME calls C agreed-at STEPS late L"
     assert {tuple(o[2:9]) for o in outs} == {tuple(outs[0][2:9])}, outs
-    stopped = int(outs[0][3])
+    stopped, late = int(outs[0][3]), int(outs[0][14])
+    assert 50 <= late < 200, outs  # the bell rode in State's DDP by then
     assert outs[0][5] == "False" and 200 <= stopped <= 200 + LIMIT, outs
     assert outs[0][8] == "True", outs  # the same weights as DDP with the script's hooks
     # every step's reduction from the step after the one that asked to stop folding
-    assert int(outs[0][10]) == (stopped - 50) * 2 - 1, outs  # both DDPs, one folded step
+    assert int(outs[0][10]) == (stopped - late) * 2 - 1, outs  # both DDPs, one folded step
 
 
 def test_a_reduction_that_carried_the_bell_and_failed_fails_the_step() -> None:
@@ -236,3 +250,66 @@ def test_where_the_bell_rode_in_the_reduction_it_alone_says_but_a_new_group_agre
     assert a.due(3, group=1, bell=True)  # a rank rang
     assert a.due(5, group=1, bell=None)  # no reduction carried it: the schedule
     assert a.due(6, group=2, bell=False)  # a re-formation
+
+
+@pytest.mark.parametrize(
+    ("pass_s", "step_s", "pays"),
+    [
+        (2e-6, 0.002, True),  # a tiny model: its pass is nothing beside its step
+        (900e-6, 0.012, False),  # 4 MB of gradients: 7.5% of a 12 ms step
+        (200e-6, 0.010, True),  # 2%: what the agreements may cost
+    ],
+)
+def test_the_bell_goes_on_only_where_its_pass_costs_what_agreements_may(
+    pass_s: float, step_s: float, pays: bool
+) -> None:
+    verdict = bell_pays(pass_s, step_s)
+    assert verdict.pays is pays
+    assert f"{pass_s * 1e6:.0f} us, {pass_s / step_s:.1%}" in verdict.reason, verdict.reason
+    assert pays or SHARE * step_s < pass_s
+
+
+def test_the_step_is_weighed_once_the_first_steps_on_a_group_are_past() -> None:
+    """The first steps on a new group are its warm-up (slow, and their agreements
+    slower): the bell is weighed against the steps after them."""
+    a = Agreement()
+    for _ in range(SETTLED - 1):
+        a.stepped(0.002)
+    assert a.step_s() is None, "only the warm-up's steps timed"
+    a.stepped(0.002)
+    assert a.step_s() == pytest.approx(0.002)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A gloo group of one rank in this process."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_the_bell_is_weighed_once_its_ddp_was_seen_and_goes_on_only_where_it_pays() -> None:
+    """A real DDP: found at its first forward, its pass timed; weighed once the step is
+    timed; a DDP where the hook would cost more than the agreements may keeps DDP's own
+    C++ reduction (no comm hook), one where it pays carries it, and neither is weighed
+    again at later forwards."""
+    for step_s, pays in ((1e-9, False), (1.0, True)):
+        model = torch.nn.Linear(64, 64)
+        bell = Doorbell(lambda: Rung(False, False))
+        bell.watch([model])
+        ddp = DDP(model)
+        bell.consider(step_s)
+        assert bell.verdict is None, "nothing seen yet: nothing weighed"
+        ddp(torch.randn(2, 64)).sum().backward()
+        bell.consider(None)
+        assert bell.verdict is None, "the step not timed yet: not weighed yet"
+        bell.consider(step_s)
+        assert bell.verdict is not None and bell.verdict.pays is pays, bell.verdict
+        assert bool(ddp._comm_hooks) is pays and bell.ready is pays
+        verdict = bell.verdict
+        ddp(torch.randn(2, 64)).sum().backward()
+        bell.consider(1.0 - step_s)
+        assert bell.verdict is verdict, "weighed once per DDP"

@@ -28,6 +28,8 @@ SHARE = 0.02  # of step time the agreements may cost
 LATENCY = 0.05  # seconds of steps a stop, pause or due snapshot may wait, at most
 LIMIT = 100  # the longest gap, whatever the figures say
 KEPT = 9  # steps and agreements timed: their medians are a step's and an agreement's cost
+SETTLED = 2 * KEPT  # steps timed before the bell is weighed against a step: the first
+# ones, on a new group, are its warm-up
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,26 @@ def choose(step_s: float | None, cost_s: float | None) -> Gap:
     return Gap(steps, reason)
 
 
+@dataclass(frozen=True)
+class Bell:
+    """Whether DDP's reduction carries the bell, and why."""
+
+    pays: bool
+    reason: str
+
+
+def bell_pays(pass_s: float, step_s: float) -> Bell:
+    """Whether DDP's reduction carries the bell (``doorbell``): any comm hook costs a
+    pass over the gradients each step (DDP's C++ reduction scales them as it copies them
+    into its buckets; under a hook they are copied, then scaled), ``pass_s``. It may
+    cost what the agreements it replaces may: ``SHARE`` of a step of ``step_s``. (Their
+    measured time is no guide: it holds the wait for the slowest rank.)"""
+    figures = f"{pass_s * 1e6:.0f} us, {pass_s / step_s:.1%} of a {step_s * 1e3:.1f} ms step"
+    if pass_s <= SHARE * step_s:
+        return Bell(True, f"the bell's pass over the gradients costs {figures}")
+    return Bell(False, f"the bell's pass over the gradients would cost {figures}")
+
+
 class Agreement:
     """The steps at which the ranks agree. ``due(step, group)`` says whether this is one
     (always the first step on a new ``group``: the ranks' schedules start together);
@@ -70,6 +92,7 @@ class Agreement:
         self._group: int | None = None  # the control group generation agreed in
         self._steps: deque[float] = deque(maxlen=KEPT)
         self._costs: deque[float] = deque(maxlen=KEPT)
+        self._stepped = 0  # steps timed in all
 
     def due(self, step: int, group: int, bell: bool | None = None) -> bool:
         """``bell``: whether a rank rang ``doorbell`` in this step's gradient reduction
@@ -84,6 +107,7 @@ class Agreement:
     def stepped(self, seconds: float) -> None:
         """A step took ``seconds``, commit to commit, agreement and snapshot left out."""
         self._steps.append(seconds)
+        self._stepped += 1
 
     def timed(self, seconds: float) -> None:
         self._costs.append(seconds)
@@ -98,6 +122,10 @@ class Agreement:
         if every:
             gap = max(d for d in range(1, min(gap, every) + 1) if every % d == 0)
         return gap
+
+    def step_s(self) -> float | None:
+        """A step's time, once ``SETTLED`` steps were timed; None before."""
+        return median(self._steps) if self._stepped >= SETTLED else None
 
     def agreed(self, step: int, gap: int) -> bool:
         """The ranks agreed at ``step`` on ``gap``: the next agreement is at the next

@@ -12,9 +12,14 @@ without agreeing where only the second is: a snapshot every step costs no collec
 its own. A step whose gradients were not reduced (``no_sync``) falls back to
 ``agreement``'s schedule.
 
-The hook goes on (inert: DDP's own division and all-reduce, in Python) at the first
-forward of the DDP around one of State's modules (a forward pre-hook on the module; a
-DDP that already has a hook of the script's own is left alone), and folds the bell in
+A comm hook is not free: DDP's C++ reduction scales the gradients as it copies them
+into its buckets, and under a hook they are copied, then scaled, a pass of their own
+(about 7% of a 12 ms step of a 4 MB model here). So the DDP around one of State's modules
+is found at its first forward (a forward pre-hook on the module), that pass is timed,
+and the hook goes on only where it costs no more than the agreements it would replace
+may (``agreement.bell_pays``: 2% of a step, weighed once the steps are timed; a DDP
+that already has a hook of the script's own is left alone). It goes on inert (DDP's own
+division and all-reduce, in Python), and folds the bell in
 only once every rank said, in an agreement, that its DDP carries the hook: the ranks'
 reductions always have the same size. A hook the script registers later (DDP takes one,
 once) is handed the buckets once the ranks agreed to stop folding, one step later. CPU
@@ -24,6 +29,8 @@ device, so a CUDA model keeps the agreement's own collective.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -31,6 +38,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+
+from elastic.worker.agreement import Bell, bell_pays
+
+PROBE = 1 << 18  # elements of the scaled copy timed (1 MB of float32), scaled to the model
 
 
 class Rung(NamedTuple):
@@ -57,6 +68,10 @@ class Doorbell:
         self._pending = pending
         self._ddp: DistributedDataParallel | None = None  # the DDP carrying the hook
         self._slot: _Slot | None = None  # ... its slot
+        self._seen: DistributedDataParallel | None = None  # found, not yet weighed
+        self._pass_s = 0.0  # ... what a hook's pass over its gradients costs a step
+        self._weighed: DistributedDataParallel | None = None  # the last one weighed
+        self.verdict: Bell | None = None  # ... whether the hook went on, and why
         self._handles: list[Any] = []
         self.active = False  # every rank's DDP carries it: the bell is in the reduction
         self._reduced = 0  # reductions that carried the bell
@@ -76,11 +91,23 @@ class Doorbell:
 
     def _forward(self, module: torch.nn.Module, _args: Any) -> None:
         ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
-        if ddp is not None and ddp is not self._ddp and ddp.module is module:
+        if ddp is None or ddp.module is not module or ddp in (self._seen, self._weighed):
+            return
+        self._seen, self._pass_s = ddp, _pass_time(ddp)
+
+    def consider(self, step_s: float | None) -> None:
+        """Put the hook on the DDP found where it pays (``bell_pays``) beside a step of
+        ``step_s`` (None: not measured yet). Between steps: the next backward runs it."""
+        ddp = self._seen
+        if ddp is None or step_s is None:
+            return
+        self._seen, self._weighed = None, ddp
+        self.verdict = bell_pays(self._pass_s, step_s)
+        if self.verdict.pays:
             self._carry(ddp)
 
     def _carry(self, ddp: DistributedDataParallel) -> None:
-        self.forget()
+        self._ddp, self._slot, self.active = None, None, False
         if (
             getattr(ddp, "_comm_hooks", None)  # the script's own (a built-in one: below)
             or ddp.process_group.size() != dist.get_world_size()  # the bell must reach all
@@ -100,6 +127,7 @@ class Doorbell:
     def forget(self) -> None:
         """Let go of the DDP (a re-formation: it holds the old process group)."""
         self._ddp, self._slot, self.active = None, None, False
+        self._seen = self._weighed = None
 
     @property
     def ready(self) -> bool:
@@ -208,3 +236,20 @@ class _Fold:
 
 
 _RUNGS = [Rung(a, s) for a in (False, True) for s in (False, True)]
+
+
+def _pass_time(ddp: DistributedDataParallel) -> float:
+    """Seconds a scaled copy of ``ddp``'s gradients takes here: the pass a comm hook adds
+    to each step (timed on at most ``PROBE`` elements, the best of three, scaled up)."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    if not n:
+        return 0.0
+    src = torch.ones(min(n, PROBE), dtype=params[0].dtype)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(3):
+        began = time.perf_counter()
+        torch.mul(src, 0.5, out=dst)
+        best = min(best, time.perf_counter() - began)
+    return float(best * n / src.numel())

@@ -308,6 +308,7 @@ class State:
             [core.stopping(), core.due, cadence.proposal, asked, -gap, unready], "MAX"
         )
         agreement.timed(cadence.clock() - began)
+        core.doorbell.consider(agreement.step_s())
         core.doorbell.fold(not unfolded)
         core.due = False
         moved = agreement.agreed(step, -least)  # MAX of the negated: the least gap
@@ -356,6 +357,9 @@ class State:
             why += "; the ranks learn whether to agree in DDP's gradient all-reduce"
         elif gap > 1:
             why += f"; the ranks agree every {gap} steps: {core.agreement.choice.reason}"
+        verdict = core.doorbell.verdict
+        if not folded and verdict is not None and not verdict.pays:
+            why += f" ({verdict.reason})"
         log.info(
             "snapshot every %d step(s), at most %d step(s) lost to a crash: %s",
             cadence.interval,

@@ -7,8 +7,9 @@ of their own the ranks held, and whether the two models' weights are bitwise equ
     doorbell_ranks.py fold       # State around the module, DDP built after it
     doorbell_ranks.py fold-view  # the same, both DDPs with gradient_as_bucket_view
     doorbell_ranks.py own-hook   # rank 0's DDP carries a hook of the script's own
-    doorbell_ranks.py late-hook  # after step LATE rank 0 registers a Python hook, rank 1
-                                 # a built-in one (both DDPs alike); calls: rank 0's
+    doorbell_ranks.py late-hook  # at the first step from LATE on where the bell rides in
+                                 # State's DDP, rank 0 registers a Python hook, rank 1 a
+                                 # built-in one (both DDPs alike); calls: rank 0's
     doorbell_ranks.py peer-lost  # State's DDP alone; rank 1 exits after committing LOST;
                                  # prints "rank R left|failed-after STEP"
 """
@@ -57,8 +58,10 @@ def main() -> None:
         calls += 1
         return default_hooks.allreduce_hook(state, bucket)
 
+    late = -1  # the step whose reduction the script's hook first took (late-hook)
     for i in range(STEPS):
-        if mode == "late-hook" and i == LATE:
+        if mode == "late-hook" and late < 0 and i >= LATE and state._core.doorbell.active:
+            late = i
             for d in (plain, ddp):
                 if rank == 0:
                     d.register_comm_hook(None, counted)
@@ -87,7 +90,7 @@ def main() -> None:
     active = state._core.doorbell.active
     print(
         f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {same} "
-        f"calls {calls} agreed-at {','.join(map(str, agreements.steps[-4:]))}"
+        f"calls {calls} agreed-at {','.join(map(str, agreements.steps[-4:]))} late {late}"
     )
     dist.destroy_process_group()
     os._exit(0)
