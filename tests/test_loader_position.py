@@ -101,7 +101,7 @@ def test_a_finished_epoch_resumes_with_nothing_left() -> None:
     assert resumed.after(7, 2, 4, 96) == Position(1, consumed=56, lead=5)
 
 
-@pytest.mark.parametrize(("world", "drop"), itertools.product((1, 2, 3), (False, True)))
+@pytest.mark.parametrize(("world", "drop"), list(itertools.product((1, 2, 3), (False, True))))
 def test_per_rank_is_the_loaders_length(world: int, drop: bool) -> None:
     for n in (1, 5, 24, 25):
         samples = range(n)
