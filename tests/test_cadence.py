@@ -200,6 +200,24 @@ def test_the_time_a_snapshot_blocks_the_training_thread_is_part_of_its_cost() ->
     assert c.interval == 32  # as for 50 ms of a disturbed step
 
 
+def test_a_snapshot_costs_at_least_the_time_it_blocked_whatever_the_noise_after_it() -> None:
+    """100 ms steps on a busy host, where the steps a snapshot disturbed came out faster
+    than the clean ones: the excess is noise, the 20 ms the snapshot held the thread are
+    not. It costs those (20 ms: every 13 steps at a 2% budget), not nothing (every step)."""
+    c = Cadence(0.02)
+    for step in range(1, 400):
+        if step > 1:
+            disturbed = c.last == step - 1
+            c.observe(0.08 if disturbed else 0.1, disturbed)
+        due = c.due(step)
+        c.agree(c.proposal)
+        if due:
+            c.taken(step)
+            c.blocked(0.02)
+    assert c.cost_s == pytest.approx(0.02)
+    assert c.interval == 13, c.choice
+
+
 def test_a_proposal_is_urgent_when_new_and_none_agreed_or_twice_as_frequent() -> None:
     c = Cadence(0.02)
     assert not c.urgent  # nothing proposed yet
