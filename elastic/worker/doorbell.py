@@ -14,7 +14,7 @@ its own. A step whose gradients were not reduced (``no_sync``) falls back to
 
 A comm hook is not free: DDP's C++ reduction scales the gradients as it copies them
 into its buckets, and under a hook they are copied, then scaled, a pass of their own
-(about 7% of a 12 ms step of a 4 MB model here). So the DDP around one of State's modules
+(0.5-1 ms of a 12 ms step of a 4 MB model here). So the DDP around one of State's modules
 is found at its first forward (a forward pre-hook on the module), that pass is timed,
 and the hook goes on only where it costs no more than the agreements it would replace
 may (``agreement.bell_pays``: 2% of a step, weighed once the steps are timed; a DDP

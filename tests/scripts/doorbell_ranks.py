@@ -44,7 +44,7 @@ def main() -> None:
     state = elastic.State(model=net, optimizer=opt)
     agreements.state = state
     stop_rank_1_at(state, rank, STOP_AT)
-    view = mode == "fold-view"  # the grads are views of the buckets: copied back into
+    view = mode == "fold-view"  # the gradients are views of DDP's buckets
     ddp = DDP(net, gradient_as_bucket_view=view)
     plain = DDP(ref, gradient_as_bucket_view=view)
     if mode == "own-hook" and rank == 0:
