@@ -313,3 +313,27 @@ def test_the_bell_is_weighed_once_its_ddp_was_seen_and_goes_on_only_where_it_pay
         ddp(torch.randn(2, 64)).sum().backward()
         bell.consider(1.0 - step_s)
         assert bell.verdict is verdict, "weighed once per DDP"
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_the_forward_hook_goes_once_the_ddp_is_found_and_comes_back_after_a_change() -> None:
+    """A module with a forward hook takes torch's slower call path every step: the hook
+    that finds the DDP goes once it found it, and comes back at a re-formation
+    (``forget``), where the script wraps the module in a new DDP, found in turn."""
+    model = torch.nn.Linear(8, 8)
+    bell = Doorbell(lambda: Rung(False, False))
+    bell.watch([model])
+    model(torch.randn(2, 8))  # a forward outside DDP finds nothing: the hook stays
+    assert model._forward_pre_hooks, "listening until a DDP is seen"
+    first = DDP(model)
+    first(torch.randn(2, 8)).sum().backward()
+    assert not model._forward_pre_hooks, "found: no hook left on the module"
+    bell.consider(1.0)
+    assert bell.ready, "the found DDP carries the bell"
+    bell.forget()
+    assert model._forward_pre_hooks and not bell.ready, "a re-formation listens again"
+    second = DDP(model)
+    second(torch.randn(2, 8)).sum().backward()
+    assert not model._forward_pre_hooks
+    bell.consider(1.0)
+    assert bell.ready and second._comm_hooks, "the new DDP carries it"

@@ -15,7 +15,8 @@ its own. A step whose gradients were not reduced (``no_sync``) falls back to
 A comm hook is not free: DDP's C++ reduction scales the gradients as it copies them
 into its buckets, and under a hook they are copied, then scaled, a pass of their own
 (0.5-1 ms of a 12 ms step of a 4 MB model here). So the DDP around one of State's modules
-is found at its first forward (a forward pre-hook on the module), that pass is timed,
+is found at its first forward (a forward pre-hook on the module, until then and again
+after each re-formation), that pass is timed,
 and the hook goes on only where it costs no more than the agreements it would replace
 may (``agreement.bell_pays``: 2% of a step, weighed once the steps are timed; a DDP
 that already has a hook of the script's own is left alone). It goes on inert (DDP's own
@@ -72,7 +73,8 @@ class Doorbell:
         self._pass_s = 0.0  # ... what a hook's pass over its gradients costs a step
         self._weighed: DistributedDataParallel | None = None  # the last one weighed
         self.verdict: Bell | None = None  # ... whether the hook went on, and why
-        self._handles: list[Any] = []
+        self._modules: list[torch.nn.Module] = []  # State's, whose DDP carries the hook
+        self._handles: list[Any] = []  # ... their forward pre-hooks, until it is found
         self.active = False  # every rank's DDP carries it: the bell is in the reduction
         self._reduced = 0  # reductions that carried the bell
         self._read = 0  # ... as of the last ``rang``
@@ -81,19 +83,31 @@ class Doorbell:
 
     def watch(self, objects: Iterable[Any]) -> None:
         """Look for the DDP of ``objects`` (again, after they were replaced)."""
+        self._modules = [
+            o.module if isinstance(o, DistributedDataParallel) else o
+            for o in objects
+            if isinstance(o, torch.nn.Module)
+        ]
+        self._listen()
+
+    def _listen(self) -> None:
+        """A forward pre-hook on each module, until its DDP is found: a module with a
+        hook takes torch's slower call path, tens of us a step here."""
+        self._unlisten()
+        for module in self._modules:  # at a forward, when the script registered its own
+            self._handles.append(module.register_forward_pre_hook(self._forward))
+
+    def _unlisten(self) -> None:
         for h in self._handles:
-            h.remove()
+            h.remove()  # safe inside the hook: torch calls a copy of the hooks
         self._handles.clear()
-        for o in objects:  # at a forward, when the script registered any hook of its own
-            module = o.module if isinstance(o, DistributedDataParallel) else o
-            if isinstance(module, torch.nn.Module):
-                self._handles.append(module.register_forward_pre_hook(self._forward))
 
     def _forward(self, module: torch.nn.Module, _args: Any) -> None:
         ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
         if ddp is None or ddp.module is not module or ddp in (self._seen, self._weighed):
             return
         self._seen, self._pass_s = ddp, _pass_time(ddp)
+        self._unlisten()  # a new DDP comes with a new group: ``forget`` listens again
 
     def consider(self, step_s: float | None) -> None:
         """Put the hook on the DDP found where it pays (``bell_pays``) beside a step of
@@ -125,9 +139,11 @@ class Doorbell:
         self._ddp, self._slot = ddp, slot
 
     def forget(self) -> None:
-        """Let go of the DDP (a re-formation: it holds the old process group)."""
+        """Let go of the DDP (a re-formation: it holds the old process group), and look
+        for the one the script wraps on the new group."""
         self._ddp, self._slot, self.active = None, None, False
         self._seen = self._weighed = None
+        self._listen()
 
     @property
     def ready(self) -> bool:
