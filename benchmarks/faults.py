@@ -26,6 +26,8 @@ job's budget, with the nodes whose own failure they were.
     two joins     c and d join a and b at once (each expects rank 2 of 3)
     join building  c joins a and b; as c's worker, placed, builds its model (8 s before
                   State.run), d joins: from c's placement to the first step at world 4
+    kill building  c joins a and b; 1 s into its worker's 6 s model build, b is
+                  SIGKILLed: from the kill to the first step of a and c
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
     kill etcd restarting  etcd and c SIGKILLed together, etcd started again 1 s later
@@ -292,6 +294,26 @@ def join_building(job: Job) -> Outcome:
     return job.outcome(at, resumed - at)
 
 
+def kill_building(job: Job) -> Outcome:
+    """c joins a and b; its worker, placed, builds its model for 6 s before State.run, and
+    b is SIGKILLed 1 s into that. Timed: from the kill to the first step at world 2 (a and
+    c), whose floor is the rest of c's build; whether c's worker was kept is printed (a
+    replaced one starts and builds again)."""
+    start_training(job, "ab")
+    job.start("c", "--build-s", "6")
+    job.wait_log("c", "round 2:")  # placed: its worker builds now
+    time.sleep(1.0)
+    at = time.time()
+    job.nodes["b"].kill()
+    resumed = first_step(job.results, 2, at, TIMEOUT, ranks=2)
+    if resumed is None:
+        return job.outcome(at, None)
+    said = job.log("c")
+    kept = "new workers follow" not in said and "stopping workers" not in said
+    print(f"kill building ({job.mode}): c's worker {'kept' if kept else 'replaced'}", flush=True)
+    return job.outcome(at, resumed - at)
+
+
 def ctrl_c(job: Job) -> Outcome:
     job.nnodes = "1"
     node = job.start("a")
@@ -349,6 +371,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "join": join,
     "two joins": two_joins,
     "join building": join_building,
+    "kill building": kill_building,
     "Ctrl-C": ctrl_c,
     "etcd frozen": etcd_frozen,
     "kill etcd restarting": kill_etcd_restarting,

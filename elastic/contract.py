@@ -144,6 +144,8 @@ USES_STATE = 1  # flag: the worker runs elastic.State (it can save and stop when
 REPORTS = 2  # flag: the worker reports progress (State.commit or elastic.report)
 LIVE = 4  # flag: the worker runs State.run (it can form a new process group in place)
 UNPLACED = 8  # flag: started ahead, it read no placement variable before it was placed
+COMING = 16  # flag: it formed its first group in place (started ahead) and goes on to
+# State.run: asked to abandon that group, it lets go once there
 
 
 class Phase(enum.IntEnum):
@@ -184,7 +186,7 @@ class ControlBlock:
         8       stop request generation ("save at the next step")      agent
         16      heartbeat, ns since the epoch                          worker
         24      step                                                   worker
-        32      flags: USES_STATE, REPORTS, LIVE, UNPLACED             worker
+        32      flags: USES_STATE, REPORTS, LIVE, UNPLACED, COMING     worker
         40      restored: 0 not yet in this placement, else the step   worker
                 it resumed from + 2 (1: nothing restored)              (agent: 0)
         48      alive: ns since the epoch, every ALIVE_EVERY s by a    worker
@@ -280,6 +282,13 @@ class ControlBlock:
     @property
     def reports(self) -> bool:
         return bool(self._get(_OFF["flags"]) & (USES_STATE | REPORTS))
+
+    @property
+    def coming(self) -> bool:
+        """On its way from its first group, formed in place, into State.run: it reported
+        no step yet (a script that trains outside State.run never gets there)."""
+        flags = self._get(_OFF["flags"])
+        return bool(flags & COMING) and not flags & (LIVE | REPORTS)
 
     @property
     def heartbeat(self) -> float:

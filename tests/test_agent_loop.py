@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.agent import lobby
-from elastic.agent.core import AgentState
+from elastic.agent.core import COMING_LIVE_S, AgentState
 from elastic.agent.failures import FailureReport, WorkerFailure
 from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics
@@ -151,6 +151,8 @@ class FakeWorkers:
         self.released: list[bool] = []  # release_withheld(show) calls
         self._running = False
         self.live = False  # the workers run State.run (they can re-form in place)
+        self.coming = False  # ... or are on their way there, from the lobby's group
+        self.held_for: list[float] = []  # hold()'s timeouts
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
         self.held: tuple[Held, str] = (Held.HELD, "")  # what hold() answers
         self.reformed: list[list[Placement]] = []
@@ -219,6 +221,9 @@ class FakeWorkers:
 
     def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]:
         self.actions.append("abandon" if urgent else "pause")
+        self.held_for.append(timeout)
+        if self.held[0] is Held.HELD and self.coming:  # they let go in State.run
+            self.coming, self.live = False, True
         return self.held
 
     def reform(self, placements: list[Placement]) -> None:
@@ -253,15 +258,8 @@ CRASH = WorkerFailure(rank=1, local_rank=1, pid=7, exitcode=1, time=1.0, message
 
 
 def agent(job: FakeJob, workers: FakeWorkers, **kw: Any) -> Agent:
-    return Agent(
-        job,
-        workers,
-        monitor_interval=0.0,
-        shutdown_timeout=5.0,
-        close_timeout=1.0,
-        host="host-a",
-        **kw,
-    )
+    kw = {"monitor_interval": 0.0, "shutdown_timeout": 5.0, "close_timeout": 1.0, **kw}
+    return Agent(job, workers, host="host-a", **kw)
 
 
 def test_a_round_starts_workers_with_torchrun_placements_and_success_closes_the_job() -> None:
@@ -592,6 +590,21 @@ def test_a_live_rank_0_whose_store_helper_still_starts_has_its_worker_host_the_s
         assert [p.agent_store for p in placements] == [ready, ready]
         env = round_env(placements[0])
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == str(ready) and env["RANK"] == "0"
+
+
+def test_a_loss_abandons_workers_on_their_way_into_state_run_and_holds_them_there() -> None:
+    """A newcomer's workers, placed in place, build their model before State.run when b
+    is lost: they are asked to leave the broken group and held until they do, in
+    State.run, for at most ``COMING_LIVE_S`` (a new worker would cost everyone a worker
+    start); one that does not let go by then is replaced, as any."""
+    for held, started in (((Held.HELD, ""), 1), ((Held.FAILED, "rank 1 still in..."), 2)):
+        lost = Change(RoundEnd.LOST, "lost b", ("b",))
+        job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
+        workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+        workers.coming, workers.held = True, held
+        assert agent(job, workers, shutdown_timeout=30.0).run() == 0
+        assert workers.actions[0] == "abandon" and workers.held_for == [COMING_LIVE_S]
+        assert len(workers.started) == started and len(workers.reformed) == 2 - started
 
 
 def test_live_workers_pause_for_a_newcomer() -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from harness import ROOT, wait_until
 
-from elastic.contract import CONTROL_ENV, LOBBY_ENV, ControlBlock, Phase
+from elastic.contract import CONTROL_ENV, LOBBY_ENV, REPORTS, ControlBlock, Phase
 from elastic.worker import group as group_module
 from elastic.worker.group import (
     AbortNccl,
@@ -423,11 +423,40 @@ def test_a_worker_started_ahead_forms_its_first_group_as_a_live_worker_does(
         assert not waiter.is_alive() and formed, "it formed the round of one"
         assert dist.is_initialized() and dist.get_world_size() == 1
         assert LOBBY_ENV not in os.environ and os.environ["RANK"] == "0"
-        assert not agent_side.live  # State.run says it again
+        assert not agent_side.live and agent_side.coming, "on its way into State.run"
         gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
         assert gloo.options._timeout == datetime.timedelta(seconds=42)  # the script's
+        # a member lost while the script builds its model: the group is given up, and
+        # State.run (``attach``) takes it over, to let go at once
+        g = group_module._group
+        assert g is not None and not g.abandoned.is_set()
+        agent_side.request_abandon()
+        wait_until(g.abandoned.is_set, 5.0, "the abandon is seen before State.run")
+        assert group_module.attach(g.block) is g and g.reformations == 1
+        assert agent_side.live and not agent_side.coming
     finally:
+        group_module.detach()
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_a_lobby_worker_that_reports_before_state_run_trains_outside_it(
+    block: ControlBlock, agent_side: ControlBlock
+) -> None:
+    """A script that reports progress (a step, a heartbeat) with its lobby-formed group
+    trains outside State.run: it stops being on its way there (the agent would wait for
+    it in vain), and a later State.run watches a group of its own."""
+    g = Group(block)
+    g.head_for_run()
+    group_module._group = g
+    try:
+        assert agent_side.coming and not agent_side.live
+        block.mark(REPORTS)
+        wait_until(lambda: g.closed, 5.0, "its watcher retires")
+        assert not agent_side.coming and not agent_side.live
+        again = group_module.attach(block)
+        assert again is not None and again is not g and agent_side.live
+    finally:
+        group_module.detach()

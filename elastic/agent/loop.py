@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from elastic.agent import storehost
 from elastic.agent.core import (
+    COMING_LIVE_S,
     AgentState,
     Event,
     Exit,
@@ -116,6 +117,8 @@ class Workers(Protocol):
     def restored(self) -> int | None: ...  # the step they resumed from, once they all said
     @property
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
+    @property
+    def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]: ...
     def reform(self, placements: list[Placement]) -> None: ...
@@ -211,7 +214,6 @@ class Agent:
         self._prepared_at = 0.0  # when workers started ahead of joining (lobby)
         self._announced = False  # what the rendezvous was told: its workers re-form in place
         self._live_seen = False  # the workers re-formed in place this round (State.run)
-        self._placed_in_place = False  # this round placed the held workers (Start.REFORM)
         self._waiting_since: float | None = None  # a change began to wait for them (said)
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
@@ -333,14 +335,19 @@ class Agent:
 
     def _in_place(self, event: Event) -> bool:
         """The workers can re-form in place: all alive and in ``State.run`` (and, while
-        running, ``--restart-mode live``); held, as the round places them. For this
-        node's own failure: the others go on in place without it (``lobby.step_out``)."""
+        running, ``--restart-mode live``), or, for a change that breaks the round, on their
+        way there from the group they formed in place (a newcomer's, building its model:
+        new ones would cost everyone a worker start); held, as the round places them. For
+        this node's own failure: the others go on in place without it (``lobby.step_out``)."""
         if event in (LocalEvent.WORKERS_FAILED, LocalEvent.WORKERS_HUNG):
             return self._steps_out()
         if self.state is AgentState.HOLDING:
             r = self.round
             return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
-        return self.restart_mode is RestartMode.LIVE and self.workers.live
+        urgent = isinstance(event, RoundEnd) and event.urgent
+        return self.restart_mode is RestartMode.LIVE and (
+            self.workers.live or (urgent and self.workers.coming)
+        )
 
     def _steps_out(self) -> bool:
         if self.step_out is None or self.rejoin is None or self.round is None:
@@ -464,7 +471,7 @@ class Agent:
                 # wait in the round's store, or connect to a store host that is gone)
                 self.rdzv.probe_members()
             change = self.rdzv.check()
-            if change is not None and not self._waits_for_live(change, live):
+            if change is not None and not self._waits_for_live(change):
                 self._change = change
                 return change.end
             stranded = self.workers.stranded()
@@ -474,16 +481,10 @@ class Agent:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
 
-    def _waits_for_live(self, change: Change, live: bool) -> bool:
+    def _waits_for_live(self, change: Change) -> bool:
         """A graceful change waits while the workers placed in place go into State.run
-        (``core.waits_for_live``); said once. Workers that resumed in this placement and
-        are not live any more are done with State.run: nothing to wait for."""
-        coming = (
-            self._placed_in_place
-            and not live
-            and self.restart_mode is RestartMode.LIVE
-            and self.workers.restored() is None
-        )
+        (``core.waits_for_live``); said once."""
+        coming = self.restart_mode is RestartMode.LIVE and self.workers.coming
         now = time.monotonic()
         since = now if self._waiting_since is None else self._waiting_since
         why = waits_for_live(change.end, coming, now - since)
@@ -703,7 +704,6 @@ class Agent:
         in_place = how is Start.REFORM
         self._resuming = (self.workers.last_step(), self.rdzv.progress(), r.number)
         self._live_seen = False  # this round's workers say it again
-        self._placed_in_place = in_place
         self._waiting_since = None
         if self.store is not None and group_rank <= 1:
             self.store.warm()  # rank 1 is rank 0 once rank 0 goes: its store must be quick
@@ -822,7 +822,9 @@ class Agent:
         """Stop the workers as ``how`` says (or, in place, have them let go of their
         process group); what that came to."""
         if how.keeps_workers:
-            held, why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
+            # workers on their way into State.run let go only once there
+            bound = COMING_LIVE_S if self.workers.coming else self.shutdown_timeout
+            held, why = self.workers.hold(how is Stop.ABANDON, min(bound, self.shutdown_timeout))
             if held is Held.HELD:
                 return LocalEvent.WORKERS_HELD
             if held is Held.FINISHED:

@@ -283,6 +283,15 @@ class WorkerGroup:
             w.proc.poll() is None and w.control.live for w in self.workers
         )
 
+    @property
+    def coming(self) -> bool:
+        """Every worker is alive and on its way from the group it formed in place (started
+        ahead of its node's joining) into ``State.run``: asked to abandon that group, each
+        lets go once there."""
+        return bool(self.workers) and all(
+            w.proc.poll() is None and w.control.coming for w in self.workers
+        )
+
     def stranded(self) -> list[WorkerFailure]:
         """Workers that left their group on their own (a collective failed) and wait for
         the agent, as failures in case no change of the job explains it."""

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Protocol
 import psutil
 
 from elastic.contract import (
+    COMING,
     CONTROL_ENV,
     LIVE,
     LOBBY_ENV,
@@ -200,6 +201,7 @@ def form_from_lobby(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Conn]:
         block.mark(UNPLACED)  # any placement will do: it takes the round's in place
     elif read is not None:
         log.info("the script read %s before its placement: it takes only the one expected", read)
+    global _group
     g = Group(block)  # live: the agent may hold it
     g.backend = str(_argument(args, kwargs, 0, "backend") or "")
     g.timeout = _argument(args, kwargs, 2, "timeout")
@@ -216,9 +218,12 @@ def form_from_lobby(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Conn]:
                     raise
                 g.leave()
         del os.environ[LOBBY_ENV]
-        return set(g.sockets.formed)
-    finally:
-        g.close()  # State.run says it again, if the script goes there
+    except BaseException:
+        g.close()
+        raise
+    g.head_for_run()  # State.run takes it over (``attach``)
+    _group = g
+    return set(g.sockets.formed)
 
 
 # -- aborting: policies per backend ------------------------------------------------------------
@@ -279,6 +284,7 @@ class Group:
         self._store: Any = None  # the round's store, while its group lives
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._coming = False  # on its way into State.run (``head_for_run``)
         block.running(self.generation)
         block.mark(LIVE)
         self._thread = threading.Thread(target=self._watch, name="elastic-live", daemon=True)
@@ -304,9 +310,31 @@ class Group:
     def pause_asked(self) -> bool:
         return self.block.pause_generation != self._seen_pause
 
+    def head_for_run(self) -> None:
+        """Its group formed in place (a worker started ahead): the script goes on to
+        ``State.run``, building its model meanwhile. Until it gets there (``arrive``) an
+        abandon still cuts the group, and it lets go once there; a script that reports
+        first (a step, a heartbeat) trains outside State.run: the group is its own then."""
+        with self._lock:
+            self._coming = True
+            self.block.unmark(LIVE)
+            self.block.mark(COMING)
+
+    def arrive(self) -> None:
+        """The script is in ``State.run``: it re-forms in place from here on."""
+        with self._lock:
+            self._coming = False
+            self.block.unmark(COMING)
+            self.block.mark(LIVE)
+
     def _watch(self) -> None:
         while not self._closed.wait(POLL):
             with self._lock:
+                if self._coming and not self.block.coming:  # it reported: it trains
+                    self.block.unmark(COMING)  # outside State.run
+                    self._coming = False
+                    self._closed.set()
+                    return
                 generation = self.block.abandon_generation
                 if generation == self._seen_abandon:
                     continue
@@ -435,12 +463,17 @@ class Group:
                 if not self.breaks(e):
                     raise
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def close(self) -> None:
         """The training function returned: stop watching, and tell the agent this worker
         no longer re-forms in place (a change now stops it, as any script)."""
-        self.block.unmark(LIVE)
+        self.block.unmark(LIVE | COMING)
         self._closed.set()
-        self._thread.join(timeout=1.0)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
 
 
 _group: Group | None = None
@@ -450,9 +483,13 @@ def attach(block: ControlBlock | None) -> Group | None:
     """This process's ``Group`` (one per process, whatever the number of States), or None
     where the agent will not re-form workers in place."""
     global _group
+    if _group is not None and _group.closed:  # a lobby's group the script trained outside
+        _group = None
     if _group is None and Group.wanted(block):
         assert block is not None
         _group = Group(block)
+    elif _group is not None:
+        _group.arrive()  # formed in the lobby
     return _group
 
 

@@ -418,6 +418,8 @@ class State:
         try:
             while True:
                 try:
+                    if g is not None and g.abandoned.is_set():  # while the script built
+                        raise Reformation("the round was given up before State.run")
                     if not core.restored:  # inside: a change during it is one more change
                         self.restore()
                     return fn(*args, **kwargs)
