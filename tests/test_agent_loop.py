@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.agent import lobby
-from elastic.agent.core import COMING_LIVE_S, AgentState
+from elastic.agent.core import AgentState
 from elastic.agent.failures import FailureReport, WorkerFailure
 from elastic.agent.loop import Agent
 from elastic.agent.metrics import AgentMetrics
@@ -595,15 +595,15 @@ def test_a_live_rank_0_whose_store_helper_still_starts_has_its_worker_host_the_s
 def test_a_loss_abandons_workers_on_their_way_into_state_run_and_holds_them_there() -> None:
     """A newcomer's workers, placed in place, build their model before State.run when b
     is lost: they are asked to leave the broken group and held until they do, in
-    State.run, for at most ``COMING_LIVE_S`` (a new worker would cost everyone a worker
-    start); one that does not let go by then is replaced, as any."""
+    State.run, for at most ``--shutdown-timeout`` (a new worker would cost everyone a
+    worker start and the whole build); one that does not let go by then is replaced."""
     for held, started in (((Held.HELD, ""), 1), ((Held.FAILED, "rank 1 still in..."), 2)):
         lost = Change(RoundEnd.LOST, "lost b", ("b",))
         job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, lost])
         workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
         workers.coming, workers.held = True, held
         assert agent(job, workers, shutdown_timeout=30.0).run() == 0
-        assert workers.actions[0] == "abandon" and workers.held_for == [COMING_LIVE_S]
+        assert workers.actions[0] == "abandon" and workers.held_for == [30.0]
         assert len(workers.started) == started and len(workers.reformed) == 2 - started
 
 

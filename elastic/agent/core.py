@@ -249,13 +249,11 @@ _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
 
 _IN_PLACE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
 
-# How long a change waits for workers placed in place that have not reached State.run
-# yet: a newcomer's, started ahead, between the first group its init_process_group formed
-# and State.run (building the model, DDP). Once there they re-form in place; stopped, they
-# would cost the job a worker start (3-9 s with spawn on a busy host) with every member
-# waiting for it. A graceful change (a join, a leave announced, a stop asked) waits before
-# it acts; one that breaks the round (a member lost) abandons their group at once, and the
-# agent holds them this long for them to let go in State.run. A script that never goes
+# How long a graceful change (a join, a leave announced, a stop asked) waits for workers
+# placed in place that have not reached State.run yet: a newcomer's, started ahead, between
+# the first group its init_process_group formed and State.run (building the model, DDP).
+# Once there they re-form in place; stopped, they would cost the job a worker start (3-9 s
+# with spawn on a busy host) with every member waiting for it. A script that never goes
 # into State.run is stopped as before, this much later.
 COMING_LIVE_S = 10.0
 
@@ -264,7 +262,7 @@ def waits_for_live(end: RoundEnd, coming: bool, waited: float) -> str | None:
     """Why the running agent does not act on ``end`` yet (None: it acts now). ``coming``:
     its workers were placed in place this round, all alive, and are not in State.run yet;
     ``waited``: seconds since it first saw ``end``. An urgent change never waits: the
-    round is broken, and the workers let go of it once in State.run (``COMING_LIVE_S``)."""
+    round is broken, and the workers are asked to leave it, which they do in State.run."""
     change = _CHANGES.get(end)
     if change is None or change[0] is not Stop.DRAIN or not coming:
         return None

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from elastic.agent import storehost
 from elastic.agent.core import (
-    COMING_LIVE_S,
     AgentState,
     Event,
     Exit,
@@ -344,6 +343,8 @@ class Agent:
         if self.state is AgentState.HOLDING:
             r = self.round
             return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
+        # on their way (held up to --shutdown-timeout): replacing them would cost a worker
+        # start and the whole build, waiting at most the rest of the build
         urgent = isinstance(event, RoundEnd) and event.urgent
         return self.restart_mode is RestartMode.LIVE and (
             self.workers.live or (urgent and self.workers.coming)
@@ -822,9 +823,7 @@ class Agent:
         """Stop the workers as ``how`` says (or, in place, have them let go of their
         process group); what that came to."""
         if how.keeps_workers:
-            # workers on their way into State.run let go only once there
-            bound = COMING_LIVE_S if self.workers.coming else self.shutdown_timeout
-            held, why = self.workers.hold(how is Stop.ABANDON, min(bound, self.shutdown_timeout))
+            held, why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
             if held is Held.HELD:
                 return LocalEvent.WORKERS_HELD
             if held is Held.FINISHED:
