@@ -166,8 +166,9 @@ def steps_by_pid(rows: list[dict]) -> dict[int, int]:
 def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
     """Do one event of ``kind`` if the job's state allows it; None if not."""
     alive, targets = s.alive(), s.targets()
+    staying = [n for n in alive if n not in s.left]  # a leaving node may take a while
     now = time.time()
-    if kind in ("kill", "term", "freeze") and len(alive) >= 2 and targets:
+    if kind in ("kill", "term", "freeze") and len(staying) >= 2 and targets:
         name = rng.choice(targets)
         if kind == "kill":
             s.nodes[name].kill()

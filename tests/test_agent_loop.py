@@ -153,6 +153,7 @@ class FakeWorkers:
         self.live = False  # the workers run State.run (they can re-form in place)
         self.coming = False  # ... or are on their way there, from the lobby's group
         self.held_for: list[float] = []  # hold()'s timeouts
+        self.drain_frozen: list[WorkerFailure] = []
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
         self.held: tuple[Held, str] = (Held.HELD, "")  # what hold() answers
         self.reformed: list[list[Placement]] = []

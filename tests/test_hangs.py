@@ -182,6 +182,35 @@ def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
         router.close(lambda *_: None)
 
 
+def test_a_worker_frozen_while_its_node_leaves_is_killed_without_waiting_out_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """The node is told to leave (SIGTERM, Ctrl-C): State users save at their next step,
+    but a frozen one never reaches it. ``drain`` finds it by the allowance (2 s, the
+    floor) and kills the workers then, instead of after --shutdown-timeout (30 s here)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
+    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
+                        run_id="job", max_restarts=0)  # fmt: skip
+    group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", 29500, 0)])
+    try:
+        wait_until(lambda: group.last_step() >= 8, 30, "steps to learn from")
+        while group.last_step() < 12:  # the agent watches: it times the steps
+            assert not group.frozen()
+            time.sleep(0.05)
+        os.kill(group.pids[0], signal.SIGSTOP)
+        asked = time.monotonic()
+        drained = group.drain(signal.SIGTERM, timeout=30)
+        took = time.monotonic() - asked
+        assert drained is Drained.FROZEN and not group.running, drained
+        [hung] = group.drain_frozen
+        assert "process stopped" in hung.message and 1.5 < took < 6, (took, hung)
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
 LIVE_WORKER = """
 import time, torch, torch.distributed as dist, elastic
 dist.init_process_group("gloo")

@@ -118,6 +118,7 @@ class Workers(Protocol):
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
     def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
+    drain_frozen: list[WorkerFailure]  # the hung workers that ended the last drain
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]: ...
     def reform(self, placements: list[Placement]) -> None: ...
@@ -839,6 +840,14 @@ class Agent:
             # leaving: the next round need not wait for the workers' interpreters to end
             let_go = self.rdzv.finish_round if leaving else None
             drained = self.workers.drain(sig, self.shutdown_timeout, let_go)
+            if drained is Drained.FROZEN:
+                hung = self.workers.drain_frozen[0]
+                log.warning(
+                    "rank %d hung while asked to stop (%s): it can never save; killing the "
+                    "workers now, the job keeps their last snapshot",
+                    hung.rank,
+                    hung.message,
+                )
             if drained is Drained.KILLED:
                 log.warning(
                     "workers still running %gs after being asked to stop; killing them",

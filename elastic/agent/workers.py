@@ -54,6 +54,7 @@ class Drained(enum.Enum):
     STOPPED = "stopped"  # all exited by themselves (saved for the resize, or on the signal)
     FINISHED = "finished"  # State users that all exited 0: training was over, not paused
     KILLED = "killed"  # some still ran after the timeout
+    FROZEN = "frozen"  # one hung (``frozen``): it never saves, and the others wait for it
 
 
 class Held(enum.Enum):
@@ -121,6 +122,7 @@ class WorkerGroup:
         self._closed = False  # their control blocks are closed
         self._looked = 0.0  # when the agent last looked at the workers' silence
         self._since = 0.0  # ... and since when it has looked without a gap
+        self.drain_frozen: list[WorkerFailure] = []  # the hung ones that ended the last drain
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.workers = lambda: self.pids
@@ -390,7 +392,8 @@ class WorkerGroup:
         to end; this node leaves, so they get ``EXIT_GRACE`` to end before a SIGKILL,
         which loses nothing: they saved). A State user that exits 0 instead had left its
         training loop before the ask: it finished (only for State users: a script may
-        well exit 0 on a SIGTERM)."""
+        well exit 0 on a SIGTERM). One found hung (``frozen``, in ``drain_frozen``) would
+        never save: all are killed at once, their last snapshot is what the job keeps."""
         use_state = self.use_state
         if use_state:
             for w in self.workers:
@@ -400,11 +403,16 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout
         saved = False
         broken: set[int] = set()  # local ranks broken out of forming a group
+        self.drain_frozen = []
         while self.running and time.monotonic() < deadline:
             for w in self.workers:
                 if use_state and w.local_rank not in broken and self._forming(w):
                     w.control.request_abandon()
                     broken.add(w.local_rank)
+            self.drain_frozen = self.frozen() if use_state and not saved else []
+            if self.drain_frozen:
+                self.stop(0)
+                return Drained.FROZEN
             if let_go is not None and all(
                 w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in self.workers
             ):
