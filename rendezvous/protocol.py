@@ -180,6 +180,12 @@ class Rendezvous:
                 raise RendezvousCancelled("cancelled while waiting for the next round")
             if self.session.closed:  # never join again once shut down (lease revoked)
                 raise RendezvousCancelled("this node has left the job")
+            if time.monotonic() >= deadline and self.session.outage() is not None:
+                # the leader enforces the deadline; with etcd away, nobody can, for good
+                raise RendezvousTimeoutError(
+                    f"job {self.options.run_id!r}: no round formed within "
+                    f"join_timeout={timeout:g}s, and etcd does not answer this node"
+                )
             version = self.mirror.version
             view = self.mirror.view()
             self._raise_if_closed(view)

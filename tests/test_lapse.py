@@ -21,7 +21,12 @@ from elastic.agent.etcd_server import EtcdServer
 from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.config import RdzvConf, build_options
-from rendezvous.errors import EtcdUnavailableError, RendezvousCancelled, RendezvousError
+from rendezvous.errors import (
+    EtcdUnavailableError,
+    RendezvousCancelled,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from rendezvous.lease import LeaseKeeper
 from rendezvous.protocol import NodeSpec, Rendezvous
 from rendezvous.records import NodeRecord, RoundRecord
@@ -317,6 +322,36 @@ def test_a_node_joining_while_etcd_is_away_waits_for_it_and_hears_a_signal(
         assert record(nodes[1]) is not None
     finally:
         stop(nodes)
+
+
+def test_a_node_waiting_for_a_round_while_etcd_stays_away_gives_up_at_its_join_timeout(
+    pair: list[Rendezvous], fresh_etcd: EtcdServer
+) -> None:
+    """b waits for round 2, which a (the leader) would form; etcd goes away for good. The
+    leader enforces join_timeout, but no leader can act without etcd: b gives up at its
+    own deadline instead of waiting forever (an agent was found so, 20 minutes on)."""
+    b = pair[1]
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            b.next_round(timeout=3)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)  # b waits for a to form round 2
+
+    def during() -> None:
+        began = time.monotonic()
+        waiter.join(8)
+        assert outcome, "b still waits, etcd away past its join_timeout"
+        assert isinstance(outcome[0], RendezvousTimeoutError), outcome
+        assert "etcd does not answer" in str(outcome[0]) and time.monotonic() - began < 6
+
+    freeze(fresh_etcd, 9, during)
 
 
 def test_a_registration_etcd_applied_after_its_try_gave_up_is_the_nodes_own(
