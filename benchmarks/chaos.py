@@ -134,7 +134,12 @@ class Storm:
         return steps(self.out)
 
     def workers(self, name: str) -> list[psutil.Process]:
-        return [p for p in self.nodes[name].tree()[1:] if "live_train" in " ".join(p.cmdline())]
+        out = []
+        for p in self.nodes[name].tree()[1:]:
+            with contextlib.suppress(psutil.Error):  # one that just ended (a zombie)
+                if "live_train" in " ".join(p.cmdline()):
+                    out.append(p)
+        return out
 
     def finished(self) -> bool:
         return (self.out / "final.pt").exists() and not self.alive()
