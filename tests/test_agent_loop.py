@@ -104,6 +104,12 @@ class FakeJob:
     def check(self) -> Change | None:
         return self.changes.popleft() if self.changes else None
 
+    resumes: deque[bool] = deque()  # successive resume() results (then True)
+
+    def resume(self) -> bool:
+        self.calls.append("resume")
+        return self.resumes.popleft() if self.resumes else True
+
     def probe_members(self) -> None:
         self.calls.append("probe_members")
 
@@ -606,6 +612,22 @@ def test_a_loss_abandons_workers_on_their_way_into_state_run_and_holds_them_ther
         assert agent(job, workers, shutdown_timeout=30.0).run() == 0
         assert workers.actions[0] == "abandon" and workers.held_for == [30.0]
         assert len(workers.started) == started and len(workers.reformed) == 2 - started
+
+
+def test_a_lapse_is_said_once_while_the_node_waits_to_carry_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """etcd dropped the lease in an outage, no round formed without this node: it carries
+    on once it reads etcd anew; meanwhile every look sees the lapse again, said once."""
+    lapsed = Change(RoundEnd.LAPSED, "etcd dropped this node's lease, but no round formed")
+    job = FakeJob([round_of(1, "a")], [None, lapsed, lapsed, lapsed])
+    job.resumes = deque([False, False, True])
+    workers = FakeWorkers([RUNNING] * 6 + [SUCCEEDED])
+    with caplog.at_level(logging.WARNING, logger="elastic"):
+        assert agent(job, workers).run() == 0
+    said = [r for r in caplog.records if "it carries on" in r.getMessage()]
+    assert len(said) == 1 and job.calls.count("resume") == 3, caplog.text
+    assert len(workers.started) == 1, "its workers trained on"
 
 
 def test_live_workers_pause_for_a_newcomer() -> None:

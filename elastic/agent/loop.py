@@ -215,6 +215,7 @@ class Agent:
         self._announced = False  # what the rendezvous was told: its workers re-form in place
         self._live_seen = False  # the workers re-formed in place this round (State.run)
         self._waiting_since: float | None = None  # a change began to wait for them (said)
+        self._lapsed = False  # etcd dropped the lease, this node carries on: said, not yet done
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
         self.checkpoint_dir = checkpoint_dir
@@ -641,6 +642,7 @@ class Agent:
         version = self.rdzv.version
         try:
             if self.rdzv.resume():
+                self._lapsed = False
                 return
         except RendezvousError as e:
             log.warning("could not carry this node on yet: %s", e)
@@ -808,8 +810,9 @@ class Agent:
             case RoundEnd.FENCED if change is not None:
                 log.warning("fenced: %s; killing stale workers and joining again", change.detail)
                 self._change_why = change.detail
-            case RoundEnd.LAPSED if change is not None:
+            case RoundEnd.LAPSED if change is not None and not self._lapsed:
                 log.warning("%s: it carries on, its workers train on", change.detail)
+                self._lapsed = True  # said once: it is seen again until etcd is read anew
             case RoundEnd() if change is not None and r.stop is Stop.URGENT:
                 log.warning("%s: stopping workers now", change.detail)
                 self._change_why = change.detail
