@@ -472,8 +472,7 @@ class Group:
         no longer re-forms in place (a change now stops it, as any script)."""
         self.block.unmark(LIVE | COMING)
         self._closed.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
+        self._thread.join(timeout=1.0)
 
 
 _group: Group | None = None
