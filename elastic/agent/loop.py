@@ -100,6 +100,8 @@ class Membership(Protocol):
 class Workers(Protocol):
     """What the agent needs of its worker processes (``workers.WorkerGroup``)."""
 
+    drain_frozen: list[WorkerFailure]  # the hung workers that ended the last drain
+
     @property
     def pids(self) -> list[int]: ...
     def start(self, placements: list[Placement], ahead: bool = False) -> None: ...
@@ -118,7 +120,6 @@ class Workers(Protocol):
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
     def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
-    drain_frozen: list[WorkerFailure]  # the hung workers that ended the last drain
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]: ...
     def reform(self, placements: list[Placement]) -> None: ...
