@@ -3,11 +3,13 @@ gives no sign of life either (a rank blocked on a frozen peer is not blamed)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -152,42 +154,10 @@ while True:  # steps of 0.1 s; asked to let go, it never does (a step that never
 """
 
 
-def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
-    tmp_path: Path,
-) -> None:
-    """The agent asks its workers to let go of their group for a re-formation (another
-    node was lost); one is frozen and never will: ``hold`` finds it by the allowance its
-    steps taught (2 s, the floor), with its process state, instead of waiting out
-    --shutdown-timeout (30 s here)."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
-    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0)  # fmt: skip
-    placement = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", 29500, 0)
-    group.start([placement])
-    try:
-        wait_until(lambda: group.last_step() >= 8, 30, "steps to learn from")
-        while group.last_step() < 12:  # the agent watches: it times the steps
-            assert not group.frozen()
-            time.sleep(0.05)
-        os.kill(group.pids[0], signal.SIGSTOP)
-        asked = time.monotonic()
-        held, why = group.hold(urgent=True, timeout=30)
-        took = time.monotonic() - asked
-        assert held is Held.FAILED and why.startswith("rank 0 did not let go: hung: "), why
-        assert "process stopped" in why and 1.5 < took < 6, (took, why)
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
-
-
-def test_a_worker_frozen_while_its_node_leaves_is_killed_without_waiting_out_the_timeout(
-    tmp_path: Path,
-) -> None:
-    """The node is told to leave (SIGTERM, Ctrl-C): State users save at their next step,
-    but a frozen one never reaches it. ``drain`` finds it by the allowance (2 s, the
-    floor) and kills the workers then, instead of after --shutdown-timeout (30 s here)."""
+@contextlib.contextmanager
+def frozen_after_steps(tmp_path: Path) -> Iterator[WorkerGroup]:
+    """One worker (``WORKER``) whose steps the agent timed, then SIGSTOPped; stopped at
+    the end."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
@@ -200,15 +170,40 @@ def test_a_worker_frozen_while_its_node_leaves_is_killed_without_waiting_out_the
             assert not group.frozen()
             time.sleep(0.05)
         os.kill(group.pids[0], signal.SIGSTOP)
+        yield group
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
+    tmp_path: Path,
+) -> None:
+    """The agent asks its workers to let go of their group for a re-formation (another
+    node was lost); one is frozen and never will: ``hold`` finds it by the allowance its
+    steps taught (2 s, the floor), with its process state, instead of waiting out
+    --shutdown-timeout (30 s here)."""
+    with frozen_after_steps(tmp_path) as group:
+        asked = time.monotonic()
+        held, why = group.hold(urgent=True, timeout=30)
+        took = time.monotonic() - asked
+        assert held is Held.FAILED and why.startswith("rank 0 did not let go: hung: "), why
+        assert "process stopped" in why and 1.5 < took < 6, (took, why)
+
+
+def test_a_worker_frozen_while_its_node_leaves_is_killed_without_waiting_out_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """The node is told to leave (SIGTERM, Ctrl-C): State users save at their next step,
+    but a frozen one never reaches it. ``drain`` finds it by the allowance (2 s, the
+    floor) and kills the workers then, instead of after --shutdown-timeout (30 s here)."""
+    with frozen_after_steps(tmp_path) as group:
         asked = time.monotonic()
         drained = group.drain(signal.SIGTERM, timeout=30)
         took = time.monotonic() - asked
         assert drained is Drained.FROZEN and not group.running, drained
         [hung] = group.drain_frozen
         assert "process stopped" in hung.message and 1.5 < took < 6, (took, hung)
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
 
 
 LIVE_WORKER = """
