@@ -160,6 +160,7 @@ class FakeWorkers:
         self.coming = False  # ... or are on their way there, from the lobby's group
         self.held_for: list[float] = []  # hold()'s timeouts
         self.drain_frozen: list[WorkerFailure] = []
+        self.holds_state = False  # holding_state(): State users out of their group
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
         self.held: tuple[Held, str] = (Held.HELD, "")  # what hold() answers
         self.reformed: list[list[Placement]] = []
@@ -225,6 +226,9 @@ class FakeWorkers:
 
     def stranded(self) -> list[WorkerFailure]:
         return self.strand.popleft() if self.strand else []
+
+    def holding_state(self) -> bool:
+        return self.holds_state
 
     def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]:
         self.actions.append("abandon" if urgent else "pause")
@@ -517,11 +521,15 @@ def test_a_job_finished_elsewhere_lets_local_workers_finish() -> None:
 
 
 def test_fenced_kills_stale_workers_at_once_and_joins_again() -> None:
-    fenced = Change(RoundEnd.FENCED, "etcd dropped this node's lease")
-    job = FakeJob([round_of(1, "a", "b"), round_of(3, "b", "a")], [fenced])
-    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
-    assert agent(job, workers).run() == 0
-    assert workers.actions[0] == "stop 0" and len(workers.started) == 2
+    """Stale workers are killed; State users that wait out of their group (their
+    collective failed) hold the job's last committed step: they save it first."""
+    for holds, actions in ((False, ["stop 0"]), (True, ["drain SIGKILL", "stop 0"])):
+        fenced = Change(RoundEnd.FENCED, "etcd dropped this node's lease")
+        job = FakeJob([round_of(1, "a", "b"), round_of(3, "b", "a")], [fenced])
+        workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+        workers.holds_state = holds
+        assert agent(job, workers).run() == 0
+        assert workers.actions[:2] == actions and len(workers.started) == 2
 
 
 def test_a_hung_worker_is_a_failure() -> None:

@@ -32,6 +32,7 @@ from elastic.agent.logs import LogRouter
 from elastic.agent.placement import Placement
 from elastic.agent.workers import Drained, Held, WorkerGroup
 from elastic.contract import EXIT_RESIZE, ControlBlock
+from elastic.stored import SnapshotSlots
 from rendezvous.net import free_port
 
 
@@ -247,6 +248,35 @@ def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once
         print(f"stopped {took:.2f}s after the drain began")
         assert drained is Drained.STOPPED and took < 10, (drained, took)
         assert group.workers[0].proc.poll() == EXIT_RESIZE
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_kill(
+    tmp_path: Path,
+) -> None:
+    """The node was fenced (the job moved on without it) while its workers wait for a
+    placement, out of their group: they are stale, but their last committed step may be
+    the job's newest (chaos seed 80: the round resumed 7 steps behind it). Asked to stop,
+    they save it at once, and the node's next workers resume from it."""
+    script = tmp_path / "worker.py"
+    script.write_text(LIVE_WORKER)
+    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
+    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
+                        run_id="job", max_restarts=0)  # fmt: skip
+    group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)])
+    try:
+        wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
+        assert not group.holding_state(), "training: in its group"
+        assert group.hold(urgent=False, timeout=30) == (Held.HELD, "")  # alone: a pause
+        assert group.holding_state()
+        step = group.last_step()
+        asked = time.monotonic()
+        assert group.drain(signal.SIGKILL, timeout=30) is Drained.STOPPED
+        assert time.monotonic() - asked < 10 and group.workers[0].proc.poll() == EXIT_RESIZE
+        newest = SnapshotSlots(tmp_path, create=False).newest()
+        assert newest is not None and newest[1] == step, (newest, step)
     finally:
         group.stop(0)
         router.close(lambda *_: None)

@@ -88,11 +88,12 @@ Stops: *drain* asks ``elastic.State`` users to save at their next step and exit
 ``EXIT_RESIZE`` (other scripts get SIGTERM, or the signal the agent got), SIGKILL after
 ``--shutdown-timeout``; held workers save and exit at once. *urgent* is SIGTERM and
 SIGKILL a second later (the round is broken, there is nothing to save); *kill* is
-SIGKILL now (the workers are stale: the job moved on without them); *finish* lets them
-end on their own (``close_timeout``). In place: *pause* asks them to stop at their next
-step and wait, *abandon* to leave their process group at once (out of a blocked
-collective too) and wait. This node's own failures, signals and fencing always stop
-them.
+SIGKILL now (the workers are stale: the job moved on without them; ``elastic.State``
+users waiting out of their group save their last committed step first, at once);
+*finish* lets them end on their own (``close_timeout``). In place: *pause* asks them to
+stop at their next step and wait, *abandon* to leave their process group at once (out of
+a blocked collective too) and wait. This node's own failures, signals and fencing always
+stop them.
 """
 
 from __future__ import annotations

@@ -120,6 +120,7 @@ class Workers(Protocol):
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
     def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
+    def holding_state(self) -> bool: ...  # all State users, out of their group: saved if asked
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]: ...
     def reform(self, placements: list[Placement]) -> None: ...
@@ -838,6 +839,9 @@ class Agent:
         if how is Stop.URGENT:
             self.workers.stop(URGENT_GRACE)
         elif how is Stop.KILL:
+            if self.workers.holding_state():  # stale, but their last step is the job's
+                log.info("the workers wait out of their group: they save their last step first")
+                self.workers.drain(signal.SIGKILL, self.shutdown_timeout)
             self.workers.stop(0)
         elif how is Stop.DRAIN:
             sig = self.signal or signal.SIGTERM

@@ -294,6 +294,14 @@ class WorkerGroup:
             w.proc.poll() is None and w.control.coming for w in self.workers
         )
 
+    def holding_state(self) -> bool:
+        """Every worker runs ``elastic.State`` and waits for a placement, out of its group:
+        each holds the job's last committed step in memory, which a kill would lose, and
+        asked to stop it saves it at once (it has no step or collective to finish)."""
+        return self.use_state and all(
+            w.proc.poll() is None and w.control.stranded for w in self.workers
+        )
+
     def stranded(self) -> list[WorkerFailure]:
         """Workers that left their group on their own (a collective failed) and wait for
         the agent, as failures in case no change of the job explains it."""
