@@ -273,8 +273,8 @@ def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_
         assert group.holding_state()
         step = group.last_step()
         asked = time.monotonic()
-        assert group.drain(signal.SIGKILL, timeout=30) is Drained.STOPPED
-        assert time.monotonic() - asked < 10 and group.workers[0].proc.poll() == EXIT_RESIZE
+        assert group.drain(signal.SIGKILL, timeout=30, let_go=lambda: None) is Drained.STOPPED
+        assert time.monotonic() - asked < 10, "saved at once, not after the timeout"
         newest = SnapshotSlots(tmp_path, create=False).newest()
         assert newest is not None and newest[1] == step, (newest, step)
     finally:

@@ -841,7 +841,8 @@ class Agent:
         elif how is Stop.KILL:
             if self.workers.holding_state():  # stale, but their last step is the job's
                 log.info("the workers wait out of their group: they save their last step first")
-                self.workers.drain(signal.SIGKILL, self.shutdown_timeout)
+                # once saved, their interpreters' ends are not waited for
+                self.workers.drain(signal.SIGKILL, self.shutdown_timeout, let_go=lambda: None)
             self.workers.stop(0)
         elif how is Stop.DRAIN:
             sig = self.signal or signal.SIGTERM
