@@ -204,6 +204,16 @@ def test_the_bell_in_ddps_reduction_stops_every_rank_the_next_step_and_changes_n
     assert folded[0][8] == "True", folded  # the same model beside it, under DDP alone
 
 
+def test_one_ranks_no_to_the_hook_keeps_it_off_every_rank() -> None:
+    """The ranks weigh the hook each on its own figures; near the line they differ (here:
+    rank 0 finds it would not pay, rank 1 that it would). They settle it in an agreement:
+    no rank's DDP carries it (a hook on some ranks never folds, and they would pay its pass
+    for nothing), and a stop comes through the schedule."""
+    outs = ranks("doorbell_ranks.py", 2, "split")
+    assert all(o[-2:] == ["hooked", "False"] and o[5] == "False" for o in outs), outs
+    assert outs[0][3] == outs[1][3] and 200 <= int(outs[0][3]) <= 200 + LIMIT, outs
+
+
 def test_a_script_whose_ddp_has_its_own_hook_keeps_the_agreements_own_collective() -> None:
     """Rank 0's DDP carries a hook of the script's own: the ranks agree not to fold (their
     reductions keep one size, no hang) and a stop comes through the schedule, at the
@@ -293,25 +303,31 @@ def one_rank() -> Iterator[None]:
 @pytest.mark.usefixtures("one_rank")
 def test_the_bell_is_weighed_once_its_ddp_was_seen_and_goes_on_only_where_it_pays() -> None:
     """A real DDP: found at its first forward, its pass timed; weighed once the step is
-    timed; a DDP where the hook would cost more than the agreements may keeps DDP's own
-    C++ reduction (no comm hook), one where it pays carries it, and neither is weighed
-    again at later forwards."""
-    for step_s, pays in ((1e-9, False), (1.0, True)):
+    timed; settled at the ranks' next agreement: a DDP where the hook would cost more
+    than the agreements may keeps DDP's own C++ reduction (no comm hook), one where it
+    pays carries it unless another rank declined, and none is weighed again at later
+    forwards."""
+    cases = ((1e-9, False, False), (1.0, True, False), (1.0, False, True))
+    for step_s, pays, declined in cases:  # declined: another rank's figures said no
         model = torch.nn.Linear(64, 64)
         bell = Doorbell(lambda: Rung(False, False))
         bell.watch([model])
         ddp = DDP(model)
         bell.consider(step_s)
-        assert bell.verdict is None, "nothing seen yet: nothing weighed"
+        assert bell.verdict is None and not bell.declines, "nothing seen: nothing weighed"
         ddp(torch.randn(2, 64)).sum().backward()
         bell.consider(None)
         assert bell.verdict is None, "the step not timed yet: not weighed yet"
         bell.consider(step_s)
-        assert bell.verdict is not None and bell.verdict.pays is pays, bell.verdict
-        assert bool(ddp._comm_hooks) is pays and bell.ready is pays
+        assert bell.verdict is not None and bell.declines is not (pays or declined)
+        assert not ddp._comm_hooks, "not before the ranks settle it"
+        bell.settle(declined or bell.declines)
+        assert bool(ddp._comm_hooks) is pays and bell.ready is pays and not bell.declines
         verdict = bell.verdict
+        assert verdict.pays is pays and ("another rank" in verdict.reason) is declined
         ddp(torch.randn(2, 64)).sum().backward()
         bell.consider(1.0 - step_s)
+        bell.settle(False)
         assert bell.verdict is verdict, "weighed once per DDP"
 
 
@@ -329,6 +345,7 @@ def test_the_forward_hook_goes_once_the_ddp_is_found_and_comes_back_after_a_chan
     first(torch.randn(2, 8)).sum().backward()
     assert not model._forward_pre_hooks, "found: no hook left on the module"
     bell.consider(1.0)
+    bell.settle(False)
     assert bell.ready, "the found DDP carries the bell"
     bell.forget()
     assert model._forward_pre_hooks and not bell.ready, "a re-formation listens again"
@@ -336,4 +353,5 @@ def test_the_forward_hook_goes_once_the_ddp_is_found_and_comes_back_after_a_chan
     second(torch.randn(2, 8)).sum().backward()
     assert not model._forward_pre_hooks
     bell.consider(1.0)
+    bell.settle(False)
     assert bell.ready and second._comm_hooks, "the new DDP carries it"

@@ -18,8 +18,9 @@ into its buckets, and under a hook they are copied, then scaled, a pass of their
 is found at its first forward (a forward pre-hook on the module, until then and again
 after each re-formation), that pass is timed,
 and the hook goes on only where it costs no more than the agreements it would replace
-may (``agreement.bell_pays``: 2% of a step, weighed once the steps are timed; a DDP
-that already has a hook of the script's own is left alone). It goes on inert (DDP's own
+may (``agreement.bell_pays``: 2% of a step, weighed once the steps are timed, by every
+rank: one that finds it does not pay keeps it off all of them; a DDP that already has a
+hook of the script's own is left alone). It goes on inert (DDP's own
 division and all-reduce, in Python), and folds the bell in
 only once every rank said, in an agreement, that its DDP carries the hook: the ranks'
 reductions always have the same size. A hook the script registers later (DDP takes one,
@@ -72,6 +73,7 @@ class Doorbell:
         self._seen: DistributedDataParallel | None = None  # found, not yet weighed
         self._pass_s = 0.0  # ... what a hook's pass over its gradients costs a step
         self._weighed: DistributedDataParallel | None = None  # the last one weighed
+        self._proposed: DistributedDataParallel | None = None  # ... until the ranks settle it
         self.verdict: Bell | None = None  # ... whether the hook went on, and why
         self._modules: list[torch.nn.Module] = []  # State's, whose DDP carries the hook
         self._handles: list[Any] = []  # ... their forward pre-hooks, until it is found
@@ -110,14 +112,31 @@ class Doorbell:
         self._unlisten()  # a new DDP comes with a new group: ``forget`` listens again
 
     def consider(self, step_s: float | None) -> None:
-        """Put the hook on the DDP found where it pays (``bell_pays``) beside a step of
-        ``step_s`` (None: not measured yet). Between steps: the next backward runs it."""
+        """Weigh the DDP found (``bell_pays``) beside a step of ``step_s`` (None: not
+        measured yet); the ranks settle it at their next agreement (``declines``)."""
         ddp = self._seen
         if ddp is None or step_s is None:
             return
         self._seen, self._weighed = None, ddp
         self.verdict = bell_pays(self._pass_s, step_s)
-        if self.verdict.pays:
+        self._proposed = ddp
+
+    @property
+    def declines(self) -> bool:
+        """This rank weighed a DDP and the hook would not pay here: what it says in the
+        next agreement. One rank's no is every rank's (``settle``): a hook on some ranks
+        only never folds, and those ranks would pay its pass for nothing."""
+        return self._proposed is not None and not (self.verdict and self.verdict.pays)
+
+    def settle(self, declined: bool) -> None:
+        """The ranks agreed on the DDP each weighed: the hook goes on unless one declined.
+        Between steps: the next backward runs it."""
+        ddp, self._proposed = self._proposed, None
+        if ddp is None:
+            return
+        if declined and self.verdict is not None and self.verdict.pays:
+            self.verdict = Bell(False, "another rank's figures say it would not pay there")
+        if not declined:
             self._carry(ddp)
 
     def _carry(self, ddp: DistributedDataParallel) -> None:
@@ -142,7 +161,7 @@ class Doorbell:
         """Let go of the DDP (a re-formation: it holds the old process group), and look
         for the one the script wraps on the new group."""
         self._ddp, self._slot, self.active = None, None, False
-        self._seen = self._weighed = None
+        self._seen = self._weighed = self._proposed = None
         self._listen()
 
     @property

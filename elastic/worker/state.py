@@ -302,14 +302,17 @@ class State:
         g = core.group
         asked = g is not None and g.pause_asked
         gap = agreement.proposal(cadence.fixed)
-        unready = not core.doorbell.ready
+        door = core.doorbell
+        unready = not door.ready
         began = cadence.clock()
-        stop, due, interval, pause, least, unfolded = core.comm.all_reduce(
-            [core.stopping(), core.due, cadence.proposal, asked, -gap, unready], "MAX"
+        stop, due, interval, pause, least, unfolded, declined = core.comm.all_reduce(
+            [core.stopping(), core.due, cadence.proposal, asked, -gap, unready, door.declines],
+            "MAX",
         )
         agreement.timed(cadence.clock() - began)
-        core.doorbell.consider(agreement.step_s())
-        core.doorbell.fold(not unfolded)
+        door.settle(bool(declined))
+        door.consider(agreement.step_s())
+        door.fold(not unfolded)
         core.due = False
         moved = agreement.agreed(step, -least)  # MAX of the negated: the least gap
         if cadence.agree(interval) or moved:

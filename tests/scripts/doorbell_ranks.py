@@ -12,6 +12,7 @@ of their own the ranks held, and whether the two models' weights are bitwise equ
                                  # built-in one (both DDPs alike); calls: rank 0's
     doorbell_ranks.py peer-lost  # State's DDP alone; rank 1 exits after committing LOST;
                                  # prints "rank R left|failed-after STEP"
+    doorbell_ranks.py split      # rank 0 finds the hook would not pay, rank 1 that it would
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic
+from elastic.worker import doorbell
+from elastic.worker.agreement import Bell
 
 STEPS, STOP_AT, LATE, LOST = 300, 200, 50, 100
 
@@ -35,6 +38,9 @@ def main() -> None:
     mode = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if mode == "split":  # the ranks' figures on either side of the line
+        verdict = Bell(rank != 0, f"rank {rank}'s figures")
+        doorbell.bell_pays = lambda pass_s, step_s: verdict
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
     ref = copy.deepcopy(net)
@@ -90,7 +96,8 @@ def main() -> None:
     active = state._core.doorbell.active
     print(
         f"rank {rank} stopped {stopped} active {active} agreements {agreements.count} {same} "
-        f"calls {calls} agreed-at {','.join(map(str, agreements.steps[-4:]))} late {late}"
+        f"calls {calls} agreed-at {','.join(map(str, agreements.steps[-4:]))} late {late} "
+        f"hooked {bool(ddp._comm_hooks)}"
     )
     dist.destroy_process_group()
     os._exit(0)
