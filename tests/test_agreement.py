@@ -347,6 +347,12 @@ def test_the_forward_hook_goes_once_the_ddp_is_found_and_comes_back_after_a_chan
     bell.consider(1.0)
     bell.settle(False)
     assert bell.ready, "the found DDP carries the bell"
+    verdict = bell.verdict
+    bell.watch([model])  # State's objects set anew, the same DDP around the module
+    first(torch.randn(2, 8)).sum().backward()
+    assert not model._forward_pre_hooks, "the same DDP: no hook left on the module"
+    bell.consider(1.0)
+    assert bell.verdict is verdict and not bell.declines and bell.ready, "not weighed again"
     bell.forget()
     assert model._forward_pre_hooks and not bell.ready, "a re-formation listens again"
     second = DDP(model)

@@ -106,10 +106,11 @@ class Doorbell:
 
     def _forward(self, module: torch.nn.Module, _args: Any) -> None:
         ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
-        if ddp is None or ddp.module is not module or ddp in (self._seen, self._weighed):
+        if ddp is None or ddp.module is not module:
             return
-        self._seen, self._pass_s = ddp, _pass_time(ddp)
         self._unlisten()  # a new DDP comes with a new group: ``forget`` listens again
+        if ddp not in (self._seen, self._weighed):  # the same after ``watch``: known
+            self._seen, self._pass_s = ddp, _pass_time(ddp)
 
     def consider(self, step_s: float | None) -> None:
         """Weigh the DDP found (``bell_pays``) beside a step of ``step_s`` (None: not
