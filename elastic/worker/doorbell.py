@@ -114,7 +114,8 @@ class Doorbell:
 
     def consider(self, step_s: float | None) -> None:
         """Weigh the DDP found (``bell_pays``) beside a step of ``step_s`` (None: not
-        measured yet); the ranks settle it at their next agreement (``declines``)."""
+        measured yet), as an agreement begins: the ranks settle it in that agreement
+        (``declines``)."""
         ddp = self._seen
         if ddp is None or step_s is None:
             return
@@ -125,7 +126,7 @@ class Doorbell:
     @property
     def declines(self) -> bool:
         """This rank weighed a DDP and the hook would not pay here: what it says in the
-        next agreement. One rank's no is every rank's (``settle``): a hook on some ranks
+        agreement. One rank's no is every rank's (``settle``): a hook on some ranks
         only never folds, and those ranks would pay its pass for nothing."""
         return self._proposed is not None and not (self.verdict and self.verdict.pays)
 

@@ -303,6 +303,7 @@ class State:
         asked = g is not None and g.pause_asked
         gap = agreement.proposal(cadence.fixed)
         door = core.doorbell
+        door.consider(agreement.step_s())  # weighed here, settled in this agreement
         unready = not door.ready
         began = cadence.clock()
         stop, due, interval, pause, least, unfolded, declined = core.comm.all_reduce(
@@ -311,7 +312,6 @@ class State:
         )
         agreement.timed(cadence.clock() - began)
         door.settle(bool(declined))
-        door.consider(agreement.step_s())
         door.fold(not unfolded)
         core.due = False
         moved = agreement.agreed(step, -least)  # MAX of the negated: the least gap
