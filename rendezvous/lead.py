@@ -152,16 +152,19 @@ class Lead:
         """Revoke the leases of ``nodes`` whose agents are provably gone (see probe.py)."""
         self._check_gone(self._present(view, nodes))
 
-    def probe_round(self, view: JobView, mine: RoundRecord) -> None:
+    def probe_round(self, view: JobView, mine: RoundRecord) -> bool:
         """``probe_nodes`` for the members of ``mine``, and those whose records are gone
         already too, from the probe ports the round recorded, to prove them dead
-        (``proven``): an outage that dropped their leases keeps them in the round for a
-        grace otherwise, and the node that proved it before may not lead after it."""
+        (``proven``): the next round waits a grace for members gone in an outage, or
+        holding the job's newest state alone, and the node that proved it before may not
+        lead after it. True when it proved one dead (the plan may change at once)."""
         targets = self._present(view, tuple(m.id for m in mine.members))
         for m in mine.members:
             if m.id not in view.nodes and m.probe and self.proven.get(m.id) != m.rev:
                 targets[m.id] = (m.addr, m.probe, 0, m.rev)  # no lease left to revoke
+        before = dict(self.proven)
         self._check_gone(targets)
+        return self.proven != before
 
     def _present(
         self, view: JobView, nodes: tuple[str, ...]

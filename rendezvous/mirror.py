@@ -50,6 +50,7 @@ class JobMirror:
         self._version = 0
         self._revision = 0  # the mirror has seen its share of the job up to here
         self._last_join = time.monotonic()
+        self._last_loss = self._last_join
         self._full = not own
         self._epoch = 0  # bumped at each change of mode: reads and events of an older one
         self._loaded_epoch = -1  # are dropped (they saw another share of the job)
@@ -119,7 +120,7 @@ class JobMirror:
         """The current view, built on demand: bursts of events cost one build, not many."""
         with self._cond:
             if self._dirty:
-                self._view = self._decoded.view(self._revision, self._last_join)
+                self._view = self._decoded.view(self._revision, self._last_join, self._last_loss)
                 self._dirty = False
                 for problem in self._view.problems:
                     if problem not in self._warned:
@@ -217,10 +218,12 @@ class JobMirror:
                 return False  # read in the mode before: its share differs
             if self._loaded_epoch == epoch and revision <= self._floor:
                 return True  # a newer read of this mode is in already
+            if self._full and self._loaded_epoch != epoch:
+                self._last_loss = time.monotonic()  # what went before, it cannot tell when
             for key in [k for k, r in self._key_rev.items() if k not in fresh and r <= revision]:
                 del self._key_rev[key]
                 if self._kvs.pop(key, None) is not None:
-                    self._decoded.delete(key[len(self._prefix) :])
+                    self._gone(key)
             for kv in fresh.values():
                 self._apply_one(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
             self._floor = revision
@@ -249,7 +252,7 @@ class JobMirror:
         old = self._kvs.get(key)
         if old is not None and (value is None or old.create_revision != create_rev):
             self._kvs.pop(key)
-            self._decoded.delete(rel)
+            self._gone(key)
         if value is None:
             return
         kv = KV(key, value, create_rev, mod_rev, lease)
@@ -260,6 +263,13 @@ class JobMirror:
             node = self._decoded.nodes.get(rel[len(records.NODES) :])
             if node is None or not node.record.resumes:  # one that resumes joins nothing
                 self._last_join = time.monotonic()
+
+    def _gone(self, key: str) -> None:
+        """Forget what ``key`` held; a node's record going is a loss now (or a leave)."""
+        rel = key[len(self._prefix) :]
+        self._decoded.delete(rel)
+        if rel.startswith(records.NODES):
+            self._last_loss = time.monotonic()
 
     def _apply(self, events: list[Event], epoch: int) -> bool:
         """Apply a batch of watched events. True when a new round's header puts this lean

@@ -237,6 +237,7 @@ class Rendezvous:
                 time.monotonic(),
                 outage=self.session.outage(),
                 proven=self.lead.proven,
+                lease_ttl=self.options.lease_ttl,
             )
             note.say(p.reason)
             if p.writer is not None and p.writer != self.me.id:
@@ -251,8 +252,8 @@ class Rendezvous:
                 continue
             if p.busy:
                 self.lead.probe_nodes(view, p.busy)
-            if p.lapsed and view.round is not None:  # dead ones need not be waited for
-                self.lead.probe_round(view, view.round)
+            if p.lapsed and view.round is not None and self.lead.probe_round(view, view.round):
+                continue  # dead ones need not be waited for
             now = time.monotonic()
             if not p.enough_nodes and now >= deadline:
                 raise RendezvousTimeoutError(

@@ -142,7 +142,7 @@ class Plan:
     enough_nodes: bool = True
     present: int = 0  # candidates for the next round
     busy: tuple[str, ...] = ()  # present members the round waits on
-    lapsed: tuple[str, ...] = ()  # members gone in etcd's outage the round waits for
+    lapsed: tuple[str, ...] = ()  # members gone the round waits for (to prove them dead)
 
 
 def _member(node: PresentNode) -> Member:
@@ -187,6 +187,7 @@ def plan(
     me: str | None = None,
     outage: tuple[float, float] | None = None,
     proven: Mapping[str, int] | None = None,
+    lease_ttl: float = 0.0,
 ) -> Plan:
     """The plan as node ``me`` needs it (all of it when ``me`` is None or the writer).
 
@@ -195,7 +196,9 @@ def plan(
     ``outage`` and ``proven`` as for ``round_end``: members gone in an outage of etcd
     may be on their way back (``lapsed``), and the next round waits for them until the
     outage's grace ends (a newcomer that registered as etcd answered again would form a
-    round without them, and fence them, though no node died).
+    round without them, and fence them, though no node died). Members lost with no
+    member of their round left may hold the job's newest state alone: the next round
+    waits ``HOLD_TTLS`` lease TTLs of ``lease_ttl`` for them too (see ``holders_away``).
     """
     current: RoundRecord | None = view.round
     number = current.number if current else 0
@@ -245,6 +248,20 @@ def plan(
             present=count,
             lapsed=lapsed,
         )
+    away = holders_away(view, previous, staying, lost, proven)
+    until = view.last_loss + HOLD_TTLS * lease_ttl
+    if away and now < until:
+        assert view.progress is not None
+        return Plan(
+            False,
+            f"waiting up to {until - now:.1f}s for {', '.join(away)}: no other member of "
+            f"round {number} is left, so the job's newest state (step {view.progress.step}) "
+            "may be theirs alone, and nothing shows they died",
+            writer=writer,
+            wake_at=until,
+            present=count,
+            lapsed=away,
+        )
     if count < min_nodes:
         return Plan(
             False,
@@ -290,6 +307,33 @@ def plan(
         root_cause=earliest_failure(failures),
         budget_spent=charged and restarts > max_restarts,
         present=count,
+    )
+
+
+HOLD_TTLS = 2  # lease TTLs a round waits for the lost holders of the job's newest state
+
+
+def holders_away(
+    view: JobView,
+    members: tuple[Member, ...],
+    staying: list[Member],
+    lost: tuple[str, ...],
+    proven: Mapping[str, int] | None,
+) -> tuple[str, ...]:
+    """The members among ``lost`` that may hold the job's newest state alone and may yet
+    come back: when no member of the round stays (one that stays holds what every member
+    trained), the job committed a step, and they are not known to be gone for good
+    (proven dead, or registered again as a new incarnation, whose workers find the old
+    one's snapshots on its host). A node frozen past its lease's end comes back to its
+    round (``RoundEnd.LAPSED``) if none formed without it; a round formed at once would
+    lose every step since the newest state another node holds."""
+    if staying or not lost or view.progress is None:
+        return ()
+    proven = proven or {}
+    return tuple(
+        m.id
+        for m in members
+        if m.id in lost and proven.get(m.id) != m.rev and m.id not in view.nodes
     )
 
 

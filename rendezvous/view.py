@@ -63,6 +63,9 @@ class JobView:
     leader_kv: KV | None = None  # whatever the key holds, for guarded writes (and claims)
     notice: NoticeRecord | None = None
     progress: ProgressRecord | None = None
+    # monotonic time this process saw a node's record go, or began to see the whole job
+    # (a read says nothing of when a record went)
+    last_loss: float = 0.0
 
     @property
     def round(self) -> RoundRecord | None:
@@ -211,7 +214,7 @@ class Decoded:
             return None
         return LeaderRecord.decode(kv.key, kv.value, kv.create_revision)
 
-    def view(self, revision: int, last_join: float) -> JobView:
+    def view(self, revision: int, last_join: float, last_loss: float = 0.0) -> JobView:
         shown, shown_rev = self.assembled()
         return JobView(
             revision,
@@ -229,4 +232,5 @@ class Decoded:
             self.leader,
             self.notice,
             self.progress,
+            last_loss,
         )

@@ -123,6 +123,8 @@ def main() -> None:
                     rdzv.flush_progress()
                 rec = rdzv.progress()
                 emit("progress", step=rec.step if rec else -1, node=rec.node if rec else "")
+            elif cmd == "resume":  # carry on after a lapse (the agent does it on LAPSED)
+                emit("resumed", ok=rdzv.resume())
             elif cmd == "announce":
                 rdzv.announce_leaving()
                 emit("announced")

@@ -473,6 +473,50 @@ def test_the_jobs_progress_is_recorded_by_rank_0_and_outlives_it(
     seen_by(b, 3)
 
 
+@pytest.mark.parametrize("fault", ["frozen", "killed"])
+def test_a_newcomer_waits_for_the_lost_member_that_alone_holds_the_jobs_newest_state(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], fault: str
+) -> None:
+    """a trains alone and commits step 40; b comes to join as a is lost. Frozen past its
+    lease's end, a may come back: a round of b alone would lose a's steps, so b waits for
+    a, which carries on in its round as it wakes, and the two form round 2 with a as rank
+    0. Killed, a refuses its probe port: b forms a round of its own once a is lost."""
+    (a,) = join_in_order(procs, etcd.endpoint, run_id, "a", nnodes="1:2")
+    start_round([a])
+    a.send("progress 40")
+    a.expect("progress")
+    seen_by(a, 40)
+    client = EtcdClient(build_options(etcd.endpoint, run_id, 1, 2)[0])
+    try:
+        a.signal(signal.SIGSTOP if fault == "frozen" else signal.SIGKILL)
+        lost = time.monotonic()
+        b = join(procs, etcd.endpoint, run_id, "b", nnodes="1:2")
+        b.expect("ready")
+        b.send("next")
+        if fault == "killed":
+            r = b.expect("round", timeout=TTL + 3)
+            assert r["members"] == ["b"] and r["lost"] == ["a"]
+            # lost at its lease's end (a newcomer probes the leader only now and then),
+            # then proven dead at once: no hold of two TTLs more
+            assert time.monotonic() - lost < TTL + 2
+            return
+        key = f"/elastic-run/{run_id}/{records.NODES}a"
+        wait_until(lambda: client.get(key) is None, TTL + 3, "a's lease to run out")
+        time.sleep(1.0)  # the fault: a stays frozen past its lease's end
+        a.signal(signal.SIGCONT)
+        a.expect("change", end="LAPSED", timeout=TTL + 3)
+        a.send("resume")
+        a.expect("resumed", ok=True)
+        a.expect("change", end="WAITING", nodes=["b"])
+        a.send("next")
+        rounds = [n.expect("round", timeout=TTL + 5) for n in (a, b)]
+        assert [r["members"] for r in rounds] == [["a", "b"]] * 2
+        assert rounds[0]["number"] == 2 and rounds[0]["rank"] == 0 and rounds[0]["lost"] == []
+        seen_by(b, 40)
+    finally:
+        client.close()
+
+
 def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:

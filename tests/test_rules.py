@@ -18,6 +18,7 @@ from rendezvous.records import (
     NodeRecord,
     NodeState,
     NoticeRecord,
+    ProgressRecord,
     RoundCause,
     RoundRecord,
     WorkerFailure,
@@ -342,6 +343,31 @@ def test_a_round_after_an_etcd_outage_waits_for_the_members_it_may_have_dropped(
     # back as they were: the round runs, c waits to join it
     back = view(c, *(PresentNode(replace(n.record, resumes=n.rev), n.rev) for n in (a, b)), r=r)
     assert "running" in plan(back, 1, 3, 0.1, 0, now=10.0, outage=grace).reason
+
+
+def test_a_round_waits_for_lost_members_that_may_hold_the_jobs_newest_state_alone() -> None:
+    """Round 1 is a alone; it is lost (its lease ran out: frozen, or cut off) after it
+    committed step 40, and b waits to join. A round of b alone would resume from whatever
+    b holds and lose a's steps, so it waits two lease TTLs from the loss for a to come
+    back into its round, unless a is known not to: proven dead, or registered again (its
+    new incarnation's workers find its snapshots). A member that stays holds the state."""
+    a, b = node("a", 1), node("b", 2)
+    held = replace(view(b, r=rnd(1, a)), progress=ProgressRecord(40, "a", 1), last_loss=10.0)
+    p = plan(held, 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
+    assert not p.form and p.lapsed == ("a",) and p.wake_at == 16.0, p
+    assert p.reason.startswith("waiting up to 5.0s for a: no other member of round 1 is left")
+    assert "newest state (step 40)" in p.reason
+    assert plan(held, 1, 3, 0.1, 0, now=16.0, lease_ttl=3).form  # the hold is over
+    assert plan(held, 1, 3, 0.1, 0, now=11.0, lease_ttl=3, proven={"a": 1}).form
+    assert not plan(held, 1, 3, 0.1, 0, now=11.0, lease_ttl=3, proven={"a": 7}).form
+    again = replace(held, nodes={**held.nodes, "a": node("a", 9)})
+    assert plan(again, 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
+    # nothing committed: nothing to lose; a member stays: it holds what a trained
+    assert plan(replace(held, progress=None), 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
+    stopped = node("c", 3, done=1)
+    both = replace(held, nodes={"b": b, "c": stopped}, round_record=rnd(1, a, stopped))
+    p = plan(both, 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
+    assert p.form and p.lost == ("a",) and [m.id for m in p.members] == ["c", "b"]
 
 
 def test_round_end_for_newcomers_and_newer_rounds() -> None:
