@@ -248,3 +248,27 @@ def test_only_a_graceful_change_waits_for_workers_on_their_way_into_state_run(
     # what it waits for is the in-place stop: a graceful change pauses live workers
     if graceful:
         assert decide(R, end, in_place=True).stop is Stop.PAUSE
+
+
+@pytest.mark.parametrize("now", [None, *RoundEnd])
+def test_a_pause_becomes_an_abandon_only_when_the_group_breaks_or_a_signal_comes(
+    now: RoundEnd | None,
+) -> None:
+    """A worker asked to pause (a graceful change) that forms its group, or waits in a
+    collective, never reaches a step: once a member went, its workers failed, or the job
+    moved on without this node, the group is broken, and a signal means this node
+    leaves. Graceful changes, a lapse (no round formed without it) and the job's success
+    (its workers end their last steps) leave the pause as it is."""
+    breaking = now in (
+        RoundEnd.LOST,
+        RoundEnd.LEFT,
+        RoundEnd.PEER_FAILED,
+        RoundEnd.FENCED,
+        RoundEnd.SUPERSEDED,
+        RoundEnd.JOB_FAILED,
+    )
+    why = core.escalates(now, signalled=False)
+    assert (why is not None) is breaking
+    if now is not None and why is not None:
+        assert now.value in why
+    assert core.escalates(now, signalled=True) == "a signal came"

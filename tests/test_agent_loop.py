@@ -230,9 +230,15 @@ class FakeWorkers:
     def holding_state(self) -> bool:
         return self.holds_state
 
-    def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]:
+    escalating = False  # hold asks escalate() once, as the real one does while it waits
+
+    def hold(
+        self, urgent: bool, timeout: float, escalate: Callable[[], bool] | None = None
+    ) -> tuple[Held, str]:
         self.actions.append("abandon" if urgent else "pause")
         self.held_for.append(timeout)
+        if self.escalating and not urgent and escalate is not None and escalate():
+            self.actions.append("abandon")
         if self.held[0] is Held.HELD and self.coming:  # they let go in State.run
             self.coming, self.live = False, True
         return self.held
@@ -737,6 +743,42 @@ def test_workers_that_finish_while_asked_to_let_go_end_the_job(
     assert "had finished training before the" in caplog.text
 
 
+@pytest.mark.parametrize("then", ["lost", "signal"])
+def test_a_pause_becomes_an_abandon_when_the_round_breaks_or_a_signal_comes_meanwhile(
+    then: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The workers were asked to pause for a join; before they let go, a member is lost
+    (its workers may have been the ones this node's worker formed a group with: chaos
+    seed 90 waited out --shutdown-timeout), or this node is told to leave: the pause
+    becomes an abandon. After a signal the node leaves, its workers saving first."""
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", "n")], [None, waiting])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live, workers.escalating = True, True
+    a = agent(job, workers)
+    if then == "lost":
+        job.changes.append(lost)  # what the job shows while the workers let go
+    else:
+        hold = workers.hold
+
+        def signalled(urgent: bool, timeout: float, escalate: Any = None) -> tuple[Held, str]:
+            a.on_signal(signal.SIGTERM)
+            return hold(urgent, timeout, escalate)
+
+        workers.hold = signalled  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        code = a.run()
+    if then == "lost":
+        assert code == 0 and workers.actions == ["pause", "abandon"]
+        assert "the round broke meanwhile (lost): lost b: the workers leave their group now" in (
+            caplog.text
+        )
+    else:
+        assert code == 143 and workers.actions == ["pause", "abandon", "drain SIGTERM"]
+        assert "a signal came: the workers leave their group now" in caplog.text
+
+
 def test_respawn_mode_never_holds_workers() -> None:
     from elastic.contract import RestartMode
 
@@ -762,7 +804,7 @@ def test_a_signal_while_the_workers_are_held_has_them_save_and_exit() -> None:
     a = agent(job, workers)
     hold = workers.hold
 
-    def hold_then_signal(urgent: bool, timeout: float) -> tuple[Held, str]:
+    def hold_then_signal(urgent: bool, timeout: float, escalate: Any = None) -> tuple[Held, str]:
         a.on_signal(signal.SIGTERM)  # arrives while the workers wait for their placement
         return hold(urgent, timeout)
 
@@ -777,7 +819,7 @@ def test_a_held_worker_that_exited_before_the_round_gives_new_workers(
     job, workers = _held_after_a_loss([round_of(2, "a")])
     hold = workers.hold
 
-    def hold_then_die(urgent: bool, timeout: float) -> tuple[Held, str]:
+    def hold_then_die(urgent: bool, timeout: float, escalate: Any = None) -> tuple[Held, str]:
         held = hold(urgent, timeout)
         workers.live = False  # one of them exits while the round forms
         return held

@@ -223,13 +223,10 @@ state.run(train, model, opt)
 """
 
 
-def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once(
-    tmp_path: Path,
-) -> None:
-    """The node leaves (SIGTERM) as its worker forms the next round's group in place,
-    waiting for a rank that has not come: there is no step to stop at, so the drain
-    breaks it out of forming and it saves and exits from its wait for a placement, in
-    moments, not after --shutdown-timeout (30 s here: the drain killed it then)."""
+@contextlib.contextmanager
+def forming_for_good(tmp_path: Path) -> Iterator[WorkerGroup]:
+    """One ``LIVE_WORKER`` that trained alone in ``State.run``, let go, and now forms a
+    round of two in place whose rank 1 never comes; stopped at the end."""
     script = tmp_path / "worker.py"
     script.write_text(LIVE_WORKER)
     router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
@@ -242,15 +239,44 @@ def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once
         assert group.hold(urgent=False, timeout=30) == (Held.HELD, "")
         group.reform([replace(alone, world_size=2, group_world_size=2, master_port=free_port())])
         wait_until(group.forming, 10, "it forms a round whose rank 1 never comes")
+        yield group
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once(
+    tmp_path: Path,
+) -> None:
+    """The node leaves (SIGTERM) as its worker forms the next round's group in place,
+    waiting for a rank that has not come: there is no step to stop at, so the drain
+    breaks it out of forming and it saves and exits from its wait for a placement, in
+    moments, not after --shutdown-timeout (30 s here: the drain killed it then)."""
+    with forming_for_good(tmp_path) as group:
         asked = time.monotonic()
         drained = group.drain(signal.SIGTERM, timeout=30)
         took = time.monotonic() - asked
         print(f"stopped {took:.2f}s after the drain began")
         assert drained is Drained.STOPPED and took < 10, (drained, took)
         assert group.workers[0].proc.poll() == EXIT_RESIZE
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
+
+
+def test_a_pause_asked_of_a_worker_forming_a_group_that_breaks_becomes_an_abandon(
+    tmp_path: Path,
+) -> None:
+    """Chaos seed 90: a node joined (a graceful change: the workers are asked to pause
+    at their next step) as this node's worker formed a round whose store host then left.
+    Forming, it has no step to pause at, and it waited out --shutdown-timeout (30 s)
+    before new workers followed. Once the agent sees the round broke (``escalate``),
+    the pause becomes an abandon: the worker gives the group up and waits for its
+    next placement, held, in moments."""
+    with forming_for_good(tmp_path) as group:
+        asked = time.monotonic()
+        broke = asked + 0.5
+        held = group.hold(urgent=False, timeout=20, escalate=lambda: time.monotonic() > broke)
+        took = time.monotonic() - asked
+        assert held == (Held.HELD, "") and took < 8, (held, took)
+        assert group.workers[0].control.stranded and group.workers[0].proc.poll() is None
 
 
 def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_kill(

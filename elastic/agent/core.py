@@ -275,6 +275,33 @@ def waits_for_live(end: RoundEnd, coming: bool, waited: float) -> str | None:
     )
 
 
+# changes that leave the group the workers form or train in broken, while they were
+# asked to pause for a graceful one
+_BREAKING = (
+    RoundEnd.LOST,
+    RoundEnd.LEFT,
+    RoundEnd.PEER_FAILED,
+    RoundEnd.FENCED,
+    RoundEnd.SUPERSEDED,
+    RoundEnd.JOB_FAILED,
+)
+
+
+def escalates(now: RoundEnd | None, signalled: bool) -> str | None:
+    """Why a pause the workers were asked for (a graceful change) becomes an abandon
+    while it is waited for (None: it stays a pause): a worker that forms its group, or
+    waits in a collective on a peer that is gone, never reaches a step to pause at. So:
+    a signal came (this node leaves: its workers save once out of their group), or the
+    job now shows a change ``now`` that breaks the group (a member went, its workers
+    failed, the job moved on without this node)."""
+    if signalled:
+        return "a signal came"
+    if now in _BREAKING:
+        assert now is not None
+        return f"the round broke meanwhile ({now.value})"
+    return None
+
+
 def decide(state: AgentState, event: Event, in_place: bool = False) -> Reaction:
     """The reaction to ``event`` in ``state``; ``in_place``: the workers can re-form in
     place. Raises ValueError for an event that cannot happen in that state."""

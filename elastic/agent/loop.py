@@ -27,6 +27,7 @@ from elastic.agent.core import (
     Start,
     Stop,
     decide,
+    escalates,
     waits_for_live,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
@@ -122,7 +123,9 @@ class Workers(Protocol):
     def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
     def holding_state(self) -> bool: ...  # all State users, out of their group: saved if asked
     def stranded(self) -> list[WorkerFailure]: ...
-    def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]: ...
+    def hold(
+        self, urgent: bool, timeout: float, escalate: Callable[[], bool] | None = None
+    ) -> tuple[Held, str]: ...
     def reform(self, placements: list[Placement]) -> None: ...
     def fits(self, placements: list[Placement]) -> bool: ...  # started ahead as placed
     def in_lobby(self) -> bool: ...  # started ahead, all wait for their placement
@@ -829,7 +832,9 @@ class Agent:
         """Stop the workers as ``how`` says (or, in place, have them let go of their
         process group); what that came to."""
         if how.keeps_workers:
-            held, why = self.workers.hold(how is Stop.ABANDON, self.shutdown_timeout)
+            held, why = self.workers.hold(
+                how is Stop.ABANDON, self.shutdown_timeout, escalate=self._escalate
+            )
             if held is Held.HELD:
                 return LocalEvent.WORKERS_HELD
             if held is Held.FINISHED:
@@ -873,6 +878,22 @@ class Agent:
                 self.close_timeout,
             )
         return LocalEvent.WORKERS_STOPPED
+
+    def _escalate(self) -> bool:
+        """While the workers are asked to pause: whether that becomes an abandon now
+        (``core.escalates``), from the job's view as the loop reads it and the signals."""
+        self.rdzv.upkeep()
+        try:
+            change = self.rdzv.check()
+        except RendezvousError as e:
+            log.debug("could not read the job while the workers let go: %s", e)
+            change = None
+        why = escalates(change.end if change else None, self.signal is not None)
+        if why is None:
+            return False
+        detail = f": {change.detail}" if change is not None and self.signal is None else ""
+        log.info("%s%s: the workers leave their group now", why, detail)
+        return True
 
     def _tell_consequences(self) -> None:
         """One line per worker that failed only because a peer vanished; its traceback

@@ -38,6 +38,7 @@ from elastic.contract import (
 )
 
 EXIT_GRACE = 0.5  # seconds a leaving node's saved workers get to end before a SIGKILL
+ESCALATE_EVERY = 0.05  # seconds between asks whether a pause must become an abandon
 
 
 class GroupState(enum.Enum):
@@ -319,17 +320,31 @@ class WorkerGroup:
             if w.proc.poll() is None and w.control.stranded
         ]
 
-    def hold(self, urgent: bool, timeout: float) -> tuple[Held, str]:
+    def hold(
+        self, urgent: bool, timeout: float, escalate: Callable[[], bool] | None = None
+    ) -> tuple[Held, str]:
         """Ask the workers to let go of their group (``urgent``: now, out of a blocked
         collective too; else at their next step) and wait until every one waits for a
         placement: HELD, or FAILED and why not (then stop them). FINISHED: they all
         exited 0, having left their training loop before the ask (the ask came in the
-        last step), so the job is done; a new round would train again from a snapshot."""
+        last step), so the job is done; a new round would train again from a snapshot.
+        ``escalate()``, asked every ``ESCALATE_EVERY`` seconds while a pause is waited
+        for, says the round broke meanwhile (a member went, a signal came): the pause
+        becomes an abandon, which also frees a worker that forms its group or waits in
+        a collective with a peer that is gone, where it would never reach a step."""
         for w in self.workers:
             if not w.control.stranded:
                 (w.control.request_abandon if urgent else w.control.request_pause)()
         deadline = time.monotonic() + timeout
+        asked = time.monotonic()
         while True:
+            if not urgent and escalate is not None and time.monotonic() - asked >= ESCALATE_EVERY:
+                asked = time.monotonic()
+                if escalate():
+                    urgent = True
+                    for w in self.workers:
+                        if not w.control.stranded:
+                            w.control.request_abandon()
             gone = [w for w in self.workers if w.proc.poll() is not None]
             failed = [w for w in gone if w.proc.poll() != 0]
             if failed:
