@@ -160,7 +160,7 @@ class FakeWorkers:
         self.coming = False  # ... or are on their way there, from the lobby's group
         self.held_for: list[float] = []  # hold()'s timeouts
         self.drain_frozen: list[WorkerFailure] = []
-        self.holds_state = False  # holding_state(): State users out of their group
+        self.holds_state = False  # save_held(): State users out of their group
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
         self.held: tuple[Held, str] = (Held.HELD, "")  # what hold() answers
         self.reformed: list[list[Placement]] = []
@@ -227,7 +227,9 @@ class FakeWorkers:
     def stranded(self) -> list[WorkerFailure]:
         return self.strand.popleft() if self.strand else []
 
-    def holding_state(self) -> bool:
+    def save_held(self, timeout: float) -> bool:
+        if self.holds_state:
+            self.actions.append("save held")
         return self.holds_state
 
     escalating = False  # hold asks escalate() once, as the real one does while it waits
@@ -529,7 +531,7 @@ def test_a_job_finished_elsewhere_lets_local_workers_finish() -> None:
 def test_fenced_kills_stale_workers_at_once_and_joins_again() -> None:
     """Stale workers are killed; State users that wait out of their group (their
     collective failed) hold the job's last committed step: they save it first."""
-    for holds, actions in ((False, ["stop 0"]), (True, ["drain SIGKILL", "stop 0"])):
+    for holds, actions in ((False, ["stop 0"]), (True, ["save held", "stop 0"])):
         fenced = Change(RoundEnd.FENCED, "etcd dropped this node's lease")
         job = FakeJob([round_of(1, "a", "b"), round_of(3, "b", "a")], [fenced])
         workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])

@@ -294,15 +294,65 @@ def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_
     group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)])
     try:
         wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
-        assert not group.holding_state(), "training: in its group"
         assert group.hold(urgent=False, timeout=30) == (Held.HELD, "")  # alone: a pause
-        assert group.holding_state()
         step = group.last_step()
         asked = time.monotonic()
-        assert group.drain(signal.SIGKILL, timeout=30, let_go=lambda: None) is Drained.STOPPED
+        assert group.save_held(timeout=30)
         assert time.monotonic() - asked < 10, "saved at once, not after the timeout"
         newest = SnapshotSlots(tmp_path, create=False).newest()
         assert newest is not None and newest[1] == step, (newest, step)
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+PAIR_WORKER = """
+import time, torch, torch.distributed as dist, elastic
+dist.init_process_group("gloo")
+model = torch.nn.Linear(2, 1)
+# snapshots only when stopping: the node's slot holds what the stop saved, or nothing
+state = elastic.State(snapshot_policy=elastic.SnapshotPolicy(every=0), model=model)
+
+def train(model):
+    while True:
+        time.sleep(0.05)
+        state.commit()
+
+state.run(train, model)
+"""
+
+
+def test_the_worker_that_let_go_saves_its_step_when_its_frozen_peer_fails_the_hold(
+    tmp_path: Path,
+) -> None:
+    """Chaos seed 95: a node's two workers were asked to leave their group (a member's
+    workers failed); local rank 0 let go, local rank 1 was frozen and never would. The
+    hold failed and both were killed: the job's newest step, in rank 0's memory, went,
+    and the next round resumed 9 steps behind. Before the kill, the one that let go
+    saves it now (its node's slot, which local rank 0 writes)."""
+    script = tmp_path / "worker.py"
+    script.write_text(PAIR_WORKER)
+    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
+    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
+                        run_id="job", max_restarts=0)  # fmt: skip
+    port = free_port()
+    group.start([Placement(r, r, 0, 2, 2, 1, "127.0.0.1", port, 0, agent_store=False)
+                 for r in (0, 1)])  # fmt: skip
+    try:
+        wait_until(lambda: group.last_step() >= 5 and group.live, 60, "steps in State.run")
+        while group.last_step() < 12:  # the agent watches: it times the steps
+            assert not group.frozen()
+            time.sleep(0.05)
+        os.kill(group.pids[1], signal.SIGSTOP)
+        held, why = group.hold(urgent=True, timeout=30)
+        assert held is Held.FAILED and why.startswith("rank 1 did not let go: hung: "), why
+        first = group.workers[0]
+        assert first.control.stranded and first.proc.poll() is None
+        step = first.control.step  # its last committed step, out of its group
+        assert SnapshotSlots(tmp_path, create=False).newest() is None, "no snapshot yet"
+        assert group.save_held(timeout=30)
+        newest = SnapshotSlots(tmp_path, create=False).newest()
+        assert newest is not None and newest[1] >= step >= 12, (newest, step)
     finally:
         group.stop(0)
         router.close(lambda *_: None)

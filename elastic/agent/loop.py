@@ -121,7 +121,7 @@ class Workers(Protocol):
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
     def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
-    def holding_state(self) -> bool: ...  # all State users, out of their group: saved if asked
+    def save_held(self, timeout: float) -> bool: ...  # State users out of their group save
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(
         self, urgent: bool, timeout: float, escalate: Callable[[], bool] | None = None
@@ -841,14 +841,12 @@ class Agent:
                 return LocalEvent.WORKERS_SUCCEEDED
             self._hold_failed = why
             return LocalEvent.HOLD_FAILED
-        if how is Stop.URGENT:
-            self.workers.stop(URGENT_GRACE)
-        elif how is Stop.KILL:
-            if self.workers.holding_state():  # stale, but their last step is the job's
-                log.info("the workers wait out of their group: they save their last step first")
-                # once saved, their interpreters' ends are not waited for
-                self.workers.drain(signal.SIGKILL, self.shutdown_timeout, let_go=lambda: None)
-            self.workers.stop(0)
+        if how in (Stop.URGENT, Stop.KILL):
+            # out of their group (stale, or another worker would not let go), their last
+            # step may be the job's newest
+            if self.workers.save_held(self.shutdown_timeout):
+                log.info("workers waiting out of their group saved their last step first")
+            self.workers.stop(URGENT_GRACE if how is Stop.URGENT else 0)
         elif how is Stop.DRAIN:
             sig = self.signal or signal.SIGTERM
             # leaving: the next round need not wait for the workers' interpreters to end

@@ -295,13 +295,26 @@ class WorkerGroup:
             w.proc.poll() is None and w.control.coming for w in self.workers
         )
 
-    def holding_state(self) -> bool:
-        """Every worker runs ``elastic.State`` and waits for a placement, out of its group:
-        each holds the job's last committed step in memory, which a kill would lose, and
-        asked to stop it saves it at once (it has no step or collective to finish)."""
-        return self.use_state and all(
-            w.proc.poll() is None and w.control.stranded for w in self.workers
-        )
+    def save_held(self, timeout: float) -> bool:
+        """Before a kill: workers that run ``elastic.State`` and wait for a placement, out
+        of their group (a hold that failed for another worker, a fenced node), hold their
+        last committed step in memory, which may be the job's newest. Asked to stop, they
+        save it at once (no step or collective to finish) and exit; waits until each
+        saved or exited, up to ``timeout``. True if any was asked. The rest (frozen, or
+        in a collective) are left to the kill."""
+        held = [
+            w
+            for w in self.workers
+            if self.use_state and w.proc.poll() is None and w.control.stranded
+        ]
+        for w in held:
+            w.control.request_stop()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(
+            w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in held
+        ):
+            time.sleep(0.005)
+        return bool(held)
 
     def stranded(self) -> list[WorkerFailure]:
         """Workers that left their group on their own (a collective failed) and wait for
