@@ -156,25 +156,34 @@ while True:  # steps of 0.1 s; asked to let go, it never does (a step that never
 
 
 @contextlib.contextmanager
-def frozen_after_steps(tmp_path: Path) -> Iterator[WorkerGroup]:
-    """One worker (``WORKER``) whose steps the agent timed, then SIGSTOPped; stopped at
-    the end."""
+def started(
+    tmp_path: Path, code: str, placements: list[Placement], env: dict[str, str] | None = None
+) -> Iterator[WorkerGroup]:
+    """Workers running ``code`` at ``placements``, as the agent starts them; stopped, and
+    their logs closed, at the end."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(code)
     router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
     group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0)  # fmt: skip
-    group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", 29500, 0)])
+                        run_id="job", max_restarts=0, extra_env=env)  # fmt: skip
+    group.start(placements)
     try:
+        yield group
+    finally:
+        group.stop(0)
+        router.close(lambda *_: None)
+
+
+@contextlib.contextmanager
+def frozen_after_steps(tmp_path: Path) -> Iterator[WorkerGroup]:
+    """One worker (``WORKER``) whose steps the agent timed, then SIGSTOPped."""
+    with started(tmp_path, WORKER, [Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", 29500, 0)]) as group:
         wait_until(lambda: group.last_step() >= 8, 30, "steps to learn from")
         while group.last_step() < 12:  # the agent watches: it times the steps
             assert not group.frozen()
             time.sleep(0.05)
         os.kill(group.pids[0], signal.SIGSTOP)
         yield group
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
 
 
 def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(
@@ -226,23 +235,14 @@ state.run(train, model, opt)
 @contextlib.contextmanager
 def forming_for_good(tmp_path: Path) -> Iterator[WorkerGroup]:
     """One ``LIVE_WORKER`` that trained alone in ``State.run``, let go, and now forms a
-    round of two in place whose rank 1 never comes; stopped at the end."""
-    script = tmp_path / "worker.py"
-    script.write_text(LIVE_WORKER)
-    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
-    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0)  # fmt: skip
+    round of two in place whose rank 1 never comes."""
     alone = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)
-    group.start([alone])
-    try:
+    with started(tmp_path, LIVE_WORKER, [alone]) as group:
         wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
         assert group.hold(urgent=False, timeout=30) == (Held.HELD, "")
         group.reform([replace(alone, world_size=2, group_world_size=2, master_port=free_port())])
         wait_until(group.forming, 10, "it forms a round whose rank 1 never comes")
         yield group
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
 
 
 def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once(
@@ -286,13 +286,8 @@ def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_
     placement, out of their group: they are stale, but their last committed step may be
     the job's newest (chaos seed 80: the round resumed 7 steps behind it). Asked to stop,
     they save it at once, and the node's next workers resume from it."""
-    script = tmp_path / "worker.py"
-    script.write_text(LIVE_WORKER)
-    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
-    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0)  # fmt: skip
-    group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)])
-    try:
+    alone = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)
+    with started(tmp_path, LIVE_WORKER, [alone]) as group:
         wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
         assert group.hold(urgent=False, timeout=30) == (Held.HELD, "")  # alone: a pause
         step = group.last_step()
@@ -301,9 +296,6 @@ def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_
         assert time.monotonic() - asked < 10, "saved at once, not after the timeout"
         newest = SnapshotSlots(tmp_path, create=False).newest()
         assert newest is not None and newest[1] == step, (newest, step)
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
 
 
 PAIR_WORKER = """
@@ -330,15 +322,9 @@ def test_the_worker_that_let_go_saves_its_step_when_its_frozen_peer_fails_the_ho
     hold failed and both were killed: the job's newest step, in rank 0's memory, went,
     and the next round resumed 9 steps behind. Before the kill, the one that let go
     saves it now (its node's slot, which local rank 0 writes)."""
-    script = tmp_path / "worker.py"
-    script.write_text(PAIR_WORKER)
-    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
-    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0)  # fmt: skip
     port = free_port()
-    group.start([Placement(r, r, 0, 2, 2, 1, "127.0.0.1", port, 0, agent_store=False)
-                 for r in (0, 1)])  # fmt: skip
-    try:
+    pair = [Placement(r, r, 0, 2, 2, 1, "127.0.0.1", port, 0, agent_store=False) for r in (0, 1)]
+    with started(tmp_path, PAIR_WORKER, pair) as group:
         wait_until(lambda: group.last_step() >= 5 and group.live, 60, "steps in State.run")
         while group.last_step() < 12:  # the agent watches: it times the steps
             assert not group.frozen()
@@ -353,9 +339,6 @@ def test_the_worker_that_let_go_saves_its_step_when_its_frozen_peer_fails_the_ho
         assert group.save_held(timeout=30)
         newest = SnapshotSlots(tmp_path, create=False).newest()
         assert newest is not None and newest[1] >= step >= 12, (newest, step)
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
 
 
 LAST_STEP_WORKER = """
@@ -381,14 +364,9 @@ def test_workers_asked_to_let_go_after_their_last_step_finish_the_job(tmp_path: 
     group they no longer train in, and exit 0. That is the end of training (FINISHED:
     the job closes), not a failure to hold them, after which new workers would train
     the last steps again from the newest snapshot."""
-    script = tmp_path / "worker.py"
-    script.write_text(LAST_STEP_WORKER)
-    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
     end = {"END": str(tmp_path / "end")}
-    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0, extra_env=end)  # fmt: skip
-    group.start([Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)])
-    try:
+    alone = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)
+    with started(tmp_path, LAST_STEP_WORKER, [alone], env=end) as group:
         wait_until(lambda: group.last_step() >= 3 and group.live, 60, "steps in State.run")
         (tmp_path / "end").touch()
         wait_until((tmp_path / "left").exists, 30, "the training function returned")
@@ -397,6 +375,3 @@ def test_workers_asked_to_let_go_after_their_last_step_finish_the_job(tmp_path: 
             "the workers finished training",
         )
         assert group.workers[0].proc.poll() == 0
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
