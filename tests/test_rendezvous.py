@@ -494,7 +494,7 @@ def test_a_newcomer_waits_for_the_lost_member_that_alone_holds_the_jobs_newest_s
         b.expect("ready")
         b.send("next")
         if fault == "killed":
-            r = b.expect("round", timeout=TTL + 3)
+            r = b.expect("round", timeout=3 * TTL + 3)
             assert r["members"] == ["b"] and r["lost"] == ["a"]
             # lost at its lease's end (a newcomer probes the leader only now and then),
             # then proven dead at once: a hold would make it three TTLs at least
@@ -505,8 +505,12 @@ def test_a_newcomer_waits_for_the_lost_member_that_alone_holds_the_jobs_newest_s
         time.sleep(1.0)  # the fault: a stays frozen past its lease's end
         a.signal(signal.SIGCONT)
         a.expect("change", end="LAPSED", timeout=TTL + 3)
-        a.send("resume")
-        a.expect("resumed", ok=True)
+
+        def resumed() -> bool:  # False until its view is one read since it woke
+            a.send("resume")
+            return bool(a.expect("resumed")["ok"])
+
+        wait_until(resumed, 10, "a to carry on in its round")
         a.expect("change", end="WAITING", nodes=["b"])
         a.send("next")
         rounds = [n.expect("round", timeout=TTL + 5) for n in (a, b)]
