@@ -329,12 +329,13 @@ def holders_away(
     lose every step since the newest state another node holds."""
     if staying or not lost or view.progress is None:
         return ()
-    proven = proven or {}
-    return tuple(
-        m.id
-        for m in members
-        if m.id in lost and proven.get(m.id) != m.rev and m.id not in view.nodes
-    )
+    return tuple(m.id for m in members if m.id in lost and not _gone_for_good(view, m, proven))
+
+
+def _gone_for_good(view: JobView, m: Member, proven: Mapping[str, int] | None) -> bool:
+    """Member ``m`` will not come back: proven dead (its agent refused its probe port,
+    ``proven``: node id to incarnation) or registered again as a new incarnation."""
+    return (proven or {}).get(m.id) == m.rev or m.id in view.nodes
 
 
 def lapsed_in_outage(
@@ -350,8 +351,7 @@ def lapsed_in_outage(
     ``proven``: node id to incarnation) or registered again as a new incarnation."""
     if not lost or outage is None or outage[0] >= outage[1]:
         return ()
-    proven = proven or {}
-    gone = {m.id for m in members if proven.get(m.id) == m.rev or m.id in view.nodes}
+    gone = {m.id for m in members if _gone_for_good(view, m, proven)}
     return () if gone.issuperset(lost) else lost
 
 

@@ -310,11 +310,14 @@ class WorkerGroup:
         for w in held:
             w.control.request_stop()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(
-            w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in held
-        ):
+        while time.monotonic() < deadline and not all(self._saved(w) for w in held):
             time.sleep(0.005)
         return bool(held)
+
+    @staticmethod
+    def _saved(w: Worker) -> bool:
+        """It exited, or saved and is exiting (EXIT_RESIZE): nothing of it is lost now."""
+        return w.proc.poll() is not None or w.control.phase is Phase.LEAVING
 
     def stranded(self) -> list[WorkerFailure]:
         """Workers that left their group on their own (a collective failed) and wait for
@@ -449,9 +452,7 @@ class WorkerGroup:
             if self.drain_frozen:
                 self.stop(0)
                 return Drained.FROZEN
-            if let_go is not None and all(
-                w.proc.poll() is not None or w.control.phase is Phase.LEAVING for w in self.workers
-            ):
+            if let_go is not None and all(self._saved(w) for w in self.workers):
                 let_go()
                 let_go, saved = None, True  # this node leaves: their ends are not awaited
                 deadline = min(deadline, time.monotonic() + EXIT_GRACE)
