@@ -18,6 +18,7 @@ import time
 from etcd3.utils import prefix_range_end
 
 from rendezvous import records, rules
+from rendezvous.arrival import Arrival, others
 from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import (
@@ -75,6 +76,7 @@ class Rendezvous:
             client, self.key(records.PROGRESS), self.key(records.ROUND), RETRIED_TIMEOUT
         )
         self._round_rev = 0  # the revision that wrote self.round's header
+        self._arrival = Arrival(client, options, me.id)
 
     @property
     def node_id(self) -> str:
@@ -121,12 +123,28 @@ class Rendezvous:
         """The job as a node sees it before registering (``mirror.glance``)."""
         return glance(self.client, self.options.job_prefix)
 
+    def announce_arrival(self) -> None:
+        """Say in etcd that this node is on its way (its workers start before it
+        registers: ``rendezvous.arrival``); withdrawn as it registers. Best effort."""
+        try:
+            self._arrival.announce(timeout=RETRIED_TIMEOUT)
+        except RendezvousError as e:
+            log.debug("could not say that this node is on its way: %s", e)
+
+    def others(self) -> int:
+        """The nodes other than this one registered in the job or on their way to it.
+        Raises RendezvousError."""
+        return others(self.client, self.options.job_prefix, self.me.id, RETRIED_TIMEOUT)
+
     def start(self, cancel: threading.Event | None = None) -> None:
         """Register this node and read the job, in one transaction; refuse a closed job.
         Raises RendezvousCancelled once ``cancel`` is set while etcd is away."""
-        revision, kvs = self.session.register(
-            self.mirror.lean_keys(), claim=self.lead.registration_claim, cancel=cancel
-        )
+        try:
+            revision, kvs = self.session.register(
+                self.mirror.lean_keys(), claim=self.lead.registration_claim, cancel=cancel
+            )
+        finally:
+            self._arrival.withdraw()  # registered, its record says the rest
         try:
             self.mirror.start(initial=(revision, kvs))
             self._raise_if_closed(self.mirror.view())
@@ -139,6 +157,7 @@ class Rendezvous:
     def shutdown(self, leave: bool = True) -> None:
         """Stop the background threads; with ``leave`` the others see this node go at once,
         as a departure (its tombstone), not a loss."""
+        self._arrival.withdraw()  # one that never registered
         if self.session.closed:
             return
         self._progress_writer.stop()

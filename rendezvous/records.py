@@ -7,6 +7,9 @@ raises ``MalformedRecordError`` naming the key.
     <prefix>/<run_id>/nodes/<node_id>              NodeRecord, attached to the node's lease
     <prefix>/<run_id>/gone/<node_id>               GoneRecord: a node that left on
                                                    purpose, on a short lease of its own
+    <prefix>/<run_id>/arriving/<node_id>           empty: a newcomer whose workers start
+                                                   before it registers, on a lease of its
+                                                   own (``rendezvous.arrival``)
     <prefix>/<run_id>/members/<bucket>             the round's members whose id hashes to
                                                    that bucket (``bucket_of``)
     <prefix>/<run_id>/job/round                    RoundRecord without its members (those
@@ -46,6 +49,7 @@ from rendezvous.errors import MalformedRecordError
 
 NODES = "nodes/"
 GONE = "gone/"
+ARRIVING = "arriving/"
 MEMBERS = "members/"
 JOB = "job/"  # what every node watches: one range, one watch
 ROUND = JOB + "round"

@@ -4,8 +4,10 @@ Tests start several of these as "nodes". Each prints JSON events on stdout:
 ``ready`` once registered, ``round`` when it is in a new round, ``change`` when
 ``check()`` reports something, ``error`` with the message of a rendezvous error.
 
-Commands: next | finish | fail | announce | close | leave | exit | progress [STEP]
-(``progress 7``: report step 7 as this node's; either way, say the job's recorded one)
+Commands: next | finish | fail | announce | close | leave | exit | progress [STEP] | others
+(``progress 7``: report step 7 as this node's; either way, say the job's recorded one).
+With ``--arrive`` it first says it is on its way (``arriving``), and registers on
+``register``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--conf", default="")
     ap.add_argument("--max-restarts", type=int, default=0)
+    ap.add_argument("--arrive", action="store_true", help="on its way before registering")
     a = ap.parse_args()
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format=f"{a.id} %(levelname)s %(message)s"
@@ -68,6 +71,11 @@ def main() -> None:
             NodeSpec(id=a.id, addr="127.0.0.1", nproc=a.nproc, pid=os.getpid()),
             max_restarts=a.max_restarts,
         )
+        if a.arrive:
+            rdzv.announce_arrival()
+            emit("arriving")
+            while sys.stdin.readline().strip() != "register":
+                pass
         rdzv.start()
     except (RendezvousError, ValueError) as e:
         emit("error", kind=type(e).__name__, message=str(e))
@@ -125,6 +133,8 @@ def main() -> None:
                 emit("progress", step=rec.step if rec else -1, node=rec.node if rec else "")
             elif cmd == "resume":  # carry on after a lapse (the agent does it on LAPSED)
                 emit("resumed", ok=rdzv.resume())
+            elif cmd == "others":
+                emit("others", n=rdzv.others())
             elif cmd == "announce":
                 rdzv.announce_leaving()
                 emit("announced")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -27,6 +28,7 @@ def join(
     nnodes: str = "1:4",
     conf: str = "",
     max_restarts: int = 0,
+    arrive: bool = False,
 ) -> Proc:
     conf = ",".join(filter(None, [f"lease_ttl={TTL}", "last_call_timeout=0.5", conf]))
     p = Proc(
@@ -44,6 +46,7 @@ def join(
             conf,
             "--max-restarts",
             str(max_restarts),
+            *(["--arrive"] if arrive else []),
         ),
         name=node,
     )
@@ -548,3 +551,42 @@ def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     finally:
         client.close()
     assert kv is not None and records.ProgressRecord.decode(kv.key, kv.value).step == 3
+
+
+def test_a_newcomer_on_its_way_counts_as_another_node_until_it_registers_or_dies(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    """What a node told to leave reads to know whether anyone can take the newest state
+    (``Rendezvous.others``): registered nodes and newcomers whose workers start before
+    they register (``arriving/``, withdrawn as they register, gone with their lease)."""
+    etcd_opts, opts = build_options(etcd.endpoint, run_id, 1, 4, RdzvConf())
+    with contextlib.closing(EtcdClient(etcd_opts)) as client:
+        _on_its_way(client, opts.job_prefix, etcd, run_id, procs)
+
+
+def _on_its_way(
+    client: EtcdClient, prefix: str, etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    a = join(procs, etcd.endpoint, run_id, "a")
+    a.expect("ready")
+
+    def others() -> int:
+        a.send("others")
+        return int(a.expect("others")["n"])
+
+    def arriving() -> list[str]:
+        kvs = client.get_prefix(prefix + records.ARRIVING)[1]
+        return [kv.key.rsplit("/", 1)[1] for kv in kvs]
+
+    assert others() == 0
+    b = join(procs, etcd.endpoint, run_id, "b", arrive=True)
+    b.expect("arriving")
+    assert others() == 1 and arriving() == ["b"]
+    b.send("register")
+    b.expect("ready")
+    assert others() == 1 and arriving() == []  # withdrawn: its record says the rest
+    c = join(procs, etcd.endpoint, run_id, "c", arrive=True)
+    c.expect("arriving")
+    assert others() == 2
+    c.signal(signal.SIGKILL)
+    wait_until(lambda: others() == 1, TTL + 3, "c's word to go with its lease")
