@@ -41,10 +41,16 @@ from rendezvous.view import Glance
 
 
 def round_of(
-    number: int, *nodes: str, restarts: int = 0, cause: RoundCause = RoundCause.START
+    number: int,
+    *nodes: str,
+    restarts: int = 0,
+    cause: RoundCause = RoundCause.START,
+    joined: tuple[str, ...] = (),
 ) -> RoundRecord:
     members = tuple(Member(n, i + 1, "10.0.0.1", 2) for i, n in enumerate(nodes))
-    return RoundRecord(number, members, "10.0.0.1", 29500 + number, 0, restarts, cause)
+    return RoundRecord(
+        number, members, "10.0.0.1", 29500 + number, 0, restarts, cause, joined=joined
+    )
 
 
 class FakeJob:
@@ -73,6 +79,14 @@ class FakeJob:
     def glance(self) -> Glance:
         self.calls.append("glance")
         return self.glances.popleft() if self.glances else self.glance_view
+
+    present = 0  # nodes but this one registered or on their way
+
+    def announce_arrival(self) -> None:
+        self.calls.append("announce_arrival")
+
+    def others(self) -> int:
+        return self.present
 
     def start(self, cancel: threading.Event | None = None) -> None:
         self.calls.append("start")
@@ -217,6 +231,7 @@ class FakeWorkers:
         return {} if show else {1: Path("/logs/1/stderr.log")}
 
     last = 41  # the newest step the workers reported
+    use_state = True
 
     def last_step(self) -> int:
         return self.last
@@ -888,7 +903,8 @@ def test_a_newcomer_starts_its_workers_before_it_joins_and_they_re_form_in_place
     workers.lobby.extend([False, False])  # two looks (and polls) before they all wait
     with caplog.at_level(logging.INFO):
         assert ahead_agent(job, workers).run() == 0
-    assert job.calls[:2] == ["glance", "start"]  # registered after the workers started
+    # on its way as the workers start, registered once they are ready
+    assert job.calls[:3] == ["glance", "announce_arrival", "start"]
     [ahead] = workers.started
     assert [(p.rank, p.group_rank, p.world_size, p.master_port) for p in ahead] == [
         (2, 1, 4, 41999),
@@ -925,7 +941,8 @@ def test_a_worker_started_ahead_that_exits_gives_a_plain_join(
     workers.lobby.append(False)
     with caplog.at_level(logging.WARNING):
         assert ahead_agent(job, workers).run() == 0
-    assert workers.actions[0] == "stop 0" and job.calls[:2] == ["glance", "start"]
+    assert workers.actions[0] == "stop 0"
+    assert job.calls[:3] == ["glance", "announce_arrival", "start"]
     assert len(workers.started) == 2 and workers.reformed == []  # new workers in round 2
     assert "joining without them, new workers start in the round" in caplog.text
     assert job.reported == []  # not a member of any round yet: nothing is charged
@@ -1022,7 +1039,8 @@ def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started
         a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new)
         assert a.run() == 0
     assert old.calls[-2:] == ["report, not done", "shutdown"]  # reported, then left
-    assert new.calls[:4] == ["glance", "glance", "glance", "start"]  # out, ahead, registered
+    # out, ahead (on its way), registered
+    assert new.calls[:5] == ["glance", "glance", "glance", "announce_arrival", "start"]
     (ahead,) = workers.started[1:]
     assert [(p.rank, p.group_rank, p.restart_count) for p in ahead] == [(4, 2, 1), (5, 2, 1)]
     assert [p.master_port for p in workers.reformed[0]] == [29503, 29503]  # round 3's store
@@ -1085,3 +1103,79 @@ def test_a_node_out_of_the_job_joins_again_when_no_one_is_left_to_re_form(
     assert time.monotonic() - started < 5.0
     assert "no node leads the job: joining again" in caplog.text
     assert new.calls[-3:] == ["start", "next_round", "shutdown"] and len(workers.started) == 2
+
+
+def _told_to_leave_alone(
+    job: FakeJob, workers: FakeWorkers, **kw: Any
+) -> tuple[Agent, Callable[[], None]]:
+    """An agent whose workers resumed round 1 from step 40 and trained no further; ``tell()``
+    sends it SIGTERM from inside its next poll of the workers."""
+    a = agent(job, workers, **kw)
+    workers.last = 40
+    told: list[int] = []
+
+    def poll() -> tuple[GroupState, list[WorkerFailure]]:
+        if told and told[-1] == 0:
+            told[-1] = 1
+            a.on_signal(signal.SIGTERM)
+        return RUNNING
+
+    workers.poll = poll  # type: ignore[method-assign]
+    workers.restored = lambda: 40  # type: ignore[method-assign]
+    return a, lambda: told.append(0)
+
+
+def test_a_node_told_to_leave_while_alone_trains_on_until_a_newcomers_round_took_a_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Round 1 is a alone; SIGTERM comes while n is registered to join. a trains on: n
+    joins (round 2), and a leaves once its workers trained past the step round 2 resumed
+    from (n's ranks received it and keep it in their node's slot)."""
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", "n", joined=("n",))], [None, waiting])
+    job.present = 1
+    workers = FakeWorkers([])
+    a, tell = _told_to_leave_alone(job, workers, handover_timeout=30.0)
+    tell()
+    said: deque[int | None] = deque([None, None, 40, 40])  # round 2: not said, then 40
+
+    def restored() -> int | None:
+        if a.round is None or a.round.number == 1:
+            return 40
+        answer = said.popleft() if said else 40
+        if not said:
+            workers.last = 41  # the first step of round 2
+        return answer
+
+    workers.restored = restored  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        assert a.run() == 143
+    assert len(workers.started) == 2 and workers.actions == ["drain SIGTERM", "drain SIGTERM"]
+    assert job.calls.index("announce_leaving") > job.calls.index("next_round", 2)
+    assert "alone holds the job's newest state (step 40)" in caplog.text
+    assert "the other nodes of round 2 hold step 41 now: leaving the job now" in caplog.text
+
+
+def test_a_node_handing_over_leaves_at_once_on_a_second_signal_or_at_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for again in (True, False):
+        job = FakeJob([round_of(1, "a")])
+        job.present = 1  # n registered, but never joins
+        workers = FakeWorkers([])
+        a, tell = _told_to_leave_alone(job, workers, handover_timeout=30.0 if again else 0.2)
+        tell()
+        if again:
+            deferred = threading.Event()
+            threading.Thread(
+                target=lambda a=a, d=deferred: d.wait(5) and a.on_signal(signal.SIGINT),
+                daemon=True,
+            ).start()
+            job.check = lambda d=deferred: d.set()  # type: ignore[method-assign,misc]
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO):
+            code = a.run()
+        assert time.monotonic() - started < 5
+        assert job.calls.count("next_round") == 1 and workers.actions == ["drain SIGTERM"]
+        assert code == 143, again  # the first signal's (SIGTERM), as without the handover
+    assert "not handed over within 0.2s: leaving the job" in caplog.text

@@ -325,6 +325,30 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
+def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newcomer_first(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """a trains alone (no --checkpoint-dir: its state is in memory only); b starts to
+    join (its workers start before it registers), and a is told to leave (SIGTERM) at
+    once. a trains on until a round with b has trained a step, then leaves: b trains on
+    from a's newest state, nothing trained again (before: b began again from step 0)."""
+    slow = ("--slow-below-world", "2", "--epochs", "4")
+    a = start_on(procs, etcd.endpoint, run_id, tmp_path, "a", *slow, nnodes="1:3")
+    wait_until(lambda: any(r["step"] >= 3 for r in rows(tmp_path)), 90, "a to train")
+    b = start_on(procs, etcd.endpoint, run_id, tmp_path, "b", *slow, nnodes="1:3")
+    b.wait_output("starting workers before joining", timeout=60)  # on its way
+    told = time.monotonic()
+    a.signal(signal.SIGTERM)
+    assert a.wait(60) == 143, a.transcript()
+    print(f"a left {time.monotonic() - told:.2f}s after its SIGTERM")
+    said = a.transcript()
+    assert "alone holds the job's newest state" in said, said
+    assert "hold step" in said and "leaving the job now" in said, said
+    assert b.wait(120) == 0, b.transcript()
+    assert "trained again" not in b.transcript(), b.transcript()
+    check_run(tmp_path, changes=2, epochs=4)
+
+
 @pytest.mark.parametrize("phase", ["forming", "resyncing"])
 def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, phase: str

@@ -269,6 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _value(
         ft,
+        "handover_timeout",
+        15.0,
+        "seconds a node told to leave, while it alone holds the job's newest state in "
+        "memory, trains on to hand it to a node registered to join (0: leave at once; "
+        "a second signal leaves at once)",
+        type=float,
+    )
+    _value(
+        ft,
         "worker_hang_timeout",
         0.0,
         "a worker that reported progress (State.commit, elastic.heartbeat) and then none "

@@ -34,8 +34,8 @@ def save_at_breakdown(node_dir: Path, checkpoint_dir: str | None, keep: int) -> 
         slot, step = newest
         if checkpoint_dir is None:
             return (
-                f"the newest state (step {step}) was in memory only and is lost with this "
-                "node: give --checkpoint-dir to keep it at breakdown"
+                f"this node's copy of the newest state (step {step}) was in memory only and "
+                "goes with it: give --checkpoint-dir to keep it at breakdown"
             )
         target = CheckpointDir(checkpoint_dir, keep)
         have = target.steps()

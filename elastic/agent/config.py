@@ -101,6 +101,7 @@ class RunConfig:
     virtual_local_rank: bool
     node_id: str
     worker_hang_timeout: float = 0.0
+    handover_timeout: float = 15.0
     metrics_addr: str = "127.0.0.1"
     metrics_port: int | None = None  # None: 9400, or a free one if 9400 is taken
     stdout_filters: tuple[str, ...] = ()
@@ -265,12 +266,14 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         max_restarts = int(ns.max_restarts)
         monitor_interval = float(ns.monitor_interval)
         shutdown_timeout = 30.0 if ns.shutdown_timeout is None else float(ns.shutdown_timeout)
+        handover_timeout = float(ns.handover_timeout)
     except ValueError as e:
         raise UsageError(f"bad number: {e}") from None
     if max_restarts < 0:
         raise UsageError(f"--max-restarts {max_restarts}: must be >= 0")
     _positive("--monitor-interval", monitor_interval)
     _positive("--shutdown-timeout", shutdown_timeout, allow_zero=True)
+    _positive("--handover-timeout", handover_timeout, allow_zero=True)
     endpoint, run_id = str(ns.rdzv_endpoint or ""), str(ns.rdzv_id)
     if ns.standalone:
         if endpoint:
@@ -357,6 +360,7 @@ def build_config(ns: argparse.Namespace) -> RunConfig:
         master_port=master_port,
         signals=parse_signals(ns.signals_to_handle),
         shutdown_timeout=shutdown_timeout,
+        handover_timeout=handover_timeout,
         restart_mode=restart_mode,
         virtual_local_rank=bool(ns.virtual_local_rank),
         worker_hang_timeout=_positive(

@@ -55,7 +55,8 @@ workers (JOINING; HOLDING when a held worker died, after killing the rest) or re
 the held ones in place; WORKERS_FAILED and WORKERS_HUNG report the failure to the job
 (one restart, job-wide), and, going OUT, leave it; leaving OUT joins again as a
 newcomer (its workers started ahead where they can be); RUNNING | SIGNALLED announces
-that this node leaves;
+that this node leaves (the loop holds a signal back while the node hands the job's
+newest state, which it alone holds, to a node joining: ``handover``);
 WORKERS_SUCCEEDED closes the job; RUNNING | LAPSED (etcd dropped this node's lease in an
 outage, but no round formed without it) resumes the node as it was, on a new lease, and
 its workers train on. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the

@@ -181,6 +181,7 @@ def launch(cfg: RunConfig) -> int:
             close_timeout=rdzv_opts.close_timeout,
             host=me.host,
             hang_timeout=cfg.worker_hang_timeout,
+            handover_timeout=cfg.handover_timeout,
             metrics=metrics,
             store=store,
             checkpoint_dir=policy.checkpoint_dir,

@@ -31,6 +31,7 @@ from elastic.agent.core import (
     waits_for_live,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
+from elastic.agent.handover import Holding, hands_over
 from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
@@ -78,6 +79,8 @@ class Membership(Protocol):
     @property
     def leads(self) -> bool: ...  # this node writes the rounds (and holds the first's rank 0)
     def glance(self) -> Glance: ...  # the job, read once before registering
+    def announce_arrival(self) -> None: ...  # on its way: workers start before it registers
+    def others(self) -> int: ...  # nodes but this one registered or on their way
     def start(self, cancel: threading.Event | None = None) -> None: ...  # register
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def upkeep(self) -> None: ...  # the lead's writes: claim, notice
@@ -117,6 +120,8 @@ class Workers(Protocol):
     def release_withheld(self, show: bool) -> dict[int, Path]: ...
     def last_step(self) -> int: ...  # the newest step the workers reported, -1 for none
     def restored(self) -> int | None: ...  # the step they resumed from, once they all said
+    @property
+    def use_state(self) -> bool: ...  # all run elastic.State
     @property
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
@@ -160,6 +165,7 @@ class Agent:
         close_timeout: float,
         host: str,
         hang_timeout: float = 0.0,
+        handover_timeout: float = 0.0,
         metrics: AgentMetrics | None = None,
         store: Store | None = None,
         checkpoint_dir: str | None = None,
@@ -189,11 +195,17 @@ class Agent:
         self.shutdown_timeout = shutdown_timeout
         self.close_timeout = close_timeout
         self.hang_timeout = hang_timeout
+        self.handover_timeout = handover_timeout
         self.host = host
         self.metrics = metrics
         self.store = store
         self._state = AgentState.JOINING
         self.signal: int | None = None
+        # told to leave, it trains on to hand the newest state over: (the signal, the
+        # timer that brings it back at --handover-timeout)
+        self._handing: tuple[int, threading.Timer] | None = None
+        self._handed = False  # a handover was tried: once per agent
+        self._state_seen = False  # workers ran elastic.State (new ones may not have said yet)
         self.round: RoundRecord | None = None
         self._previous: RoundRecord | None = None
         self._restart_count = 0  # torchrun's count for the workers (not the budget)
@@ -289,6 +301,7 @@ class Agent:
             reaction = decide(self.state, event, self._in_place(event))
             result = self._carry_out(reaction, event)
             if isinstance(result, int):
+                self._end_handover()
                 return result
             pending = result
 
@@ -309,6 +322,7 @@ class Agent:
         self.tripwire.reset()
         self._prepared_at = time.monotonic()
         self.workers.start(list(choice.placements), ahead=True)
+        self.rdzv.announce_arrival()  # a node leaving may wait to hand the state over
         self.state = AgentState.PREPARING
 
     def _register(self) -> int | None:
@@ -449,7 +463,7 @@ class Agent:
         while True:
             self._beat = time.monotonic()
             version = self.rdzv.version
-            if self.signal is not None:
+            if (self.signal is not None or self._handing is not None) and not self._hands_over():
                 return LocalEvent.SIGNALLED
             state, failures = self.workers.poll()
             if state is GroupState.SUCCEEDED:
@@ -464,6 +478,7 @@ class Agent:
                 self.rdzv.report_progress(self.workers.last_step())
             live = self.workers.live
             self._live_seen = self._live_seen or live
+            self._state_seen = self._state_seen or self.workers.use_state
             self._announce_in_place(live)
             hung = (
                 self.workers.hung(self.hang_timeout)
@@ -488,6 +503,77 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
+
+    def _hands_over(self) -> bool:
+        """Told to leave: whether this node trains on to hand the job's newest state to a
+        node joining first (``handover.hands_over``), at most ``handover_timeout`` and
+        until a second signal. False: it leaves now (``self.signal`` says with what)."""
+        handing = self._handing
+        if handing is not None and self.signal is not None:  # again, or the bound passed
+            self.signal = handing[0]  # it leaves as the first signal asked
+            self._end_handover()
+            return False
+        if handing is None and (self._handed or self.handover_timeout <= 0):
+            return False
+        keep, why = hands_over(handing is not None, self._holding())
+        if handing is None:
+            self._handed = True
+            sig = self.signal or signal.SIGTERM
+            if not keep:
+                log.debug("no handover: %s", why)
+                return False
+            self.signal = None
+            self._cancel.clear()
+            timer = threading.Timer(self.handover_timeout, self._handover_timed_out)
+            timer.daemon = True
+            self._handing = (sig, timer)
+            timer.start()
+            log.warning(
+                "received %s: %s (at most %gs; signal again to leave now)",
+                signal.Signals(sig).name,
+                why,
+                self.handover_timeout,
+            )
+            return True
+        if keep:
+            return True
+        log.info("%s: leaving the job now", why)
+        self.signal = handing[0]
+        self._end_handover()
+        return False
+
+    def _holding(self) -> Holding:
+        """What this node knows, as it is told to leave, of the state it holds."""
+        r = self.round
+        if r is None:
+            return Holding(0, 0, 0, False, -1, -1, None, self.checkpoint_dir is not None)
+        resumed = self.workers.restored()
+        state = self._state_seen or self.workers.use_state  # the same script in every round
+        step = self.workers.last_step() if state else -1
+        on_disk = self.checkpoint_dir is not None
+        others = -1
+        if r.size == 1 and step >= 0 and not on_disk:  # else it leaves whatever etcd says
+            try:
+                others = self.rdzv.others()
+            except RendezvousError as e:
+                log.debug("could not count the nodes registered or on their way: %s", e)
+        newcomer = self.node_id in r.joined
+        return Holding(r.number, r.size, r.counts[0], newcomer, others, step, resumed, on_disk)
+
+    def _handover_timed_out(self) -> None:
+        """The timer's end of a handover: the signal comes back, wherever the loop is."""
+        handing = self._handing
+        if handing is not None:
+            log.warning(
+                "the newest state was not handed over within %gs: leaving the job",
+                self.handover_timeout,
+            )
+            self.on_signal(handing[0])
+
+    def _end_handover(self) -> None:
+        if self._handing is not None:
+            self._handing[1].cancel()
+            self._handing = None
 
     def _waits_for_live(self, change: Change) -> bool:
         """A graceful change waits while the workers placed in place go into State.run

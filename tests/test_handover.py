@@ -1,0 +1,71 @@
+"""The handover rule: a node told to leave trains on only while the job's newest state
+would otherwise go with it, and only until a round with a newcomer trained a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.agent.handover import Holding, hands_over
+
+
+def holding(**kw: object) -> Holding:
+    facts: dict[str, object] = {
+        "round": 3,
+        "size": 1,
+        "joined": 0,
+        "newcomer": False,
+        "others": 1,
+        "step": 40,
+        "resumed": 12,
+        "on_disk": False,
+    }
+    facts.update(kw)
+    return Holding(**facts)  # type: ignore[arg-type]
+
+
+NEW_PAIR = {"round": 4, "size": 2, "joined": 1}  # round 4: this node and one that joined it
+
+
+@pytest.mark.parametrize(
+    ("kw", "keep", "why"),
+    [
+        ({}, True, "alone holds the job's newest state (step 40)"),
+        ({"others": 2}, True, "the 2 node(s) joining have it"),
+        ({"on_disk": True}, False, "goes to --checkpoint-dir"),
+        ({"step": -1}, False, "no step trained"),
+        ({"size": 2}, False, "the other nodes of round 3 hold what it trained"),
+        ({"size": 3, "joined": 1}, False, "hold what it trained"),  # one trained with it
+        ({"size": 2, "joined": 1, "newcomer": True}, False, "hold what it trained"),
+        # the round with a newcomer formed, its workers did not train a step yet
+        ({**NEW_PAIR, "resumed": None}, True, "do not hold the job's newest state (step 40)"),
+        ({**NEW_PAIR, "resumed": 40}, True, "until the round's first step"),
+        ({**NEW_PAIR, "resumed": 39}, False, "hold step 40 now"),
+        ({"others": 0}, False, "no node is there"),
+        ({"others": -1}, False, "no node is there"),  # etcd does not answer as it is told
+    ],
+)
+def test_as_the_signal_comes_it_hands_over_only_what_would_go_with_it(
+    kw: dict[str, object], keep: bool, why: str
+) -> None:
+    got, reason = hands_over(False, holding(**kw))
+    assert got is keep and why in reason, reason
+
+
+@pytest.mark.parametrize(
+    ("kw", "keep", "why"),
+    [
+        ({}, True, "alone holds"),  # the newcomer has not joined yet
+        ({"others": -1}, True, "etcd does not answer"),  # the bound ends it
+        ({"others": 0}, False, "no node is there"),  # the newcomer went
+        ({**NEW_PAIR, "resumed": None}, True, "round's first step"),
+        ({**NEW_PAIR, "resumed": 40, "step": 40}, True, "round's first step"),
+        ({**NEW_PAIR, "resumed": 40, "step": 41}, False, "hold step 41 now"),
+        ({"round": 5, "others": 0}, False, "no node is there"),  # it failed
+        ({"round": 5}, True, "alone holds"),  # ... or comes again
+    ],
+)
+def test_while_it_hands_over_it_leaves_once_a_round_with_others_trained_a_step(
+    kw: dict[str, object], keep: bool, why: str
+) -> None:
+    got, reason = hands_over(True, holding(**kw))
+    assert got is keep and why in reason, reason
