@@ -1179,3 +1179,34 @@ def test_a_node_handing_over_leaves_at_once_on_a_second_signal_or_at_its_bound(
         assert job.calls.count("next_round") == 1 and workers.actions == ["drain SIGTERM"]
         assert code == 143, again  # the first signal's (SIGTERM), as without the handover
     assert "not handed over within 0.2s: leaving the job" in caplog.text
+
+
+def test_a_node_told_to_leave_as_its_workers_stop_for_a_newcomer_hands_over_too() -> None:
+    """The signal comes while a's workers stop for n's join (a held it alone): a waits
+    for the round with n as it would have, and leaves once it trained a step."""
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    job = FakeJob([round_of(1, "a"), round_of(2, "a", "n", joined=("n",))], [waiting])
+    job.present = 1
+    workers = FakeWorkers([])
+    workers.last = 40
+    a = agent(job, workers, handover_timeout=30.0)
+
+    def drain(sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> Drained:
+        workers.actions.append(f"drain {signal.Signals(sig).name}")
+        if len(workers.actions) == 1:
+            a.on_signal(signal.SIGTERM)  # as the workers stop for the resize
+        return Drained.STOPPED
+
+    said: deque[int | None] = deque([40, None, 40])  # round 1; round 2: not yet, then 40
+
+    def restored() -> int | None:
+        answer = said.popleft() if said else 40
+        if not said:
+            workers.last = 41  # round 2's first step
+        return answer
+
+    workers.drain = drain  # type: ignore[method-assign]
+    workers.restored = restored  # type: ignore[method-assign]
+    assert a.run() == 143
+    assert len(workers.started) == 2  # round 2 formed and its workers trained
+    assert job.calls.index("announce_leaving") > job.calls.index("next_round", 2)

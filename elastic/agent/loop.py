@@ -442,21 +442,29 @@ class Agent:
             time.sleep(0.01)
 
     def _join(self) -> Event:
-        if self.signal is not None:
-            return LocalEvent.SIGNALLED
-        self._asked = time.monotonic()
-        try:
-            self.round = self.rdzv.next_round(cancel=self._cancel)
-        except RendezvousCancelled:
-            return LocalEvent.SIGNALLED
-        except RendezvousClosedError as e:
-            self._closed = e.record
-            failed = e.record.state is JobOutcome.FAILED
-            return RoundEnd.JOB_FAILED if failed else RoundEnd.JOB_SUCCEEDED
-        except RendezvousTimeoutError as e:
-            self._change_why = str(e)
-            return LocalEvent.JOIN_TIMED_OUT
-        return LocalEvent.ROUND_FORMED
+        """Wait for the next round; a signal ends the wait, unless held back while this
+        node hands the newest state over (``_hands_over``: the round it waits for may
+        be the one with the newcomer)."""
+        while True:
+            if (self.signal is not None or self._handing is not None) and not self._hands_over():
+                return LocalEvent.SIGNALLED
+            if self.signal is None:
+                self._cancel.clear()  # a signal held back set it
+                if self.signal is not None:  # one came meanwhile (the handover's bound)
+                    self._cancel.set()
+            self._asked = time.monotonic()
+            try:
+                self.round = self.rdzv.next_round(cancel=self._cancel)
+            except RendezvousCancelled:
+                continue  # a signal: the top says whether it ends the wait
+            except RendezvousClosedError as e:
+                self._closed = e.record
+                failed = e.record.state is JobOutcome.FAILED
+                return RoundEnd.JOB_FAILED if failed else RoundEnd.JOB_SUCCEEDED
+            except RendezvousTimeoutError as e:
+                self._change_why = str(e)
+                return LocalEvent.JOIN_TIMED_OUT
+            return LocalEvent.ROUND_FORMED
 
     def _watch(self) -> Event:
         """Wait for the first thing that ends this node's part in the round."""
