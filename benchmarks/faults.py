@@ -28,6 +28,9 @@ job's budget, with the nodes whose own failure they were.
                   State.run), d joins: from c's placement to the first step at world 4
     kill building  c joins a and b; 1 s into its worker's 6 s model build, b is
                   SIGKILLed: from the kill to the first step of a and c
+    leave handing over  a trains alone; c starts to join (its worker starts before it
+                  registers) and a is told to leave (SIGTERM) at once: a hands the state to
+                  c first (from the SIGTERM to c's first step alone)
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
     kill etcd restarting  etcd and c SIGKILLed together, etcd started again 1 s later
@@ -314,6 +317,18 @@ def kill_building(job: Job) -> Outcome:
     return job.outcome(at, resumed - at)
 
 
+def leave_handing_over(job: Job) -> Outcome:
+    start_training(job, "a")
+    job.start("c")
+    job.wait_log("c", "starting workers before joining")
+    at = time.time()
+    job.nodes["a"].proc.send_signal(signal.SIGTERM)
+    job.wait_log("a", "summary:")  # left: a step at world 1 now is c's alone
+    left = time.time()
+    alone = job.since(1, left)
+    return job.outcome(at, None if alone is None else left - at + alone)
+
+
 def ctrl_c(job: Job) -> Outcome:
     job.nnodes = "1"
     node = job.start("a")
@@ -372,6 +387,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "two joins": two_joins,
     "join building": join_building,
     "kill building": kill_building,
+    "leave handing over": leave_handing_over,
     "Ctrl-C": ctrl_c,
     "etcd frozen": etcd_frozen,
     "kill etcd restarting": kill_etcd_restarting,

@@ -35,7 +35,7 @@ def save_at_breakdown(node_dir: Path, checkpoint_dir: str | None, keep: int) -> 
         if checkpoint_dir is None:
             return (
                 f"this node's copy of the newest state (step {step}) was in memory only and "
-                "goes with it: give --checkpoint-dir to keep it at breakdown"
+                "is lost with it: give --checkpoint-dir to keep it at breakdown"
             )
         target = CheckpointDir(checkpoint_dir, keep)
         have = target.steps()

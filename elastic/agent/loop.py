@@ -318,11 +318,11 @@ class Agent:
         if not choice.placements:
             log.debug("workers start once this node joins: %s", choice.reason)
             return
+        self.rdzv.announce_arrival()  # a node leaving may wait to hand the state over
         log.info("starting workers before joining: %s", choice.reason)
         self.tripwire.reset()
         self._prepared_at = time.monotonic()
         self.workers.start(list(choice.placements), ahead=True)
-        self.rdzv.announce_arrival()  # a node leaving may wait to hand the state over
         self.state = AgentState.PREPARING
 
     def _register(self) -> int | None:
