@@ -28,9 +28,10 @@ job's budget, with the nodes whose own failure they were.
                   State.run), d joins: from c's placement to the first step at world 4
     kill building  c joins a and b; 1 s into its worker's 6 s model build, b is
                   SIGKILLed: from the kill to the first step of a and c
-    leave handing over  a trains alone; c starts to join (its worker starts before it
-                  registers) and a is told to leave (SIGTERM) at once: a hands the state to
-                  c first (from the SIGTERM to c's first step alone)
+    leave handing over  a trains alone; c starts to join (live: its worker starts before
+                  it registers; respawn: it registers) and a is told to leave (SIGTERM) at
+                  once: a hands the state to c first (from the SIGTERM to c's first step
+                  alone)
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
     kill etcd restarting  etcd and c SIGKILLed together, etcd started again 1 s later
@@ -320,13 +321,17 @@ def kill_building(job: Job) -> Outcome:
 def leave_handing_over(job: Job) -> Outcome:
     start_training(job, "a")
     job.start("c")
-    job.wait_log("c", "starting workers before joining")
+    # live: c's worker starts before it registers; respawn: it registers at once
+    job.wait_log("c", "starting workers" if job.mode == "live" else "registered as c")
     at = time.time()
     job.nodes["a"].proc.send_signal(signal.SIGTERM)
     job.wait_log("a", "summary:")  # left: a step at world 1 now is c's alone
     left = time.time()
     alone = job.since(1, left)
-    return job.outcome(at, None if alone is None else left - at + alone)
+    if alone is None:
+        return job.outcome(at, None)
+    job.steps_at(1, left, 3)  # the steps after c's first say where it resumed
+    return job.outcome(at, left - at + alone)
 
 
 def ctrl_c(job: Job) -> Outcome:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 
@@ -77,6 +78,7 @@ class Rendezvous:
         )
         self._round_rev = 0  # the revision that wrote self.round's header
         self._arrival = Arrival(client, options, me.id)
+        self._job = os.urandom(8).hex()  # this run's token, if this node writes progress first
 
     @property
     def node_id(self) -> str:
@@ -431,7 +433,9 @@ class Rendezvous:
         if not rules.progress_due(step, written, now - at, r.size, number != r.number, final):
             return
         self._progress = (written, now, number)  # a write that fails waits an interval
-        rec = ProgressRecord(step=step, node=self.me.id, round=r.number, at=time.time())
+        recorded = self.mirror.view().progress
+        job = recorded.job if recorded is not None and recorded.job else self._job
+        rec = ProgressRecord(step=step, node=self.me.id, round=r.number, at=time.time(), job=job)
 
         def done() -> None:
             self._progress = (step, now, rec.round)

@@ -592,6 +592,10 @@ class ProgressRecord:
     node: str
     round: int
     at: float = 0.0
+    # this run of the job, drawn by its first writer and carried by the next: a node's
+    # snapshot left in shared memory belongs to it only if taken under the same (a job
+    # started again under the same id, on an etcd that forgot the first, is another)
+    job: str = ""
 
     def encode(self) -> bytes:
         return dumps(_shallow(self))
@@ -607,6 +611,7 @@ class ProgressRecord:
             node=_text(key, obj, "node"),
             round=_field(key, obj, "round", int),
             at=_number(obj, "at"),
+            job=_text(key, obj, "job"),
         )
 
 

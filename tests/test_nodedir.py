@@ -112,15 +112,39 @@ def test_a_predecessors_snapshot_not_kept_goes_whole(
 
 
 @pytest.mark.parametrize(
-    ("recorded", "closed", "kept", "why"),
+    ("recorded", "closed", "theirs", "kept", "why"),
     [
-        (35, False, True, "the job goes on (it recorded step 35)"),
-        (None, False, False, "recorded no progress"),  # an embedded etcd, new: another job
-        (35, True, False, "the job is over"),
+        (35, False, "r1", True, "the job goes on (it recorded step 35)"),
+        (None, False, "r1", False, "recorded no progress"),  # an embedded etcd, new
+        (35, True, "r1", False, "the job is over"),
+        # a job started again under the same id: it recorded progress before this node came
+        (
+            35,
+            False,
+            "r0",
+            False,
+            "another run of a job with this id (r0; the job in etcd is run r1)",
+        ),
+        (35, False, "", False, "did not note which run"),  # it died before it learned
     ],
 )
 def test_whether_a_predecessors_snapshot_is_kept(
-    recorded: int | None, closed: bool, kept: bool, why: str
+    recorded: int | None, closed: bool, theirs: str, kept: bool, why: str
 ) -> None:
-    keep, reason = nodedir.keeps(recorded, closed)
+    keep, reason = nodedir.keeps(recorded, closed, "r1", theirs)
     assert keep is kept and why in reason
+
+
+def test_the_run_a_snapshot_was_taken_in_goes_with_it_to_the_next_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nodedir, "_base", lambda: tmp_path)
+    me = nodedir._owner(os.getpid())
+    assert me is not None
+    folder = _dead_agents_folder(
+        tmp_path, "J_a.1", {**me, "start": 1.0, "job": "J", "node": "a"}, 7
+    )
+    nodedir.remember_job(folder, "r1")
+    mine = nodedir.create("J", "a")
+    assert nodedir.predecessor_job(mine) == "r1"
+    nodedir.remove(mine)

@@ -408,6 +408,46 @@ def test_sigterm_of_the_whole_job_saves_the_newest_state(
     assert CheckpointDir(ckpt).newest_valid()[0] == last  # the step committed last
 
 
+def test_a_snapshot_left_by_another_run_of_a_job_with_the_same_id_is_not_restored(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Node a of a job is SIGKILLed: its snapshot stays in shared memory. A new run of a
+    job with the same id starts on another etcd (an embedded one starts empty): b trains
+    and records progress, then a joins it under its old name. a's old snapshot is that
+    other run's (its progress record's token differs): a removes it, and the round
+    resumes from b's state, not from a's old step."""
+    out = tmp_path / "run"
+    out.mkdir()
+    env, every = {"RESULT_DIR": str(out)}, ("--snapshot-every", "1")
+    slow = ("--samples", "2000", "--epochs", "1", "--step-time", "0.03")
+
+    def node(endpoint: str, name: str, *args: str) -> Proc:
+        return start_agent(
+            procs, endpoint, run_id, name, SCRIPT, *args, nnodes="1:2", env=env, extra=every
+        )
+
+    first = node(etcd.endpoint, "a", *slow)
+    wait_until(lambda: max((r["step"] for r in steps(out)), default=0) >= 80, 60, "a to train")
+    first.kill_tree()
+    old = max(r["step"] for r in steps(out))
+    again = ("--samples", "400", "--epochs", "1", "--step-time", "0.3")
+    with EtcdServer(name="again") as other:
+        b = node(other.endpoint, "b", *again)
+        started = time.time()
+        wait_until(lambda: any(r["t"] > started for r in steps(out)), 60, "b to train")
+        bs = {r["pid"] for r in steps(out) if r["t"] > started}
+        a = node(other.endpoint, "a", *again)
+        for n in (a, b):
+            assert n.wait(120) == 0, n.transcript()
+    said = [line for line in a.err if "the snapshot of step" in line]
+    assert len(said) == 1 and "removed" in said[0] and "another run" in said[0], a.transcript()
+    new = [r for r in steps(out) if r["t"] > started]
+    at_a = min(r["t"] for r in new if r["pid"] not in bs)  # a's worker, in the round with b
+    b_then = max(r["step"] for r in new if r["pid"] in bs and r["t"] < at_a)
+    resumed = min(r["step"] for r in new if r["t"] >= at_a)
+    assert resumed <= b_then + 1 < old, (resumed, b_then, old)  # b's state, not a's old one
+
+
 def test_a_node_restarted_after_every_holder_died_resumes_from_its_own_snapshot(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:

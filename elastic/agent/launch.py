@@ -182,6 +182,7 @@ def launch(cfg: RunConfig) -> int:
             host=me.host,
             hang_timeout=cfg.worker_hang_timeout,
             handover_timeout=cfg.handover_timeout,
+            on_job=functools.partial(nodedir.remember_job, node_dir),
             metrics=metrics,
             store=store,
             checkpoint_dir=policy.checkpoint_dir,
@@ -244,7 +245,8 @@ def _inherit(node_dir: Path, rdzv: Rendezvous) -> None:
         keep, why = False, f"etcd does not say whether the job goes on ({e})"
     else:
         recorded = seen.progress.step if seen.progress is not None else None
-        keep, why = nodedir.keeps(recorded, seen.closed)
+        job = seen.progress.job if seen.progress is not None else ""
+        keep, why = nodedir.keeps(recorded, seen.closed, job, nodedir.predecessor_job(node_dir))
     nodedir.inherit(node_dir, keep)
     what = "kept" if keep else "removed"
     log.info("%s the snapshot of step %d this node's previous agent left: %s", what, step, why)

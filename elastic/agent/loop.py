@@ -166,6 +166,7 @@ class Agent:
         host: str,
         hang_timeout: float = 0.0,
         handover_timeout: float = 0.0,
+        on_job: Callable[[str], None] | None = None,
         metrics: AgentMetrics | None = None,
         store: Store | None = None,
         checkpoint_dir: str | None = None,
@@ -182,7 +183,8 @@ class Agent:
         node's ``lobby.step_out`` (whether it leaves for now when its own worker fails)
         given whether its workers were live and the round's size; ``rejoin`` makes the
         rendezvous it joins again with; without both it never steps out. ``back``: this
-        node's ``lobby.back_now`` (whether, out, it joins again at once)."""
+        node's ``lobby.back_now`` (whether, out, it joins again at once). ``on_job``
+        notes the run of the job its snapshots are taken in (``nodedir.remember_job``)."""
         self.rdzv = rdzv
         self.prepare = prepare
         self.tripwire = tripwire
@@ -196,6 +198,8 @@ class Agent:
         self.close_timeout = close_timeout
         self.hang_timeout = hang_timeout
         self.handover_timeout = handover_timeout
+        self.on_job = on_job
+        self._job = ""  # the run of the job noted (the token of its progress record)
         self.host = host
         self.metrics = metrics
         self.store = store
@@ -484,6 +488,7 @@ class Agent:
             self._judge_resume()
             if self._resuming is None:  # judged: this round's steps are the job's now
                 self.rdzv.report_progress(self.workers.last_step())
+            self._note_job()
             live = self.workers.live
             self._live_seen = self._live_seen or live
             self._state_seen = self._state_seen or self.workers.use_state
@@ -511,6 +516,14 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
+
+    def _note_job(self) -> None:
+        """Note the run of the job once its progress record names it (``on_job``)."""
+        recorded = self.rdzv.progress() if self.on_job is not None else None
+        if recorded is not None and recorded.job and recorded.job != self._job:
+            self._job = recorded.job
+            assert self.on_job is not None
+            self.on_job(recorded.job)
 
     def _hands_over(self) -> bool:
         """Told to leave: whether this node trains on to hand the job's newest state to a

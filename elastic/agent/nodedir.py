@@ -40,6 +40,7 @@ OWNER = "owner.json"  # who made the directory: judged before removing it
 GONE = "gone-since"  # when an agent first found the owner dead (seconds since the epoch)
 GRACE = 600.0  # seconds another job's agent leaves a dead agent's folder for its node
 PREDECESSOR = "predecessor"  # a dead agent's folder of the same job and node, until judged
+JOB = "job-run"  # the run of the job its snapshots were taken in (``remember_job``)
 SNAPSHOT_FILES = ("slots.hdr", "slot0.bin", "slot1.bin", "rng-rank*-step*.pt")
 
 
@@ -176,15 +177,42 @@ def predecessor_step(path: Path) -> int | None:
     return newest[1] if newest is not None else None
 
 
-def keeps(recorded: int | None, closed: bool) -> tuple[bool, str]:
+def remember_job(path: Path, job: str) -> None:
+    """Note in the node's folder which run of the job its snapshots are taken in (the
+    token of the job's progress record), for the agent that may find it after this one
+    died."""
+    with contextlib.suppress(OSError):
+        tmp = path / f"{JOB}.tmp"
+        tmp.write_text(job)
+        tmp.rename(path / JOB)
+
+
+def predecessor_job(path: Path) -> str:
+    """The run of the job the dead predecessor's snapshot was taken in ("": unknown)."""
+    try:
+        return (path / PREDECESSOR / JOB).read_text().strip()
+    except OSError:
+        return ""
+
+
+def keeps(recorded: int | None, closed: bool, job: str, theirs: str) -> tuple[bool, str]:
     """Whether a node keeps the snapshot its dead predecessor left, the job in etcd
-    having recorded progress ``recorded`` (None: none) and being ``closed`` or not; and
-    why. A job that recorded nothing is a new one under the same id (an
-    embedded etcd starts empty): the snapshot is another job's."""
+    having recorded progress ``recorded`` (None: none) in its run ``job`` (the token of
+    its progress record), being ``closed`` or not, and the predecessor having noted the
+    run ``theirs`` ("": none); and why. A job that recorded nothing is a new one under
+    the same id (an embedded etcd starts empty), and one whose run differs is too (it
+    recorded progress before this node came): the snapshot is another job's."""
     if closed:
         return False, "the job is over"
     if recorded is None:
         return False, "the job in etcd has recorded no progress: it is not the one it was taken in"
+    if not theirs:
+        return False, "its agent did not note which run of the job it was taken in"
+    if theirs != job:
+        return False, (
+            f"it was taken in another run of a job with this id ({theirs}; the job in etcd "
+            f"is run {job or 'unknown'})"
+        )
     return True, f"the job goes on (it recorded step {recorded})"
 
 
