@@ -1002,8 +1002,8 @@ def test_while_the_workers_form_in_place_the_members_are_probed() -> None:
 
 
 # -- a node whose own worker fails steps out while the others go on (lobby.step_out) -------------
-def _step_out(were_live: bool, size: int) -> lobby.StepOut:
-    return lobby.step_out(were_live, size, in_place=True, min_nodes=1, static=False)
+def _step_out(were_live: bool, size: int, alone: bool) -> lobby.StepOut:
+    return lobby.step_out(were_live, size, alone, in_place=True, min_nodes=1, static=False)
 
 
 def _back(present: int) -> str | None:
@@ -1053,8 +1053,8 @@ def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_i
     workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
     workers.live = True
 
-    def two_at_least(were_live: bool, size: int) -> lobby.StepOut:
-        return lobby.step_out(were_live, size, in_place=True, min_nodes=2, static=False)
+    def two_at_least(were_live: bool, size: int, alone: bool) -> lobby.StepOut:
+        return lobby.step_out(were_live, size, alone, in_place=True, min_nodes=2, static=False)
 
     rejoined: list[FakeJob] = []
     a = agent(job, workers, step_out=two_at_least, rejoin=lambda: rejoined.append(job) or job)
@@ -1210,3 +1210,18 @@ def test_a_node_told_to_leave_as_its_workers_stop_for_a_newcomer_hands_over_too(
     assert a.run() == 143
     assert len(workers.started) == 2  # round 2 formed and its workers trained
     assert job.calls.index("announce_leaving") > job.calls.index("next_round", 2)
+
+
+def test_a_failed_worker_whose_node_alone_holds_the_newest_state_restarts_in_the_round() -> None:
+    """n joined a's round and has not trained a step with it when a's worker fails: the
+    others stepping on without a would start from an older state, so a stays in."""
+    job = FakeJob([round_of(1, "a", "n", joined=("n",)), round_of(2, "a", "n", restarts=1)])
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.last = 40  # trained alone before n came
+    workers.restored = lambda: None  # type: ignore[method-assign]  # not resumed in round 1
+    rejoined: list[FakeJob] = []
+    a = agent(job, workers, step_out=_step_out, rejoin=lambda: rejoined.append(job) or job)
+    assert a.run() == 0
+    assert rejoined == [] and len(workers.started) == 2  # new workers, in round 2
+    assert "no other node of the round holds" in a._stepping

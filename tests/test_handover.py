@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.agent.handover import Holding, hands_over
+from elastic.agent.handover import Holding, hands_over, holds_alone
 
 
 def holding(**kw: object) -> Holding:
@@ -35,7 +35,9 @@ NEW_PAIR = {"round": 4, "size": 2, "joined": 1}  # round 4: this node and one th
         ({"step": -1}, False, "no step trained"),
         ({"size": 2}, False, "the other nodes of round 3 hold what it trained"),
         ({"size": 3, "joined": 1}, False, "hold what it trained"),  # one trained with it
-        ({"size": 2, "joined": 1, "newcomer": True}, False, "hold what it trained"),
+        ({"size": 2, "joined": 1, "newcomer": True}, False, "hold step 40 now"),
+        # a newcomer may bring the newest state (its snapshot, kept while it was out)
+        ({"size": 2, "joined": 1, "newcomer": True, "resumed": None}, True, "first step"),
         # the round with a newcomer formed, its workers did not train a step yet
         ({**NEW_PAIR, "resumed": None}, True, "do not hold the job's newest state (step 40)"),
         ({**NEW_PAIR, "resumed": 40}, True, "until the round's first step"),
@@ -69,3 +71,22 @@ def test_while_it_hands_over_it_leaves_once_a_round_with_others_trained_a_step(
 ) -> None:
     got, reason = hands_over(True, holding(**kw))
     assert got is keep and why in reason, reason
+
+
+@pytest.mark.parametrize(
+    ("kw", "alone"),
+    [
+        ({}, True),  # alone in its round
+        ({"step": -1}, False),  # nothing trained
+        ({"size": 3, "joined": 1}, False),  # one trained with it
+        ({**NEW_PAIR, "resumed": None}, True),  # its newcomers have not trained with it yet
+        ({**NEW_PAIR, "resumed": 39}, False),  # they have: the round trained step 40
+        ({"on_disk": True}, True),  # a checkpoint is older than what it holds
+    ],
+)
+def test_a_node_holds_the_newest_state_alone_until_another_member_trained_with_it(
+    kw: dict[str, object], alone: bool
+) -> None:
+    """What a node whose own worker failed asks before it steps out (``lobby.step_out``):
+    the others would go on from an older state."""
+    assert holds_alone(holding(**kw)) is alone

@@ -141,20 +141,29 @@ def test_the_tripwire_is_tripped_by_a_worker_that_connects_to_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("were_live", "size", "in_place", "min_nodes", "static", "out", "why"),
+    ("were_live", "size", "in_place", "min_nodes", "static", "alone", "out", "why"),
     [
-        (True, 3, True, 1, False, True, "the other 2 node(s) re-form in place"),
-        (True, 3, True, 2, False, True, "the other 2"),
-        (True, 2, True, 2, False, False, "below the minimum of 2"),
-        (False, 3, True, 1, False, False, "do not re-form in place"),
-        (True, 3, False, 1, False, False, "--restart-mode respawn"),
-        (True, 3, True, 1, True, False, "--node-rank"),
+        (True, 3, True, 1, False, False, True, "the other 2 node(s) re-form in place"),
+        (True, 3, True, 2, False, False, True, "the other 2"),
+        (True, 2, True, 2, False, False, False, "below the minimum of 2"),
+        (False, 3, True, 1, False, False, False, "do not re-form in place"),
+        (True, 3, False, 1, False, False, False, "--restart-mode respawn"),
+        (True, 3, True, 1, True, False, False, "--node-rank"),
+        # the others joined its round and trained no step with it: they would start over
+        (True, 3, True, 1, False, True, False, "no other node of the round holds"),
     ],
 )
 def test_a_node_whose_own_worker_failed_steps_out_only_where_the_others_go_on_in_place(
-    were_live: bool, size: int, in_place: bool, min_nodes: int, static: bool, out: bool, why: str
+    were_live: bool,
+    size: int,
+    in_place: bool,
+    min_nodes: int,
+    static: bool,
+    alone: bool,
+    out: bool,
+    why: str,
 ) -> None:
-    choice = step_out(were_live, size, in_place=in_place, min_nodes=min_nodes, static=static)
+    choice = step_out(were_live, size, alone, in_place=in_place, min_nodes=min_nodes, static=static)
     assert choice.out is out and why in choice.reason
 
 

@@ -39,6 +39,26 @@ class Holding:
         return self.size - self.joined - (0 if self.newcomer else 1)
 
 
+def shared(h: Holding) -> str | None:
+    """Why the other members of its round hold what this node trained (None: they may
+    not): some trained with it in the round before, or the round trained a step since
+    they all resumed from the newest state any of them held. A newcomer may bring the
+    newest state (its snapshot, kept while it was out of the job) until that step."""
+    if h.size <= 1:
+        return None
+    if not h.newcomer and h.veterans > 0:
+        return f"the other nodes of round {h.round} hold what it trained"
+    if h.resumed is not None and h.step > h.resumed:
+        return f"the other nodes of round {h.round} hold step {h.step} now"
+    return None
+
+
+def holds_alone(h: Holding) -> bool:
+    """This node may hold the job's newest state alone: it trained, and no other member
+    of its round holds what it did (``shared``)."""
+    return h.step >= 0 and shared(h) is None
+
+
 def hands_over(waiting: bool, h: Holding) -> tuple[bool, str]:
     """(keep training, why). ``waiting``: it already trains on to hand the state over
     (else the signal just came)."""
@@ -46,11 +66,10 @@ def hands_over(waiting: bool, h: Holding) -> tuple[bool, str]:
         return False, "the newest state goes to --checkpoint-dir as this node leaves"
     if h.step < 0:
         return False, "no step trained: nothing to hand over"
+    why = shared(h)
+    if why is not None:
+        return False, why
     if h.size > 1:
-        if h.newcomer or h.veterans > 0:
-            return False, f"the other nodes of round {h.round} hold what it trained"
-        if h.resumed is not None and h.step > h.resumed:
-            return False, f"the other nodes of round {h.round} hold step {h.step} now"
         return True, (
             f"the nodes that joined round {h.round} do not hold the job's newest state "
             f"(step {h.step}) until the round's first step"

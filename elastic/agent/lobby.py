@@ -107,18 +107,26 @@ class StepOut:
 
 
 def step_out(
-    were_live: bool, size: int, *, in_place: bool, min_nodes: int, static: bool
+    were_live: bool, size: int, alone: bool, *, in_place: bool, min_nodes: int, static: bool
 ) -> StepOut:
     """For a member of a round of ``size`` nodes whose own worker failed or hung.
     ``were_live``: its workers re-formed in place this round (``State.run``; the script
-    is the same on every node: the others' do too); ``in_place``: ``--restart-mode
-    live``; ``static``: it asks for its rank (``--node-rank``)."""
+    is the same on every node: the others' do too); ``alone``: no other member holds
+    what it trained (``handover.holds_alone``: its snapshot may be the job's newest
+    state); ``in_place``: ``--restart-mode live``; ``static``: it asks for its rank
+    (``--node-rank``)."""
     if not in_place:
         return StepOut(False, "--restart-mode respawn: every node restarts anyway")
     if not were_live:
         return StepOut(False, "the workers do not re-form in place: every node restarts anyway")
     if static:
         return StepOut(False, "this node asks for its rank (--node-rank)")
+    if alone:
+        return StepOut(
+            False,
+            "no other node of the round holds what this node trained (its snapshot may be "
+            "the job's newest state): it restarts in the round",
+        )
     if size - 1 < min_nodes:
         return StepOut(
             False, f"without it {size - 1} node(s), below the minimum of {min_nodes}: no round"

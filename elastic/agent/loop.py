@@ -31,7 +31,7 @@ from elastic.agent.core import (
     waits_for_live,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
-from elastic.agent.handover import Holding, hands_over
+from elastic.agent.handover import Holding, hands_over, holds_alone
 from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
@@ -173,7 +173,7 @@ class Agent:
         restart_mode: RestartMode = RestartMode.LIVE,
         prepare: Callable[[Glance, int, bool], Ahead] | None = None,
         tripwire: Wire | None = None,
-        step_out: Callable[[bool, int], StepOut] | None = None,
+        step_out: Callable[[bool, int, bool], StepOut] | None = None,
         rejoin: Callable[[], Membership] | None = None,
         back: Callable[[int], str | None] | None = None,
     ) -> None:
@@ -378,7 +378,8 @@ class Agent:
     def _steps_out(self) -> bool:
         if self.step_out is None or self.rejoin is None or self.round is None:
             return False
-        choice = self.step_out(self._live_seen, self.round.size)
+        alone = holds_alone(self._holding(count=False))
+        choice = self.step_out(self._live_seen, self.round.size, alone)
         self._stepping = choice.reason
         return choice.out
 
@@ -563,8 +564,9 @@ class Agent:
         self._end_handover()
         return False
 
-    def _holding(self) -> Holding:
-        """What this node knows, as it is told to leave, of the state it holds."""
+    def _holding(self, count: bool = True) -> Holding:
+        """What this node knows of the state it holds (``count``: and, where it runs
+        alone, how many nodes could take it)."""
         r = self.round
         if r is None:
             return Holding(0, 0, 0, False, -1, -1, None, self.checkpoint_dir is not None)
@@ -573,7 +575,7 @@ class Agent:
         step = self.workers.last_step() if state else -1
         on_disk = self.checkpoint_dir is not None
         others = -1
-        if r.size == 1 and step >= 0 and not on_disk:  # else it leaves whatever etcd says
+        if count and r.size == 1 and step >= 0 and not on_disk:  # else etcd changes nothing
             try:
                 others = self.rdzv.others()
             except RendezvousError as e:
