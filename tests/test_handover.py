@@ -27,49 +27,39 @@ NEW_PAIR = {"round": 4, "size": 2, "joined": 1}  # round 4: this node and one th
 
 
 @pytest.mark.parametrize(
-    ("kw", "keep", "why"),
+    ("waiting", "kw", "keep", "why"),
     [
-        ({}, True, "alone holds the job's newest state (step 40)"),
-        ({"others": 2}, True, "the 2 node(s) joining have it"),
-        ({"on_disk": True}, False, "goes to --checkpoint-dir"),
-        ({"step": -1}, False, "no step trained"),
-        ({"size": 2}, False, "the other nodes of round 3 hold what it trained"),
-        ({"size": 3, "joined": 1}, False, "hold what it trained"),  # one trained with it
-        ({"size": 2, "joined": 1, "newcomer": True}, False, "hold step 40 now"),
+        # as the signal comes: it hands over only what would go with it
+        (False, {}, True, "alone holds the job's newest state (step 40)"),
+        (False, {"others": 2}, True, "the 2 node(s) joining have it"),
+        (False, {"on_disk": True}, False, "goes to --checkpoint-dir"),
+        (False, {"step": -1}, False, "no step trained"),
+        (False, {"size": 2}, False, "the other nodes of round 3 hold what it trained"),
+        (False, {"size": 3, "joined": 1}, False, "hold what it trained"),  # one trained with it
+        (False, {"size": 2, "joined": 1, "newcomer": True}, False, "hold step 40 now"),
         # a newcomer may bring the newest state (its snapshot, kept while it was out)
-        ({"size": 2, "joined": 1, "newcomer": True, "resumed": None}, True, "first step"),
+        (False, {"size": 2, "joined": 1, "newcomer": True, "resumed": None}, True, "first step"),
         # the round with a newcomer formed, its workers did not train a step yet
-        ({**NEW_PAIR, "resumed": None}, True, "do not hold the job's newest state (step 40)"),
-        ({**NEW_PAIR, "resumed": 40}, True, "until the round's first step"),
-        ({**NEW_PAIR, "resumed": 39}, False, "hold step 40 now"),
-        ({"others": 0}, False, "no node is there"),
-        ({"others": -1}, False, "no node is there"),  # etcd does not answer as it is told
+        (False, {**NEW_PAIR, "resumed": None}, True, "do not hold the job's newest state"),
+        (False, {**NEW_PAIR, "resumed": 40}, True, "until the round's first step"),
+        (False, {**NEW_PAIR, "resumed": 39}, False, "hold step 40 now"),
+        (False, {"others": 0}, False, "no node is there"),
+        (False, {"others": -1}, False, "no node is there"),  # etcd does not answer
+        # while it hands over: it leaves once a round with others trained a step
+        (True, {}, True, "alone holds"),  # the newcomer has not joined yet
+        (True, {"others": -1}, True, "etcd does not answer"),  # the bound ends it
+        (True, {"others": 0}, False, "no node is there"),  # the newcomer went
+        (True, {**NEW_PAIR, "resumed": None}, True, "round's first step"),
+        (True, {**NEW_PAIR, "resumed": 40, "step": 40}, True, "round's first step"),
+        (True, {**NEW_PAIR, "resumed": 40, "step": 41}, False, "hold step 41 now"),
+        (True, {"round": 5, "others": 0}, False, "no node is there"),  # it failed
+        (True, {"round": 5}, True, "alone holds"),  # ... or comes again
     ],
 )
-def test_as_the_signal_comes_it_hands_over_only_what_would_go_with_it(
-    kw: dict[str, object], keep: bool, why: str
+def test_a_node_told_to_leave_trains_on_only_until_a_round_with_a_newcomer_trained_a_step(
+    waiting: bool, kw: dict[str, object], keep: bool, why: str
 ) -> None:
-    got, reason = hands_over(False, holding(**kw))
-    assert got is keep and why in reason, reason
-
-
-@pytest.mark.parametrize(
-    ("kw", "keep", "why"),
-    [
-        ({}, True, "alone holds"),  # the newcomer has not joined yet
-        ({"others": -1}, True, "etcd does not answer"),  # the bound ends it
-        ({"others": 0}, False, "no node is there"),  # the newcomer went
-        ({**NEW_PAIR, "resumed": None}, True, "round's first step"),
-        ({**NEW_PAIR, "resumed": 40, "step": 40}, True, "round's first step"),
-        ({**NEW_PAIR, "resumed": 40, "step": 41}, False, "hold step 41 now"),
-        ({"round": 5, "others": 0}, False, "no node is there"),  # it failed
-        ({"round": 5}, True, "alone holds"),  # ... or comes again
-    ],
-)
-def test_while_it_hands_over_it_leaves_once_a_round_with_others_trained_a_step(
-    kw: dict[str, object], keep: bool, why: str
-) -> None:
-    got, reason = hands_over(True, holding(**kw))
+    got, reason = hands_over(waiting, holding(**kw))
     assert got is keep and why in reason, reason
 
 

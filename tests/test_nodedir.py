@@ -97,13 +97,19 @@ def test_a_restarted_node_inherits_its_dead_predecessors_snapshot(
     nodedir.remove(mine)
 
 
-def test_a_predecessors_snapshot_not_kept_goes_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _dead_predecessor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder a dead agent of node a of job J left, with its snapshot of step 7 (its
+    owner: this process, started at another time)."""
     monkeypatch.setattr(nodedir, "_base", lambda: tmp_path)
     me = nodedir._owner(os.getpid())
     assert me is not None
-    _dead_agents_folder(tmp_path, "J_a.1", {**me, "start": 1.0, "job": "J", "node": "a"}, 7)
+    return _dead_agents_folder(tmp_path, "J_a.1", {**me, "start": 1.0, "job": "J", "node": "a"}, 7)
+
+
+def test_a_predecessors_snapshot_not_kept_goes_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _dead_predecessor(tmp_path, monkeypatch)
     mine = nodedir.create("J", "a")
     nodedir.inherit(mine, keep=False)
     assert sorted(p.name for p in mine.iterdir()) == [nodedir.OWNER]
@@ -138,13 +144,7 @@ def test_whether_a_predecessors_snapshot_is_kept(
 def test_the_run_a_snapshot_was_taken_in_goes_with_it_to_the_next_agent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(nodedir, "_base", lambda: tmp_path)
-    me = nodedir._owner(os.getpid())
-    assert me is not None
-    folder = _dead_agents_folder(
-        tmp_path, "J_a.1", {**me, "start": 1.0, "job": "J", "node": "a"}, 7
-    )
-    nodedir.remember_job(folder, "r1")
+    nodedir.remember_job(_dead_predecessor(tmp_path, monkeypatch), "r1")
     mine = nodedir.create("J", "a")
     assert nodedir.predecessor_job(mine) == "r1"
     nodedir.remove(mine)
