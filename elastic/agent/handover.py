@@ -12,7 +12,9 @@ and put it in their node's snapshot slot before that step (``Snapshotter.keep``)
 nothing is lost when this node goes. Anywhere else it leaves at once: other members of
 its round hold what it trained, no step was trained, the state goes to
 ``--checkpoint-dir`` as it leaves, or no node is there to take it. The agent bounds the
-wait (``--handover-timeout``) and leaves at once on a second signal.
+wait (``--handover-timeout``) and leaves at once on a second signal. The same facts say
+whether a node whose own worker failed may step out of the job while the others go on
+(``holds_alone``, for ``lobby.step_out``): not while they would go on from older state.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Holding:
-    """What a node told to leave knows of the state it holds, at one turn of its loop."""
+    """What a node knows of the state it holds, at one turn of its loop."""
 
     round: int  # the round it runs in now
     size: int  # that round's nodes
