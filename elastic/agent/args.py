@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     _value(
         ft,
         "handover_timeout",
-        15.0,
+        30.0,
         "seconds a node told to leave, while it alone holds the job's newest state in "
         "memory, trains on to hand it to a node registered to join (0: leave at once; "
         "a second signal leaves at once)",

@@ -101,7 +101,7 @@ class RunConfig:
     virtual_local_rank: bool
     node_id: str
     worker_hang_timeout: float = 0.0
-    handover_timeout: float = 15.0
+    handover_timeout: float = 30.0
     metrics_addr: str = "127.0.0.1"
     metrics_port: int | None = None  # None: 9400, or a free one if 9400 is taken
     stdout_filters: tuple[str, ...] = ()
