@@ -337,8 +337,8 @@ def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newco
     once. a trains on until a round with b has trained a step, then leaves: b trains on
     from a's newest state, nothing trained again (before: b began again from step 0)."""
     # a's bound outlasts b's workers' start on a busy host (12 s seen), and the job
-    # outlasts the handover (80 steps, 0.4 s each below world size 3)
-    slow = ("--slow-below-world", "3", "--epochs", "8")
+    # outlasts the handover (60 steps, 0.4 s each below world size 3)
+    slow = ("--slow-below-world", "3", "--epochs", "6")
     wait = ("--handover-timeout", "60")
     a = start_on(procs, etcd.endpoint, run_id, tmp_path, "a", *slow, nnodes="1:3", extra=wait)
     wait_until(lambda: any(r["step"] >= 3 for r in rows(tmp_path)), 90, "a to train")
@@ -353,7 +353,7 @@ def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newco
     assert "hold step" in said and "leaving the job now" in said, said
     assert b.wait(120) == 0, b.transcript()
     assert "trained again" not in b.transcript(), b.transcript()
-    check_run(tmp_path, changes=2, epochs=8)
+    check_run(tmp_path, changes=2, epochs=6)
 
 
 @pytest.mark.parametrize("phase", ["forming", "resyncing"])
