@@ -11,15 +11,11 @@ from registered nodes only, and its value is never decoded.
 
 from __future__ import annotations
 
-import logging
-
 from rendezvous import records
 from rendezvous.client import EtcdClient
 from rendezvous.config import RendezvousOptions
 from rendezvous.errors import RendezvousError
 from rendezvous.lease import LeaseKeeper
-
-log = logging.getLogger(__name__)
 
 
 class Arrival:
@@ -48,8 +44,9 @@ class Arrival:
 
 
 def others(client: EtcdClient, prefix: str, me: str, timeout: float) -> int:
-    """The nodes other than ``me`` registered in the job or on their way to it (keys
-    only: what they hold is not read). Raises RendezvousError."""
+    """The nodes other than ``me`` registered in the job or on their way to it, read in
+    one transaction (only the keys count; the records are small). Raises
+    RendezvousError."""
     _, kvs = client.read([], [prefix + records.NODES, prefix + records.ARRIVING], timeout=timeout)
     ids = {kv.key[len(prefix) :].partition("/")[2] for kv in kvs}
     return len(ids - {me})
