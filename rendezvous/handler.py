@@ -118,7 +118,7 @@ class EtcdV3RendezvousHandler(torch_api.RendezvousHandler):
                 return self._rdzv.nodes_waiting()  # each member answers from its own reading
             except RendezvousError:
                 return 0
-        if change.end in (RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED):
+        if change.end in (RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_DONE_WITHOUT, RoundEnd.JOB_FAILED):
             return 0
         return max(1, len(change.nodes))
 

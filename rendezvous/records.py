@@ -513,6 +513,8 @@ class RoundEnd(enum.Enum):
     stop them now. The others let them save at their next step and stop (drain)."""
 
     JOB_SUCCEEDED = "job succeeded"  # another node closed the job as succeeded
+    # ... in a round without this node (it was away): its workers are stale
+    JOB_DONE_WITHOUT = "job succeeded without this node"
     JOB_FAILED = "job failed"  # closed as failed (restart budget spent)
     FENCED = "fenced"  # etcd dropped this node: the job went on without it
     LAPSED = "lapsed"  # etcd dropped this node's lease, but no round formed without it

@@ -370,13 +370,19 @@ def _settled(
 ) -> tuple[bool, Change | None]:
     """What ends round ``mine`` whatever else happens: the job's end, this node's fencing,
     a newer round. (True, change) when decided, (False, None) to look further."""
-    closed = view.closed
+    closed, r = view.closed, view.round
     if closed is not None:
-        end = (
-            RoundEnd.JOB_SUCCEEDED if closed.state is JobOutcome.SUCCEEDED else RoundEnd.JOB_FAILED
-        )
-        return True, Change(end, f"job {closed.state.value}: {closed.reason}".rstrip(": "))
-    r = view.round
+        detail = f"job {closed.state.value}: {closed.reason}".rstrip(": ")
+        if closed.state is not JobOutcome.SUCCEEDED:
+            return True, Change(RoundEnd.JOB_FAILED, detail)
+        newer = r if r is not None and mine is not None and r.number > mine.number else None
+        if me and newer is not None and newer.member(me, rev) is None:
+            # a round formed without this node (it was away) and finished the job: its
+            # workers' round is gone, so they can never finish on their own
+            n, reason = newer.number, f": {closed.reason}" if closed.reason else ""
+            detail = f"job succeeded in round {n}, formed without this node{reason}"
+            return True, Change(RoundEnd.JOB_DONE_WITHOUT, detail)
+        return True, Change(RoundEnd.JOB_SUCCEEDED, detail)
     if fenced:
         node = view.nodes.get(me)
         if node is not None and node.rev != rev:

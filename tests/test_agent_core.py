@@ -74,6 +74,14 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
         Exit.SUCCEEDED,
         N,
     ),
+    # ... by a round formed without this node (it was away): its workers are stale
+    (R, RoundEnd.JOB_DONE_WITHOUT, False): (
+        Stop.KILL,
+        AgentState.SUCCEEDED,
+        None,
+        Exit.SUCCEEDED,
+        N,
+    ),
     (R, RoundEnd.JOB_FAILED, False): (Stop.URGENT, AgentState.FAILED, None, Exit.FAILED, N),
     (R, RoundEnd.FENCED, False): (Stop.KILL, RS, C.FENCED, None, N),
     # etcd dropped its lease, the job did not move on: it carries on, so do its workers

@@ -543,6 +543,23 @@ def test_a_job_finished_elsewhere_lets_local_workers_finish() -> None:
     assert workers.actions == ["finish"]
 
 
+def test_a_job_finished_by_a_round_without_this_node_kills_its_stale_workers_and_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The node was away (frozen, cut off) while the others formed a round without it
+    and finished the job: its workers' round is gone, so they can never finish on their
+    own. Waiting ``close_timeout`` for them and calling it their failure (chaos seed
+    106) was wrong; the job succeeded."""
+    done = Change(RoundEnd.JOB_DONE_WITHOUT, "job succeeded in round 3, formed without this node")
+    job = FakeJob([round_of(1, "a", "b")], [done])
+    workers = FakeWorkers([RUNNING, RUNNING, (GroupState.FAILED, [])])
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers).run() == 0
+    assert workers.actions == ["stop 0"]
+    assert "while this node was away: its workers' round is gone; killing them" in caplog.text
+    assert "FAILED" not in caplog.text
+
+
 def test_fenced_kills_stale_workers_at_once_and_joins_again() -> None:
     """Stale workers are killed; State users that wait out of their group (their
     collective failed) hold the job's last committed step: they save it first."""

@@ -105,12 +105,15 @@ def survivors_kept(out: Path, before: set[int], after_world: int = 2) -> None:
     assert len(after) == after_world and after <= before, (before, after)
 
 
+@pytest.mark.parametrize("thawed", ["once-re-formed", "after-the-end"])
 def test_sigstop_of_a_node(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, thawed: str
 ) -> None:
     """c's agent and worker frozen: a and b re-form without it at its lease's TTL, in
     their own processes. Thawed, c finds its lease gone, fences itself (its stale worker
-    killed, never training in a newer round) and joins again as a new node."""
+    killed, never training in a newer round) and joins again as a new node; thawed after
+    a and b finished the job, it kills its stale worker at once and exits 0 (the job
+    succeeded), where it once waited ``close_timeout`` (30 s) and failed (chaos seed 106)."""
     agents = three(procs, etcd, run_id, tmp_path)
     before = pids_at(tmp_path, 3)
     frozen = agents[2]
@@ -121,10 +124,17 @@ def test_sigstop_of_a_node(
         os.kill(pid, signal.SIGSTOP)
     try:
         wait_world(tmp_path, 2, after=stopped, timeout=60)
+        if thawed == "after-the-end":
+            for a in agents[:2]:
+                assert a.wait(120) == 0, a.transcript()
     finally:
         for pid in tree:
             os.kill(pid, signal.SIGCONT)
-    frozen.wait_output("fenced", timeout=15)
+    if thawed == "after-the-end":
+        assert frozen.wait(15) == 0, frozen.transcript()
+        assert "formed without this node" in frozen.transcript()
+        assert gone(stale)
+    frozen.wait_output("fenced" if thawed == "once-re-formed" else "killing them", timeout=15)
     wait_until(lambda: gone(stale), 5, "the fenced node's stale worker to be killed")
     for a in agents:
         assert a.wait(120) == 0, a.transcript()

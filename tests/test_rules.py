@@ -251,6 +251,14 @@ def test_round_end_in_order_of_urgency() -> None:
     assert end(view(a, r=r, closed=failed), r) == (RoundEnd.JOB_FAILED, ())
     done = ClosedRecord(JobOutcome.SUCCEEDED)
     assert end(view(a, b, c, r=r, closed=done), r) == (RoundEnd.JOB_SUCCEEDED, ())
+    # ... by a round formed without this node (it was away): its workers can never finish
+    later = view(b, c, r=rnd(2, b, c), closed=done)
+    assert end(later, r) == end(later, r, fenced=True) == (RoundEnd.JOB_DONE_WITHOUT, ())
+    assert end(view(node("a", 9), b, r=rnd(2, node("a", 9), b), closed=done), r) == (
+        RoundEnd.JOB_DONE_WITHOUT,  # the newer round holds another incarnation of its id
+        (),
+    )
+    assert end(view(a, b, r=rnd(2, a, b), closed=done), r) == (RoundEnd.JOB_SUCCEEDED, ())
     # fenced with no round formed without it (etcd was away): nothing is stale yet
     assert end(view(a, b, c, r=r), r, fenced=True) == (RoundEnd.LAPSED, ())
     assert end(view(b, c, r=r), r, fenced=True) == (RoundEnd.LAPSED, ())  # its record gone
@@ -451,6 +459,8 @@ def test_lean_round_end_reads_the_notice_failures_and_the_round() -> None:
     assert lean_end(view(b, r=lean(rnd(2, a, c), "b"))) == (RoundEnd.FENCED, ())
     closed = ClosedRecord(JobOutcome.SUCCEEDED)
     assert lean_end(view(b, r=mine, closed=closed)) == (RoundEnd.JOB_SUCCEEDED, ())
+    without = view(b, r=lean(rnd(2, a, c), "b"), closed=closed)
+    assert lean_end(without) == (RoundEnd.JOB_DONE_WITHOUT, ())
 
 
 # -- leading, notice and fencing --------------------------------------------------------------

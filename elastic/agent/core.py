@@ -29,6 +29,7 @@ failure, that the others can go on in place without it (``lobby.step_out``).
 | RUNNING    | WORKERS_HUNG      | no/yes   | urgent         | RESTARTING/OUT | hang        |
 | RUNNING    | SIGNALLED         |          | drain          | LEFT           |             |
 | RUNNING    | JOB_SUCCEEDED     |          | finish         | SUCCEEDED      |             |
+| RUNNING    | JOB_DONE_WITHOUT  |          | kill           | SUCCEEDED      |             |
 | RUNNING    | JOB_FAILED        |          | urgent         | FAILED         |             |
 | RUNNING    | FENCED            |          | kill           | RESTARTING     | fenced      |
 | RUNNING    | LAPSED            |          | -              | RUNNING        |             |
@@ -485,6 +486,14 @@ def _running(event: Event, in_place: bool) -> Reaction:
                 "another node finished the job: let local workers finish",
                 AgentState.SUCCEEDED,
                 stop=Stop.FINISH,
+                exit=Exit.SUCCEEDED,
+            )
+        case RoundEnd.JOB_DONE_WITHOUT:
+            return Reaction(
+                "a round formed without this node finished the job: its workers' round is "
+                "gone, they stop now",
+                AgentState.SUCCEEDED,
+                stop=Stop.KILL,
                 exit=Exit.SUCCEEDED,
             )
         case RoundEnd.JOB_FAILED:

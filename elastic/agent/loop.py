@@ -924,6 +924,12 @@ class Agent:
             case RoundEnd.FENCED if change is not None:
                 log.warning("fenced: %s; killing stale workers and joining again", change.detail)
                 self._change_why = change.detail
+            case RoundEnd.JOB_DONE_WITHOUT if change is not None:
+                log.warning(
+                    "%s, while this node was away: its workers' round is gone; killing them",
+                    change.detail,
+                )
+                self._change_why = change.detail
             case RoundEnd.LAPSED if change is not None and not self._lapsed:
                 log.warning("%s: it carries on, its workers train on", change.detail)
                 self._lapsed = True  # said once: it is seen again until etcd is read anew
