@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from rendezvous.client import EtcdClient
-from rendezvous.errors import RendezvousError
+from rendezvous.errors import MalformedRecordError, RendezvousError
 from rendezvous.records import ProgressRecord
 
 log = logging.getLogger(__name__)
 
-# a record to write, the revision its round's key must still have, what to call once written
+# a record to write; the revision its round's key must still have (0: any round, only as
+# a raise of the record, see ``raise_to``); what to call once written
 Write = tuple[ProgressRecord, int, Callable[[], None]]
 
 
@@ -47,10 +49,19 @@ class ProgressWriter:
         is still at ``round_rev`` (a node that does not know yet that the job re-formed
         without it never writes its older step over the new round's); ``written`` runs
         after a write that went through."""
+        self._hand_over((rec, round_rev, written))
+
+    def raise_to(self, rec: ProgressRecord) -> None:
+        """Write ``rec`` whatever the round, but only over an older step (or none): a
+        raise, never a lowering. For a node whose workers' newest step is in no record
+        (the job went on without them); the record's job token is kept."""
+        self._hand_over((rec, 0, lambda: None))
+
+    def _hand_over(self, write: Write) -> None:
         with self._cond:
             if self._stopped:
                 return
-            self._waiting = (rec, round_rev, written)
+            self._waiting = write
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="elastic-progress", daemon=True
@@ -81,7 +92,10 @@ class ProgressWriter:
                 (rec, round_rev, written), self._waiting = self._waiting, None
                 self._writing = True
             try:
-                self._write(rec, round_rev, written)
+                if round_rev:
+                    self._write(rec, round_rev, written)
+                else:
+                    self._raise(rec)
             except Exception:  # the thread outlives any one write
                 log.exception("recording the job's progress failed")
             finally:
@@ -104,3 +118,20 @@ class ProgressWriter:
             log.debug("round %d is over: step %d is not the job's progress", rec.round, rec.step)
             return
         written()
+
+    def _raise(self, rec: ProgressRecord) -> None:
+        try:
+            kv = self._client.get(self._key, timeout=self._timeout)
+            try:
+                now = ProgressRecord.decode(kv.key, kv.value) if kv is not None else None
+            except MalformedRecordError:
+                now = None  # junk: any record is better
+            if now is not None and now.step >= rec.step:
+                return
+            if now is not None and now.job:
+                rec = replace(rec, job=now.job)
+            rev = kv.mod_revision if kv is not None else 0
+            if self._client.put_if(self._key, rec.encode(), rev, timeout=self._timeout):
+                log.debug("raised the job's progress to step %d", rec.step)
+        except RendezvousError as e:
+            log.debug("could not raise the job's progress to step %d: %s", rec.step, e)

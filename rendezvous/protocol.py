@@ -444,6 +444,21 @@ class Rendezvous:
         if final:
             self.flush_progress()
 
+    def raise_progress(self, step: int) -> None:
+        """Record ``step`` as the job's progress, whatever round this node is in, if the
+        record says less: a node whose round the job left behind (fenced) may hold the
+        only copy of its workers' newest step, a record kept from them while etcd was
+        away; should it die before a round takes that state, the round that resumes
+        behind it says how many steps it trains again. Never lowers the record."""
+        recorded = self.mirror.view().progress
+        if step < 0 or (recorded is not None and recorded.step >= step):
+            return
+        number = self.round.number if self.round is not None else 0
+        rec = ProgressRecord(
+            step=step, node=self.me.id, round=number, at=time.time(), job=self._job
+        )
+        self._progress_writer.raise_to(rec)
+
     def flush_progress(self, timeout: float = 2 * RETRIED_TIMEOUT) -> bool:
         """Wait (up to ``timeout``) for the progress handed over to be written, or to fail."""
         return self._progress_writer.flush(timeout)

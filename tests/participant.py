@@ -131,6 +131,10 @@ def main() -> None:
                     rdzv.flush_progress()
                 rec = rdzv.progress()
                 emit("progress", step=rec.step if rec else -1, node=rec.node if rec else "")
+            elif cmd.startswith("raise "):  # fenced: its workers' step, only over an older one
+                rdzv.raise_progress(int(cmd.split()[1]))
+                rdzv.flush_progress()
+                emit("raised")
             elif cmd == "resume":  # carry on after a lapse (the agent does it on LAPSED)
                 emit("resumed", ok=rdzv.resume())
             elif cmd == "others":

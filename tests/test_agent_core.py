@@ -190,6 +190,10 @@ def test_side_effects_of_the_rows() -> None:
         (R, RoundEnd.LAPSED, False)
     ]
     assert decide(R, RoundEnd.LAPSED, True).resume
+    # only fencing puts the stale workers' newest step on the job's record (a raise)
+    assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).record_step] == [
+        (R, RoundEnd.FENCED, False)
+    ]
     assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).leave] == [
         (R, L.WORKERS_FAILED, True),
         (R, L.WORKERS_HUNG, True),

@@ -98,9 +98,13 @@ class FakeJob:
 
     recorded: ProgressRecord | None = None  # the job's progress as etcd holds it
     progress_said: list[tuple[int, bool]] = []  # (step, final: as the node leaves)
+    progress_raised: list[int] = []  # fenced: over an older record only
 
     def report_progress(self, step: int, final: bool = False) -> None:
         self.progress_said = [*self.progress_said, (step, final)]
+
+    def raise_progress(self, step: int) -> None:
+        self.progress_raised = [*self.progress_raised, step]
 
     def progress(self) -> ProgressRecord | None:
         return self.recorded
@@ -568,8 +572,11 @@ def test_fenced_kills_stale_workers_at_once_and_joins_again() -> None:
         job = FakeJob([round_of(1, "a", "b"), round_of(3, "b", "a")], [fenced])
         workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
         workers.holds_state = holds
+        workers.last = 41
         assert agent(job, workers).run() == 0
         assert workers.actions[:2] == actions and len(workers.started) == 2
+        # their newest step may be in no record (etcd was away while they trained)
+        assert job.progress_raised == [41]
 
 
 def test_a_hung_worker_is_a_failure() -> None:

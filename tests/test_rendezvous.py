@@ -530,7 +530,9 @@ def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:
     """A frozen rank 0 is lost only at its lease's end (it still holds its probe port);
-    woken up in a round that is over, it records no progress over the new round's."""
+    woken up in a round that is over, it records no progress over the new round's, but
+    raises the record to its workers' step, which may be in no other (chaos seed 108:
+    etcd was frozen while they trained): never lowering it."""
     a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:2")
     start_round([a, b])
     a.signal(signal.SIGSTOP)
@@ -553,6 +555,21 @@ def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     finally:
         client.close()
     assert kv is not None and records.ProgressRecord.decode(kv.key, kv.value).step == 3
+    a.send("raise 9")
+    a.expect("raised")
+    seen_by(b, 9)
+    b.send("progress")
+    assert b.expect("progress")["node"] == "a"
+    a.send("raise 5")
+    a.expect("raised")
+    client = EtcdClient(build_options(etcd.endpoint, run_id, 1, 2)[0])
+    try:
+        raised = client.get(f"/elastic-run/{run_id}/{records.PROGRESS}")
+    finally:
+        client.close()
+    assert raised is not None
+    rec = records.ProgressRecord.decode(raised.key, raised.value)
+    assert rec.step == 9 and rec.job == records.ProgressRecord.decode(kv.key, kv.value).job
 
 
 def test_a_newcomer_on_its_way_counts_as_another_node_until_it_registers_or_dies(

@@ -229,6 +229,9 @@ class Reaction:
     leave: bool = False  # leave the job for now, reported (OUT: it joins again later)
     rejoin: bool = False  # join again as a newcomer, its workers started ahead if they can
     resume: bool = False  # carry on this node's incarnation on a new lease (see LAPSED)
+    # after the stop: the workers' newest step goes on the job's record where it says less
+    # (fenced: the job went on without them, and their step may be in no record)
+    record_step: bool = False
     exit: Exit | None = None
 
 
@@ -239,7 +242,6 @@ _END = {
 
 # RUNNING, a change in the job: (stop, next state, restart cause)
 _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
-    RoundEnd.FENCED: (Stop.KILL, AgentState.RESTARTING, RestartCause.FENCED),
     RoundEnd.SUPERSEDED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.RESIZE),
     RoundEnd.LOST: (Stop.URGENT, AgentState.RESTARTING, RestartCause.MEMBER_LOST),
     RoundEnd.PEER_FAILED: (Stop.URGENT, AgentState.RESTARTING, RestartCause.FAILURE),
@@ -506,6 +508,14 @@ def _running(event: Event, in_place: bool) -> Reaction:
                 "its workers train on",
                 AgentState.RUNNING,
                 resume=True,
+            )
+        case RoundEnd.FENCED:
+            return Reaction(
+                "fenced: stop the stale workers now, and join again",
+                AgentState.RESTARTING,
+                stop=Stop.KILL,
+                cause=RestartCause.FENCED,
+                record_step=True,
             )
         case RoundEnd():
             stop, next_state, cause = _CHANGES[event]

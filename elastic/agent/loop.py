@@ -96,6 +96,7 @@ class Membership(Protocol):
     def announce_leaving(self) -> None: ...
     def announce_in_place(self, in_place: bool) -> None: ...
     def report_progress(self, step: int, final: bool = False) -> None: ...  # rank 0: job progress
+    def raise_progress(self, step: int) -> None: ...  # any node: only over an older step
     def progress(self) -> ProgressRecord | None: ...  # the job's progress as recorded
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
     def shutdown(self, leave: bool = True) -> None: ...
@@ -718,6 +719,8 @@ class Agent:
         if r.leave:
             self._leave_for_now()
         outcome = self._stop(r.stop, leaving=r.announce_leaving)
+        if r.record_step:
+            self.rdzv.raise_progress(self.workers.last_step())
         ended = outcome not in (LocalEvent.WORKERS_HELD, LocalEvent.HOLD_FAILED) and (
             r.stop is not Stop.NONE or running  # stopped now, or ended by themselves
         )
