@@ -549,12 +549,8 @@ def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     a.signal(signal.SIGCONT)
     a.send("progress 9")  # still rank 0 of round 1 as far as it knows
     a.expect("progress")
-    client = EtcdClient(build_options(etcd.endpoint, run_id, 1, 2)[0])
-    try:
-        kv = client.get(f"/elastic-run/{run_id}/{records.PROGRESS}")
-    finally:
-        client.close()
-    assert kv is not None and records.ProgressRecord.decode(kv.key, kv.value).step == 3
+    first = recorded(etcd, run_id)
+    assert first.step == 3
     a.send("raise 9")
     a.expect("raised")
     seen_by(b, 9)
@@ -562,14 +558,19 @@ def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     assert b.expect("progress")["node"] == "a"
     a.send("raise 5")
     a.expect("raised")
+    raised = recorded(etcd, run_id)
+    assert raised.step == 9 and raised.job == first.job  # the run's token is kept
+
+
+def recorded(etcd: EtcdServer, run_id: str) -> records.ProgressRecord:
+    """The job's progress record, read from etcd."""
     client = EtcdClient(build_options(etcd.endpoint, run_id, 1, 2)[0])
     try:
-        raised = client.get(f"/elastic-run/{run_id}/{records.PROGRESS}")
+        kv = client.get(f"/elastic-run/{run_id}/{records.PROGRESS}")
     finally:
         client.close()
-    assert raised is not None
-    rec = records.ProgressRecord.decode(raised.key, raised.value)
-    assert rec.step == 9 and rec.job == records.ProgressRecord.decode(kv.key, kv.value).job
+    assert kv is not None
+    return records.ProgressRecord.decode(kv.key, kv.value)
 
 
 def test_a_newcomer_on_its_way_counts_as_another_node_until_it_registers_or_dies(
