@@ -216,6 +216,46 @@ def test_a_worker_frozen_while_its_node_leaves_is_killed_without_waiting_out_the
         assert "process stopped" in hung.message and 1.5 < took < 6, (took, hung)
 
 
+DONE_WORKER = """
+import os, time
+from elastic.contract import CONTROL_ENV, USES_STATE, ControlBlock
+block = ControlBlock(os.environ[CONTROL_ENV])
+block.mark(USES_STATE)
+from elastic.worker import alive
+alive.start(block)
+for step in range(1, 13):
+    block.beat(step)
+    time.sleep(0.05)
+alive.stop()  # done with State (close()): what follows is the script's own, never judged
+open(os.environ["DONE_FILE"], "w").close()
+while True:  # its final work: a save, an evaluation
+    time.sleep(0.1)
+"""
+
+
+def test_a_worker_stopped_after_it_left_state_is_killed_without_waiting_out_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """Chaos seed 112: one worker SIGSTOPped just after its last step, past
+    ``State.close()``, where no hang is judged; a node joining then drained the
+    workers, and the frozen one kept the drain (and the newcomer) waiting out
+    --shutdown-timeout (30 s). A process that stays stopped can act on no ask and no
+    signal: found once stopped for the floor (2 s), its process state said."""
+    done = tmp_path / "done"
+    with started(tmp_path, DONE_WORKER, [Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", 29500, 0)],
+                 env={"DONE_FILE": str(done)}) as group:  # fmt: skip
+        wait_until(done.exists, 30, "the worker to be done with State")
+        assert not group.frozen()  # quiet: never judged by the allowance
+        os.kill(group.pids[0], signal.SIGSTOP)
+        asked = time.monotonic()
+        drained = group.drain(signal.SIGTERM, timeout=30)
+        took = time.monotonic() - asked
+        assert drained is Drained.FROZEN and not group.running, drained
+        [hung] = group.drain_frozen
+        assert "stopped for" in hung.message and "process stopped" in hung.message, hung
+        assert FLOOR <= took < FLOOR + 4, took
+
+
 LIVE_WORKER = """
 import time, torch, torch.distributed as dist, elastic
 dist.init_process_group("gloo")

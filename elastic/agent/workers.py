@@ -442,6 +442,7 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout
         saved = False
         broken: set[int] = set()  # local ranks broken out of forming a group
+        stopped: dict[int, float] = {}  # local rank: since when its process is seen stopped
         self.drain_frozen = []
         while self.running and time.monotonic() < deadline:
             for w in self.workers:
@@ -449,6 +450,8 @@ class WorkerGroup:
                     w.control.request_abandon()
                     broken.add(w.local_rank)
             self.drain_frozen = self.frozen() if use_state and not saved else []
+            if not self.drain_frozen and not saved:
+                self.drain_frozen = self._stopped(stopped)
             if self.drain_frozen:
                 self.stop(0)
                 return Drained.FROZEN
@@ -464,6 +467,22 @@ class WorkerGroup:
         if not done and not saved:
             return Drained.KILLED
         return Drained.FINISHED if use_state and self._finished() else Drained.STOPPED
+
+    def _stopped(self, since: dict[int, float]) -> list[WorkerFailure]:
+        """Workers whose process has stayed stopped (SIGSTOP, a debugger) for
+        ``hangs.FLOOR`` seconds while asked to stop (``since``: local rank to since when,
+        kept by the caller): they can act on no ask and no signal, and those that gave up
+        their signs of life with ``State`` (done training) escape ``frozen``."""
+        now, out = time.monotonic(), []
+        for w in self.workers:
+            if w.proc.poll() is not None or _status(w.proc.pid) not in _STOPPED:
+                since.pop(w.local_rank, None)
+                continue
+            first = since.setdefault(w.local_rank, now)
+            if now - first >= hangs.FLOOR:
+                why = f"{hangs.HUNG}stopped for {now - first:.1f}s while asked to stop"
+                out.append(_hung(w, time.time(), why))
+        return out
 
     def _finished(self) -> bool:
         """Every worker exited 0: State users asked to stop or to let go of their group
@@ -574,14 +593,23 @@ def _hung(w: Worker, now: float, why: str) -> WorkerFailure:
     return WorkerFailure(w.placement.rank, w.local_rank, w.proc.pid, -int(SIGKILL), now, message)
 
 
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
+def _status(pid: int) -> str | None:
+    try:
+        return str(psutil.Process(pid).status())
+    except psutil.Error:
+        return None
+
+
 def _why_still(pid: int) -> str:
     """What a silent worker's process is doing: a frozen one is the likely root cause,
     a sleeping one is usually blocked in a collective, waiting for a frozen peer."""
-    try:
-        status = psutil.Process(pid).status()
-    except psutil.Error:
+    status = _status(pid)
+    if status is None:
         return "process gone"
-    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+    if status in _STOPPED:
         return "process stopped (SIGSTOP or a debugger)"
     if status == psutil.STATUS_SLEEPING:
         return "process sleeping (blocked, perhaps waiting for a peer)"
