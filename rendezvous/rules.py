@@ -248,7 +248,7 @@ def plan(
             present=count,
             lapsed=lapsed,
         )
-    away = holders_away(view, previous, staying, lost, proven)
+    away = holders_away(view, current, staying, lost, proven)
     until = view.last_loss + HOLD_TTLS * lease_ttl
     if away and now < until:
         assert view.progress is not None
@@ -315,21 +315,38 @@ HOLD_TTLS = 2  # lease TTLs a round waits for the lost holders of the job's newe
 
 def holders_away(
     view: JobView,
-    members: tuple[Member, ...],
+    current: RoundRecord | None,
     staying: list[Member],
     lost: tuple[str, ...],
     proven: Mapping[str, int] | None,
 ) -> tuple[str, ...]:
     """The members among ``lost`` that may hold the job's newest state alone and may yet
-    come back: when no member of the round stays (one that stays holds what every member
-    trained), the job committed a step, and they are not known to be gone for good
-    (proven dead, or registered again as a new incarnation, whose workers find the old
-    one's snapshots on its host). A node frozen past its lease's end comes back to its
-    round (``RoundEnd.LAPSED``) if none formed without it; a round formed at once would
-    lose every step since the newest state another node holds."""
-    if staying or not lost or view.progress is None:
+    come back: when no member that stays in round ``current`` holds what its members
+    trained (``_holds_its_rounds``), the job committed a step, and they are not known to
+    be gone for good (proven dead, or registered again as a new incarnation, whose
+    workers find the old one's snapshots on its host). A node frozen past its lease's end
+    comes back to its round (``RoundEnd.LAPSED``) if none formed without it; a round
+    formed at once would lose every step since the newest state another node holds."""
+    if current is None or not lost or view.progress is None:
         return ()
+    if any(_holds_its_rounds(view, current, m) for m in staying):
+        return ()
+    members = current.members
     return tuple(m.id for m in members if m.id in lost and not _gone_for_good(view, m, proven))
+
+
+def _holds_its_rounds(view: JobView, current: RoundRecord, m: Member) -> bool:
+    """Member ``m`` of ``current`` holds what the round's members trained: it was in the
+    round before (it did not join in this one), or the round has trained a step (the
+    progress record is the round's: its rank 0 records the first step at once), so it
+    received the state. A member that joined in a round that then trained nothing holds
+    none of it (chaos seed 112: a round of it alone started over from step 0). Names of
+    those who joined beyond ``NAMES`` are not kept: any member may be one of the round's
+    before them."""
+    assert view.progress is not None
+    trained = view.progress.round >= current.number
+    joined, cut_short = current.joined, current.counts[0] > len(current.joined)
+    return trained or m.id not in joined or cut_short
 
 
 def _gone_for_good(view: JobView, m: Member, proven: Mapping[str, int] | None) -> bool:

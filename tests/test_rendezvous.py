@@ -526,6 +526,41 @@ def test_a_newcomer_waits_for_the_lost_member_that_alone_holds_the_jobs_newest_s
         client.close()
 
 
+def test_a_member_that_joined_a_round_that_trained_nothing_waits_for_the_frozen_holder(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    """a trains alone to step 40; b joins, and round 2 of a and b forms, but a freezes
+    before it trains a step: b received none of the state (chaos seed 112: a round of b
+    alone started over from step 0). b's next round waits for a as a newcomer's would,
+    and a, woken, carries on into it."""
+    (a,) = join_in_order(procs, etcd.endpoint, run_id, "a", nnodes="1:2")
+    start_round([a])
+    a.send("progress 40")
+    a.expect("progress")
+    b = join(procs, etcd.endpoint, run_id, "b", nnodes="1:2")
+    b.expect("ready")
+    b.send("next")
+    a.expect("change", end="WAITING", timeout=10)
+    a.send("next")
+    assert [n.expect("round", timeout=10)["members"] for n in (a, b)] == [["a", "b"]] * 2
+    a.signal(signal.SIGSTOP)
+    b.expect("change", end="LOST", timeout=TTL + 3)
+    b.send("next")
+    time.sleep(1.0)  # the fault: a stays frozen past its lease's end
+    a.signal(signal.SIGCONT)
+    # without the hold, b formed round 3 alone at once: a could not carry on in its round
+    a.expect("change", end="LAPSED", timeout=TTL + 3)
+
+    def resumed() -> bool:
+        a.send("resume")
+        return bool(a.expect("resumed")["ok"])
+
+    wait_until(resumed, 10, "a to carry on in its round")
+    a.send("next")
+    rounds = [n.expect("round", timeout=2 * TTL + 5) for n in (a, b)]
+    assert [r["members"] for r in rounds] == [["a", "b"]] * 2 and rounds[0]["lost"] == []
+
+
 def test_a_frozen_member_is_not_mistaken_for_dead_and_wakes_up_without_a_say(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:

@@ -358,7 +358,8 @@ def test_a_round_waits_for_lost_members_that_may_hold_the_jobs_newest_state_alon
     committed step 40, and b waits to join. A round of b alone would resume from whatever
     b holds and lose a's steps, so it waits two lease TTLs from the loss for a to come
     back into its round, unless a is known not to: proven dead, or registered again (its
-    new incarnation's workers find its snapshots). A member that stays holds the state."""
+    new incarnation's workers find its snapshots). A member that stays holds the state,
+    if it trained with them."""
     a, b = node("a", 1), node("b", 2)
     held = replace(view(b, r=rnd(1, a)), progress=ProgressRecord(40, "a", 1), last_loss=10.0)
     p = plan(held, 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
@@ -376,6 +377,17 @@ def test_a_round_waits_for_lost_members_that_may_hold_the_jobs_newest_state_alon
     both = replace(held, nodes={"b": b, "c": stopped}, round_record=rnd(1, a, stopped))
     p = plan(both, 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
     assert p.form and p.lost == ("a",) and [m.id for m in p.members] == ["c", "b"]
+    # ... unless it joined in this round, and the round trained nothing yet (the record
+    # is an earlier round's): it received none of the state (chaos seed 112)
+    c2 = node("c", 3, done=2)
+    fresh = replace(rnd(2, a, c2), joined=("c",))
+    two = replace(both, nodes={"b": b, "c": c2}, round_record=fresh)
+    p = plan(two, 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
+    assert not p.form and p.lapsed == ("a",), p
+    trained = replace(two, progress=ProgressRecord(41, "a", 2))
+    assert plan(trained, 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
+    unnamed = replace(fresh, counts=(9, 0, 0))  # the names of those who joined cut short
+    assert plan(replace(two, round_record=unnamed), 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
 
 
 def test_round_end_for_newcomers_and_newer_rounds() -> None:
