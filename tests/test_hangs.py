@@ -131,13 +131,17 @@ def test_a_worker_ticks_until_it_is_done_with_state(tmp_path: Path) -> None:
 
 def test_only_steps_in_one_group_are_timed() -> None:
     """Progress reports while a worker waits for its placement, or the interval across a
-    re-formation (the round waited for a newcomer's start), time no step: they would
-    inflate the allowance a frozen worker is found by."""
+    re-formation (the round waited for a newcomer's start) or a pause of the whole node,
+    time no step: they would inflate the allowance a frozen worker is found by."""
     assert interval((10.0, 3), (10.4, 3)) == pytest.approx(0.4)
     assert interval((10.0, 3), (17.0, 4)) is None  # across a re-formation
     assert interval((10.0, None), (10.005, None)) is None  # waiting for a placement
     assert interval((10.0, 3), (10.2, None)) is None
     assert interval((0.0, None), (10.0, 3)) is None  # the first report
+    # the agent did not look from before the first report on: the node was paused
+    # (SIGSTOP of it all), and the interval holds the pause, not a step
+    assert interval((10.0, 3), (17.0, 3), watched_from=16.9) is None
+    assert interval((10.0, 3), (10.4, 3), watched_from=9.0) == pytest.approx(0.4)
 
 
 WORKER = """
@@ -184,6 +188,26 @@ def frozen_after_steps(tmp_path: Path) -> Iterator[WorkerGroup]:
             time.sleep(0.05)
         os.kill(group.pids[0], signal.SIGSTOP)
         yield group
+
+
+def test_a_pause_of_the_whole_node_teaches_no_step(tmp_path: Path) -> None:
+    """Chaos seed 113: the whole node frozen for 7 s (its agent too, so it did not look),
+    then thawed; the interval across the freeze was learned as a step, the allowance
+    grew to 22 s, and a worker that hung moments later went unfound for 15 s. Now the
+    interval spans a gap in the agent's looks and teaches nothing: the hang after the
+    thaw is found by the floor."""
+    with frozen_after_steps(tmp_path) as group:  # the node's freeze begins: no looks
+        pid = group.pids[0]
+        time.sleep(3.0)
+        os.kill(pid, signal.SIGCONT)
+        step = group.last_step()
+        while group.last_step() < step + 4:  # thawed, it trains on, watched
+            assert not group.frozen()
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGSTOP)
+        hung_at = time.monotonic()
+        wait_until(group.frozen, FLOOR + 3, "the hang found by the floor")
+        assert time.monotonic() - hung_at < FLOOR + 2
 
 
 def test_a_worker_frozen_while_asked_to_let_go_is_found_by_the_allowance(

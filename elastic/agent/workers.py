@@ -526,7 +526,7 @@ class WorkerGroup:
             beat = w.control.heartbeat
             if beat != w.last_beat[0]:
                 now_in = (beat, w.control.running_in)
-                step = hangs.interval(w.last_beat, now_in)
+                step = hangs.interval(w.last_beat, now_in, since)
                 if step is not None:
                     w.beats.append(step)
                     del w.beats[: -hangs.KEEP]
