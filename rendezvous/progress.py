@@ -20,9 +20,8 @@ from rendezvous.records import ProgressRecord
 
 log = logging.getLogger(__name__)
 
-# a record to write; the revision its round's key must still have (0: any round, only as
-# a raise of the record, see ``raise_to``); what to call once written
-Write = tuple[ProgressRecord, int, Callable[[], None]]
+# one write, as the thread will do it (``submit``'s or ``raise_to``'s)
+Write = Callable[[], None]
 
 
 class ProgressWriter:
@@ -49,13 +48,13 @@ class ProgressWriter:
         is still at ``round_rev`` (a node that does not know yet that the job re-formed
         without it never writes its older step over the new round's); ``written`` runs
         after a write that went through."""
-        self._hand_over((rec, round_rev, written))
+        self._hand_over(lambda: self._write(rec, round_rev, written))
 
     def raise_to(self, rec: ProgressRecord) -> None:
         """Write ``rec`` whatever the round, but only over an older step (or none): a
         raise, never a lowering. For a node whose workers' newest step is in no record
         (the job went on without them); the record's job token is kept."""
-        self._hand_over((rec, 0, lambda: None))
+        self._hand_over(lambda: self._raise(rec))
 
     def _hand_over(self, write: Write) -> None:
         with self._cond:
@@ -89,13 +88,10 @@ class ProgressWriter:
                 if self._stopped:
                     return
                 assert self._waiting is not None
-                (rec, round_rev, written), self._waiting = self._waiting, None
+                write, self._waiting = self._waiting, None
                 self._writing = True
             try:
-                if round_rev:
-                    self._write(rec, round_rev, written)
-                else:
-                    self._raise(rec)
+                write()
             except Exception:  # the thread outlives any one write
                 log.exception("recording the job's progress failed")
             finally:
