@@ -4,6 +4,7 @@ leaving, waiting for the placement, forming, and re-forming again while it break
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -63,6 +64,28 @@ def test_a_cut_wakes_readers_of_the_groups_connections_and_spares_the_scripts() 
         assert sockets.cut() == 0  # nothing left to cut
     finally:
         for s in (own_listener, own, own_peer, listener, grp, grp_peer):
+            s.close()
+
+
+def test_the_groups_connections_stay_open_until_released() -> None:
+    """gloo closes its end of a connection once the group failed; a peer still in its
+    collective must not be reset under a send (gloo would never fail it): this rank's
+    end stays open until its next placement, when every rank has let go."""
+    sockets = GroupSockets()
+    with sockets.forming():
+        listener, grp, grp_peer = _pair()
+    try:
+        grp.close()  # as gloo does
+        grp_peer.sendall(b"x" * 1000)  # lands: nothing reset the connection
+        grp_peer.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            grp_peer.recv(1)  # and no end of stream either
+        sockets.release()
+        grp_peer.settimeout(2.0)
+        with contextlib.suppress(ConnectionResetError):  # unread bytes: a reset
+            assert grp_peer.recv(1) == b""
+    finally:
+        for s in (listener, grp_peer):
             s.close()
 
 

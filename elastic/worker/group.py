@@ -21,22 +21,30 @@ just then would wait for its timeout; measured as a hang in about 1 of 10 abando
 NCCL has its own abort (``_abort_process_group``), and its store connection is cut the
 same way. Only the group's connections are cut: those that appeared while it formed (the
 script's own first group is seen forming through ``watch_first_group``).
+
+gloo never fails a send whose bytes it could not all write at once (the socket was full,
+or the peer's end was closed: EPIPE) when the connection then breaks: the send stays
+queued, and the rank waits for it until the group's timeout (30 minutes by default), cut
+or not. So each rank keeps its end of the group's connections open (a duplicate) until
+its next placement, when every rank of the old group has let go of it: a rank that left
+first never resets a connection under a peer's small send (a rank of the leak test hung
+in about 1 abandon in 60 on a busy host).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import functools
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
-
-import psutil
 
 from elastic.contract import (
     COMING,
@@ -80,21 +88,67 @@ class Placement(NamedTuple):
 
 
 def _connections() -> set[Conn]:
-    """This process's TCP connections, in any state but listening: one the peer already
-    closed (CLOSE_WAIT) must still be shut on our side to wake a reader blocked on it."""
-    conns = psutil.Process().net_connections(kind="tcp")
-    idle = (psutil.CONN_LISTEN, psutil.CONN_NONE)
-    return {(c.fd, c.laddr, c.raddr) for c in conns if c.status not in idle and c.fd >= 0}
+    """This process's connected TCP sockets, in any state but listening (one the peer
+    already closed, CLOSE_WAIT, must still be shut on our side to wake a reader blocked on
+    it), read from its own descriptors. Not from the machine's ``/proc/net/tcp`` (as
+    psutil does): with thousands of connections lingering on a busy host (TIME_WAIT) one
+    reading takes a share of a second, and this runs three times a re-formation."""
+    out: set[Conn] = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+        except OSError:
+            continue  # closed meanwhile
+        fd = int(name)
+        if _option(fd, socket.SO_TYPE) != socket.SOCK_STREAM or _option(fd, socket.SO_ACCEPTCONN):
+            continue
+        local, peer = _address(_libc.getsockname, fd), _address(_libc.getpeername, fd)
+        if local is not None and peer is not None:  # TCP, and connected
+            out.add((fd, local, peer))
+    return out
+
+
+# The socket calls on bare descriptors: a Python socket made over one would set it
+# non-blocking where the script set a default timeout (socket.setdefaulttimeout).
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _option(fd: int, name: int) -> int | None:
+    value, size = ctypes.c_int(), ctypes.c_uint32(ctypes.sizeof(ctypes.c_int))
+    if _libc.getsockopt(fd, socket.SOL_SOCKET, name, ctypes.byref(value), ctypes.byref(size)):
+        return None
+    return value.value
+
+
+def _address(call: Any, fd: int) -> tuple[str, int] | None:
+    """(host, port) of an IPv4 or IPv6 socket's end (``getsockname``/``getpeername``)."""
+    raw = ctypes.create_string_buffer(128)
+    size = ctypes.c_uint32(len(raw))
+    if call(fd, raw, ctypes.byref(size)):
+        return None
+    family, port = struct.unpack_from("=H", raw, 0)[0], struct.unpack_from("!H", raw, 2)[0]
+    if family == socket.AF_INET:
+        return socket.inet_ntop(family, raw.raw[4:8]), port
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(family, raw.raw[8:24]), port
+    return None
+
+
+def _shut_reads(fd: int) -> None:
+    _libc.shutdown(fd, socket.SHUT_RD)
 
 
 class GroupSockets:
     """The TCP connections a process group made (those that appeared while it formed),
     so that another thread can cut them. Matched by descriptor *and* both addresses, so a
-    descriptor number reused later by the script's own socket is never touched."""
+    descriptor number reused later by the script's own socket is never touched. Each is
+    kept open by a duplicate until ``release`` (see the module doc)."""
 
     def __init__(self) -> None:
         self._conns: set[Conn] = set()
         self._before: set[Conn] | None = None  # while forming: what was there already
+        self._kept: list[int] = []  # duplicates of the connections of groups formed
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -107,6 +161,21 @@ class GroupSockets:
             with self._lock:
                 before, self._before = self._before, None
                 self._conns = _connections() - (before or set())
+                self._keep()
+
+    def _keep(self) -> None:
+        for fd, _, _ in self._conns:
+            with contextlib.suppress(OSError):
+                self._kept.append(os.dup(fd))
+
+    def release(self) -> None:
+        """Close the duplicates: every rank of the groups formed so far has let go of
+        them (the next placement came, or this worker no longer re-forms in place)."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for fd in kept:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @property
     def formed(self) -> set[Conn]:
@@ -117,9 +186,12 @@ class GroupSockets:
     def adopt(self, formed: set[Conn] | None) -> None:
         """Take over a group formed before this object watched (the script's own, before
         ``State.run``): the connections it was seen to make (``formed``; see
-        ``watch_first_group``), else every TCP connection of the process."""
+        ``watch_first_group``), else every TCP connection of the process (none kept
+        open then: a connection the script closes must close)."""
         with self._lock:
             self._conns = _connections() if formed is None else set(formed)
+            if formed is not None:
+                self._keep()
 
     def cut(self) -> int:
         """Shut the reading side of the group's connections; how many were cut. Every
@@ -129,12 +201,7 @@ class GroupSockets:
             mine = now - self._before if self._before is not None else now & self._conns
             self._conns = set()
         for fd, _, _ in mine:
-            with contextlib.suppress(OSError):
-                s = socket.socket(fileno=os.dup(fd))
-                try:
-                    s.shutdown(socket.SHUT_RD)
-                finally:
-                    s.close()
+            _shut_reads(fd)
         return len(mine)
 
 
@@ -392,6 +459,7 @@ class Group:
         collective that fails here breaks the group again: see ``reform``)."""
         generation, env, asked = placement
         self.generation = generation  # consumed, formed or not: a given-up round is not retried
+        self.sockets.release()  # placed: every rank of the old group has let go of it
         os.environ.update(env)
         with self._lock:  # asks made before this placement are answered by it: not later ones
             self._seen_abandon, self._seen_pause = asked
@@ -473,6 +541,7 @@ class Group:
         self.block.unmark(LIVE | COMING)
         self._closed.set()
         self._thread.join(timeout=1.0)
+        self.sockets.release()
 
 
 _group: Group | None = None
