@@ -146,6 +146,8 @@ LIVE = 4  # flag: the worker runs State.run (it can form a new process group in 
 UNPLACED = 8  # flag: started ahead, it read no placement variable before it was placed
 COMING = 16  # flag: it formed its first group in place (started ahead) and goes on to
 # State.run: asked to abandon that group, it lets go once there
+STUCK = 32  # flag: asked to abandon its group, its main thread is stuck in a collective
+# that only the group's timeout ends (``elastic.worker.stuck``): replace it
 
 
 class Phase(enum.IntEnum):
@@ -278,6 +280,11 @@ class ControlBlock:
         """Started ahead, it read none of the variables of its expected placement
         (``elastic.worker.placed``): it can take any other in place."""
         return bool(self._get(_OFF["flags"]) & UNPLACED)
+
+    @property
+    def stuck(self) -> bool:
+        """It will not let go of its group before the group's timeout (``STUCK``)."""
+        return bool(self._get(_OFF["flags"]) & STUCK)
 
     @property
     def reports(self) -> bool:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from harness import ROOT, wait_until
 
 from elastic.contract import CONTROL_ENV, LOBBY_ENV, REPORTS, ControlBlock, Phase
 from elastic.worker import group as group_module
+from elastic.worker import stuck
 from elastic.worker.group import (
     AbortNccl,
     CutReads,
@@ -361,12 +363,53 @@ def test_an_abandon_wakes_a_collective_blocked_on_a_silent_peer(tmp_path: Path) 
         procs[0].communicate("go\n", timeout=30)
         rest, _ = procs[1].communicate(timeout=30)
         assert "left False WAITING" in rest
+        assert not blocks[1].stuck  # it let go: never said stuck
         assert [p.returncode for p in procs] == [0, 0]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for b in blocks:
+            b.close()
+
+
+def test_a_rank_whose_send_gloo_never_fails_says_it_is_stuck(tmp_path: Path) -> None:
+    """Rank 0 broadcasts 64 MB; its receiver stops as the bytes arrive and is SIGKILLed
+    with the rest in flight. gloo leaves rank 0's send queued until the group's timeout
+    (60 s), and the abandon's cut does not end it: rank 0's watcher sees its main thread
+    blocked in the broadcast, using no CPU, and marks it stuck about a second after the
+    cut, for its agent to replace it."""
+    port = free_port()
+    blocks = [ControlBlock(tmp_path / f"control-{r}", create=True) for r in (0, 1)]
+    procs = []
+    for r in (0, 1):
+        env = {**os.environ, "BLOCK": blocks[r].path, "RANK": str(r), "WORLD_SIZE": "2"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "group_stuck.py")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        assert procs[0].stdout is not None and procs[1].stdout is not None
+        assert procs[0].stdout.readline().strip() == "sending"
+        assert procs[1].stdout.readline().strip() == "receiving"
+        receiver = psutil.Process(procs[1].pid)
+        wait_until(lambda: receiver.status() == psutil.STATUS_STOPPED, 30, "rank 1 stops")
+        time.sleep(0.3)  # rank 0's send fills the connection
+        procs[1].kill()
+        procs[1].wait()
+        time.sleep(0.5)  # rank 0's gloo has seen its peer go, and still waits
+        assert procs[0].poll() is None and not blocks[0].stuck
+        asked = time.monotonic()
+        blocks[0].request_abandon()
+        wait_until(lambda: blocks[0].stuck, 10.0, "rank 0 says it is stuck")
+        took = time.monotonic() - asked
+        assert stuck.AFTER <= took < stuck.AFTER + 2.0, took
+        assert procs[0].poll() is None and blocks[0].phase is Phase.RUNNING  # still in it
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
         for b in blocks:
             b.close()
 

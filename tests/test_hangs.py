@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 from harness import ROOT, wait_until
 
@@ -33,6 +34,7 @@ from elastic.agent.placement import Placement
 from elastic.agent.workers import Drained, Held, WorkerGroup
 from elastic.contract import EXIT_RESIZE, ControlBlock
 from elastic.stored import SnapshotSlots
+from elastic.worker import stuck
 from rendezvous.net import free_port
 
 
@@ -403,6 +405,63 @@ def test_the_worker_that_let_go_saves_its_step_when_its_frozen_peer_fails_the_ho
         assert group.save_held(timeout=30)
         newest = SnapshotSlots(tmp_path, create=False).newest()
         assert newest is not None and newest[1] >= step >= 12, (newest, step)
+
+
+SENDER_WORKER = """
+import fcntl, os, signal, sys, termios, threading, time
+import psutil, torch, torch.distributed as dist, elastic
+dist.init_process_group("gloo")
+state = elastic.State(snapshot_policy=elastic.SnapshotPolicy(every=0), model=torch.nn.Linear(2, 1))
+data = torch.zeros(16 << 20)  # rank 0 sends it, 64 MB, every step
+
+def stop_as_bytes_arrive():  # rank 1, once: a node that stops with the bytes in flight
+    fds = [c.fd for c in psutil.Process().net_connections("tcp") if c.raddr]
+    waiting = bytearray(4)
+    while True:
+        for fd in fds:
+            fcntl.ioctl(fd, termios.FIONREAD, waiting)
+            if int.from_bytes(waiting, sys.byteorder) > 1 << 20:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+def train():
+    while True:
+        if dist.get_rank() == 1 and state.step == 3:
+            threading.Thread(target=stop_as_bytes_arrive, daemon=True).start()
+        dist.broadcast(data, 0)
+        state.commit()
+
+state.run(train)
+"""
+
+
+def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path: Path) -> None:
+    """Rank 0 (this node's worker) broadcasts 64 MB a step; rank 1 (another node) stops
+    as the bytes arrive and is SIGKILLed. gloo never fails rank 0's unfinished send, so
+    asked to abandon its group, rank 0 cannot let go before the group's timeout (30
+    minutes): it says it is stuck, and the hold fails in seconds (new workers follow),
+    not after --shutdown-timeout (30 s here)."""
+    port = free_port()
+    sender = Placement(0, 0, 0, 1, 2, 2, "127.0.0.1", port, 0, agent_store=False)
+    with started(tmp_path, SENDER_WORKER, [sender]) as group:
+        env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        peer = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
+        try:
+            receiver = psutil.Process(peer.pid)
+            wait_until(lambda: receiver.status() == psutil.STATUS_STOPPED, 90, "rank 1 stops")
+            time.sleep(0.3)  # rank 0's send fills the connection
+            peer.kill()
+            peer.wait()
+            asked = time.monotonic()
+            held, why = group.hold(urgent=True, timeout=30)
+            took = time.monotonic() - asked
+            assert held is Held.FAILED and why.startswith("rank 0 is stuck in a collective"), why
+            assert took < stuck.AFTER + 3.0, took
+            assert group.workers[0].proc.poll() is None  # the agent kills it next
+        finally:
+            if peer.poll() is None:
+                peer.kill()
+                peer.wait()
 
 
 LAST_STEP_WORKER = """

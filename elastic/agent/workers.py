@@ -377,6 +377,9 @@ class WorkerGroup:
             frozen = self.frozen()  # it would never let go
             if frozen:
                 return Held.FAILED, f"rank {frozen[0].rank} did not let go: {frozen[0].message}"
+            stuck = self._stuck()  # nor would it, before its group's timeout
+            if stuck:
+                return Held.FAILED, f"rank {stuck[0].rank} {stuck[0].message}"
             if time.monotonic() > deadline:
                 late = [
                     w.placement.rank
@@ -451,7 +454,7 @@ class WorkerGroup:
                     broken.add(w.local_rank)
             self.drain_frozen = self.frozen() if use_state and not saved else []
             if not self.drain_frozen and not saved:
-                self.drain_frozen = self._stopped(stopped)
+                self.drain_frozen = self._stopped(stopped) or self._stuck()
             if self.drain_frozen:
                 self.stop(0)
                 return Drained.FROZEN
@@ -483,6 +486,18 @@ class WorkerGroup:
                 why = f"{hangs.HUNG}stopped for {now - first:.1f}s while asked to stop"
                 out.append(_hung(w, time.time(), why))
         return out
+
+    def _stuck(self) -> list[WorkerFailure]:
+        """Workers that say their main thread is stuck in a collective that only its
+        group's timeout ends (``elastic.worker.stuck``): they can neither let go nor
+        save. Not a failure of their own: a peer went."""
+        now = time.time()
+        why = "is stuck in a collective that only its group's timeout ends (its log says where)"
+        return [
+            WorkerFailure(w.placement.rank, w.local_rank, w.proc.pid, 1, now, why)
+            for w in self.workers
+            if w.proc.poll() is None and w.control.stuck
+        ]
 
     def _finished(self) -> bool:
         """Every worker exited 0: State users asked to stop or to let go of their group

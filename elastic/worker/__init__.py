@@ -6,6 +6,7 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     state        elastic.State: the facade a script uses (commit, restore, run)
     group        the process group a live worker re-forms in place (its one owner)
     roundstore   the round's store as a re-forming worker uses it: waits an abandon ends
+    stuck        whether a worker asked to leave its group never will (pure)
     comm         the few collectives State itself needs, on its own gloo group
     snapshotter  snapshots into the node's shared memory, copied in the background
     pinning      the slots page-locked for CUDA, so GPU tensors reach them by DMA

@@ -28,7 +28,9 @@ queued, and the rank waits for it until the group's timeout (30 minutes by defau
 or not. So each rank keeps its end of the group's connections open (a duplicate) until
 its next placement, when every rank of the old group has let go of it: a rank that left
 first never resets a connection under a peer's small send (a rank of the leak test hung
-in about 1 abandon in 60 on a busy host).
+in about 1 abandon in 60 on a busy host). A large send to a peer that died under it
+stays stuck all the same: the watcher says so after the cut (``stuck``), and the agent
+replaces the node's workers at once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,17 +55,20 @@ from elastic.contract import (
     LIVE,
     LOBBY_ENV,
     RESTART_MODE_ENV,
+    STUCK,
     UNPLACED,
     ControlBlock,
+    Phase,
     RestartMode,
     peer_gone,
     read_placement,
 )
-from elastic.worker import comm, placed, progress
+from elastic.worker import comm, placed, progress, stuck
 
 log = logging.getLogger("elastic.live")
 
 POLL = 0.005  # seconds between looks at the control block while waiting or watching
+LOOK = 0.1  # seconds between looks at the main thread after a cut (``stuck``)
 # gloo's wait for a peer's connection while a group forms (it waits about five times
 # this): every peer wrote its address by then, so one that does not connect is dead or
 # frozen, and no abort wakes the wait (it takes no socket, and the round's store waits
@@ -352,6 +358,9 @@ class Group:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._coming = False  # on its way into State.run (``head_for_run``)
+        self._trainer = threading.get_ident()  # the thread that trains (and forms)
+        self._blocked: stuck.Blocked | None = None  # after a cut, until it lets go
+        self._looked = 0.0
         block.running(self.generation)
         block.mark(LIVE)
         self._thread = threading.Thread(target=self._watch, name="elastic-live", daemon=True)
@@ -402,12 +411,40 @@ class Group:
                     self._coming = False
                     self._closed.set()
                     return
+                self._look()
                 generation = self.block.abandon_generation
                 if generation == self._seen_abandon:
                     continue
                 self._seen_abandon = generation
                 self.abandoned.set()
+                formed = self.block.phase is Phase.RUNNING and self.sockets.formed
+                if formed and self._blocked is None:  # its main thread must now let go
+                    self._blocked, self._looked = stuck.observe(None, *self._where()), 0.0
             self.abort()
+
+    def _where(self) -> tuple[float, float, str]:
+        """(now, the training thread's CPU time, "file:function" of its innermost frame)."""
+        frame = sys._current_frames().get(self._trainer)
+        where = f"{frame.f_code.co_filename}:{frame.f_code.co_name}" if frame else ""
+        cpu = time.clock_gettime(time.pthread_getcpuclockid(self._trainer))
+        return time.monotonic(), cpu, where
+
+    def _look(self) -> None:
+        """After a cut, until the training thread lets go: is it stuck (``stuck``)? Then
+        say so to the agent, which replaces this node's workers."""
+        if self._blocked is None or time.monotonic() - self._looked < LOOK:
+            return
+        if self.block.phase is not Phase.RUNNING:  # it let go
+            self._blocked = None
+            return
+        now, cpu, where = self._where()
+        self._looked = now
+        self._blocked = stuck.observe(self._blocked, now, cpu, where)
+        why = stuck.stuck(self._blocked, now)
+        if why is not None:
+            log.warning("rank %s: %s: its agent replaces it", os.environ.get("RANK", "?"), why)
+            self.block.mark(STUCK)
+            self._blocked = None
 
     def abort(self) -> None:
         """Wake whatever the main thread has blocked on the group (``aborts_for``)."""
