@@ -17,6 +17,8 @@ job's budget, with the nodes whose own failure they were.
     kill resyncing  c joins; as its worker receives the state from a (rank 0), a is
                   SIGKILLed (the state must take a while to send: a --width of 2048 or
                   more)
+    kill receiving  c joins; as its worker receives the state from a (rank 0), c is
+                  SIGKILLed (a --width of 2048 or more: a's send is still under way)
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
     kill re-forming  c (rank 1) SIGKILLed; as b's agent re-forms for it, a (the leader,
                   rank 0, the store host) too: b, rank 0 moments after rank 1, trains alone
@@ -206,6 +208,19 @@ def kill_resyncing(job: Job) -> Outcome:
     return job.outcome(at, job.since(2, at))
 
 
+def kill_receiving(job: Job) -> Outcome:
+    """c joins a and b; as c's fresh worker receives the state from a, c is SIGKILLed: a
+    and b go on without it. gloo never fails a send cut short by its receiver's death
+    (a waits for it until the group's timeout), so a's worker says it is stuck and a's
+    node takes new workers."""
+    start_training(job, "ab")
+    job.start("c")
+    job.wait_log("c", "receiving step")
+    at = time.time()
+    job.nodes["c"].kill()
+    return job.outcome(at, job.since(2, at))
+
+
 def two_kills(job: Job) -> Outcome:
     start_training(job, "abc")
     at = time.time()
@@ -384,6 +399,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill forming": kill_forming,
     "kill newcomer": kill_newcomer,
     "kill resyncing": kill_resyncing,
+    "kill receiving": kill_receiving,
     "two kills": two_kills,
     "kill re-forming": kill_re_forming,
     "kill resized": kill_resized,
