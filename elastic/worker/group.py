@@ -417,8 +417,11 @@ class Group:
                     continue
                 self._seen_abandon = generation
                 self.abandoned.set()
+                # its main thread must now let go: watched where gloo alone aborts it (NCCL's
+                # abort may take seconds, and fails what it aborts)
                 formed = self.block.phase is Phase.RUNNING and self.sockets.formed
-                if formed and self._blocked is None:  # its main thread must now let go
+                cut = all(isinstance(p, CutReads) for p in aborts_for(self.backend))
+                if formed and cut and self._blocked is None:
                     self._blocked, self._looked = stuck.observe(None, *self._where()), 0.0
             self.abort()
 
