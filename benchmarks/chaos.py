@@ -26,7 +26,11 @@ event: the longest pause of training until the next event, and the steps trained
 after it.
 
     python benchmarks/chaos.py [--seed 1] [--events 12] [--nproc 1] [--mode live]
-                               [--only kill,join,...]
+                               [--only kill,join,...] [--width 1024 --depth 2]
+
+``--width`` and ``--depth`` make the model big enough that its gradients and state take
+more than a socket's buffer to send (1024 and 2: 8 MB of gradients a step), where gloo
+behaves otherwise when a peer goes mid-send.
 
 Exit status 1 when a promise broke; the logs stay under the printed directory.
 """
@@ -108,7 +112,8 @@ class Storm:
         a = self.a
         return ["--samples", str(a.samples), "--epochs", str(a.epochs), "--micro-batch",
                 "2", "--global-batch", str(self.global_batch()),
-                "--step-time", str(a.step_time)]  # fmt: skip
+                "--step-time", str(a.step_time), "--width", str(a.width), "--depth",
+                str(a.depth)]  # fmt: skip
 
     def global_batch(self) -> int:
         return 24 * self.a.nproc  # split evenly over 1-4 nodes of nproc ranks, micro-batch 2
@@ -223,12 +228,12 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
     return None
 
 
-def reference(samples: int, epochs: int, global_batch: int) -> dict[str, torch.Tensor]:
+def reference(a: argparse.Namespace, global_batch: int) -> dict[str, torch.Tensor]:
     """The model after the same steps with no change at all."""
     sys.path.insert(0, str(SCRIPT.parent))
     from live_train import undisturbed
 
-    return undisturbed(samples, epochs, global_batch)
+    return undisturbed(a.samples, a.epochs, global_batch, a.width, a.depth)
 
 
 @dataclass(frozen=True)
@@ -385,7 +390,7 @@ def run(a: argparse.Namespace) -> int:
         final = torch.load(s.out / "final.pt")
         if final["step"] != a.epochs * a.samples // gb:
             problems.append(f"final step {final['step']}, expected {a.epochs * a.samples // gb}")
-        for k, v in reference(a.samples, a.epochs, gb).items():
+        for k, v in reference(a, gb).items():
             if not torch.allclose(final["model"][k], v, rtol=1e-4, atol=1e-5):
                 problems.append(f"the final model differs from the undisturbed one ({k})")
                 break
@@ -413,6 +418,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=9600)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--step-time", type=float, default=0.03)
+    ap.add_argument("--width", type=int, default=16, help="the model's width ...")
+    ap.add_argument("--depth", type=int, default=0, help="... and hidden width x width layers")
     ap.add_argument("--stall", type=float, default=90.0, help="seconds without a step: stalled")
     a = ap.parse_args()
     unknown = [k for k in a.only.split(",") if k.strip() not in EVENTS]

@@ -31,15 +31,20 @@ from torch.utils.data import DataLoader
 import elastic
 
 
-def net() -> nn.Module:
+def net(width: int = 16, depth: int = 0) -> nn.Module:
+    """``depth`` hidden layers of ``width`` x ``width`` between the first and the last:
+    a model whose gradients and state take more than a socket's buffer to send."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    hidden = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), *hidden, nn.Linear(width, 1))
 
 
-def undisturbed(samples: int, epochs: int, global_batch: int) -> dict[str, torch.Tensor]:
+def undisturbed(
+    samples: int, epochs: int, global_batch: int, width: int = 16, depth: int = 0
+) -> dict[str, torch.Tensor]:
     """The model after the same steps with no change at all, in the caller's process:
     what every run of this script must end with (the tests and benchmarks/chaos.py)."""
-    model = net()
+    model = net(width, depth)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     data = Indexed(samples)
     for epoch in range(epochs):
@@ -112,6 +117,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--step-time", type=float, default=0.1)
+    ap.add_argument("--width", type=int, default=16, help="see net()")
+    ap.add_argument("--depth", type=int, default=0, help="see net()")
     ap.add_argument("--slow-below-world", type=int, default=0, help="0.4 s steps below it")
     ap.add_argument(
         "--linger",
@@ -135,7 +142,7 @@ def main() -> None:
     deadline = time.monotonic() + 60
     while a.slow_build and (results / "building").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    model = net()
+    model = net(a.width, a.depth)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch)
     data = Indexed(a.samples)
