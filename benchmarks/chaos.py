@@ -236,6 +236,13 @@ def reference(a: argparse.Namespace, global_batch: int) -> dict[str, torch.Tenso
     return undisturbed(a.samples, a.epochs, global_batch, a.width, a.depth)
 
 
+def learning_rate(width: int) -> float:
+    sys.path.insert(0, str(SCRIPT.parent))
+    from live_train import learning_rate as lr
+
+    return float(lr(width))
+
+
 @dataclass(frozen=True)
 class Jump:
     """A round that trained committed steps again: from ``resumed`` (the first step it
@@ -390,8 +397,11 @@ def run(a: argparse.Namespace) -> int:
         final = torch.load(s.out / "final.pt")
         if final["step"] != a.epochs * a.samples // gb:
             problems.append(f"final step {final['step']}, expected {a.epochs * a.samples // gb}")
+        # a step applied twice or skipped moves a weight by about the learning rate;
+        # rounding far less (a wide model's: 1.1e-5 at --width 1024, undisturbed)
+        atol = 1e-5 if a.width <= 16 else learning_rate(a.width) / 4
         for k, v in reference(a, gb).items():
-            if not torch.allclose(final["model"][k], v, rtol=1e-4, atol=1e-5):
+            if not torch.allclose(final["model"][k], v, rtol=1e-4, atol=atol):
                 problems.append(f"the final model differs from the undisturbed one ({k})")
                 break
     elif not problems:
