@@ -515,12 +515,12 @@ class Node:
         try:
             wait_until(lambda: all(b.stranded for b in self.blocks), 30, f"all stranded ({k})")
         except AssertionError as e:
-            phases = [(b.phase, b.step) for b in self.blocks]
+            phases = [(b.phase, b.step, "stuck" if b.stuck else "") for b in self.blocks]
             for w in self.workers:
                 w.signal(signal.SIGUSR1)  # its stacks, to its stderr
             time.sleep(1.0)
             logs = "\n".join(w.transcript()[-3000:] for w in self.workers)
-            raise AssertionError(f"{e}; (phase, step) {phases}\n{logs}") from None
+            raise AssertionError(f"{e}; (phase, step, stuck) {phases}\n{logs}") from None
         self.port = self._host()
         for lr, b in enumerate(self.blocks):
             b.publish_placement(self.placement((lr + k) % self.n))
