@@ -298,6 +298,17 @@ state.run(train, model, opt)
 """
 
 
+def test_a_stopped_group_still_says_what_its_workers_were(tmp_path: Path) -> None:
+    """Chaos seed 124: a node whose workers stopped for a resize got a SIGTERM while it
+    waited for its next round; weighing a handover, the agent asked whether they ran
+    State, read their closed control blocks and died of it (exit 1, not 143)."""
+    alone = Placement(0, 0, 0, 1, 1, 1, "127.0.0.1", free_port(), 0, agent_store=False)
+    with started(tmp_path, LIVE_WORKER, [alone]) as group:
+        wait_until(lambda: group.last_step() >= 3 and group.use_state, 60, "steps in State")
+        group.stop(0)
+        assert group.use_state and group.last_step() >= 3 and group.restored() is None
+
+
 @contextlib.contextmanager
 def forming_for_good(tmp_path: Path) -> Iterator[WorkerGroup]:
     """One ``LIVE_WORKER`` that trained alone in ``State.run``, let go, and now forms a

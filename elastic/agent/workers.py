@@ -120,6 +120,7 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self.ahead: tuple[Placement, ...] = ()  # the placements started ahead (lobby.py)
         self._newest_step = -1  # of workers already stopped
+        self._used_state = False  # ... and whether they all ran elastic.State
         self._closed = False  # their control blocks are closed
         self._looked = 0.0  # when the agent last looked at the workers' silence
         self._since = 0.0  # ... and since when it has looked without a gap
@@ -422,7 +423,11 @@ class WorkerGroup:
 
     @property
     def use_state(self) -> bool:
-        """Every worker runs elastic.State: they can save and stop when asked."""
+        """Every worker runs elastic.State: they can save and stop when asked (of workers
+        stopped, what they said: asked by a signal while the node waits for its next
+        round, chaos seed 124, it read their closed blocks and the agent died of it)."""
+        if self._closed:
+            return self._used_state
         return bool(self.workers) and all(w.control.uses_state for w in self.workers)
 
     def drain(self, sig: int, timeout: float, let_go: Callable[[], None] | None = None) -> Drained:
@@ -586,7 +591,7 @@ class WorkerGroup:
     def stop(self, grace: float, sig: int = SIGTERM) -> None:
         """``sig`` to every worker's process group, SIGKILL after ``grace``; logs drained."""
         stop_group([w.proc for w in self.workers], grace, sig)
-        self._newest_step = self.last_step()
+        self._newest_step, self._used_state = self.last_step(), self.use_state
         self._closed = True
         for w in self.workers:
             w.streams.close()
