@@ -43,20 +43,23 @@ class AbortableStore(dist.Store):
         self.inner = inner
         self.check_abandoned = check_abandoned
         self.limit = limit  # the longest wait (the group's timeout)
+        self.lost = False  # its host went: it is asked nothing more
 
     def _until(self, keys: list[str]) -> None:
         """Wait for ``keys`` up to the group's own timeout, whatever the caller asked: the
         group forms with a short one (``Group.form``), which bounds gloo's wait for a
-        peer's connection, not this wait for a peer's start-up."""
+        peer's connection, not this wait for a peer's start-up. Once the store's host
+        went (a call failed: torch's client never connects again, and logs each failed
+        call with its stack), it only waits for the abandon that follows."""
         limit = self.limit.total_seconds()
         deadline, pause = time.monotonic() + limit, POLL
         while True:
             self.check_abandoned()
             try:
-                if self.inner.check(keys):
+                if not self.lost and self.inner.check(keys):
                     return
             except RuntimeError:  # the store's host went: the agent will say what follows
-                pass
+                self.lost = True
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"timed out after {limit:.0f}s waiting for {keys}")
             time.sleep(pause)
