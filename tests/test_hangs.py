@@ -356,6 +356,22 @@ def test_a_pause_asked_of_a_worker_forming_a_group_that_breaks_becomes_an_abando
         assert group.workers[0].control.stranded and group.workers[0].proc.poll() is None
 
 
+def test_a_pause_asked_of_a_worker_forming_a_group_gives_that_group_up_at_once(
+    tmp_path: Path,
+) -> None:
+    """Chaos seed 125: a node joined (a graceful change: a pause) as this node's worker
+    formed a round whose other node was stopping its workers for the same change, so
+    the round broke for no rule and its rank 1 never came: the worker waited in the
+    round's store for 26 s. A worker still forming has no step to pause at and its round
+    trained nothing: the pause is an abandon for it, and it is held in moments."""
+    with forming_for_good(tmp_path) as group:
+        asked = time.monotonic()
+        held = group.hold(urgent=False, timeout=20)
+        took = time.monotonic() - asked
+        assert held == (Held.HELD, "") and took < 5, (held, took)
+        assert group.workers[0].control.stranded and group.workers[0].proc.poll() is None
+
+
 def test_stale_workers_waiting_out_of_their_group_save_their_last_step_before_a_kill(
     tmp_path: Path,
 ) -> None:

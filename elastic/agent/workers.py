@@ -345,13 +345,17 @@ class WorkerGroup:
         placement: HELD, or FAILED and why not (then stop them). FINISHED: they all
         exited 0, having left their training loop before the ask (the ask came in the
         last step), so the job is done; a new round would train again from a snapshot.
+        A worker still forming its group has no step to pause at, and its round has
+        trained nothing: it gives that round up at once (chaos seed 125: its peer's node
+        stopped its workers for a resize, and it waited in the round's store for 26 s).
         ``escalate()``, asked every ``ESCALATE_EVERY`` seconds while a pause is waited
         for, says the round broke meanwhile (a member went, a signal came): the pause
-        becomes an abandon, which also frees a worker that forms its group or waits in
-        a collective with a peer that is gone, where it would never reach a step."""
+        becomes an abandon, which also frees a worker that waits in a collective with a
+        peer that is gone, where it would never reach a step."""
         for w in self.workers:
             if not w.control.stranded:
-                (w.control.request_abandon if urgent else w.control.request_pause)()
+                abandon = urgent or self._forming(w)
+                (w.control.request_abandon if abandon else w.control.request_pause)()
         deadline = time.monotonic() + timeout
         asked = time.monotonic()
         while True:
