@@ -426,10 +426,14 @@ class Group:
             self.abort()
 
     def _where(self) -> tuple[float, float, str]:
-        """(now, the training thread's CPU time, "file:function" of its innermost frame)."""
+        """(now, the training thread's CPU time, "file:function" of its innermost frame;
+        "" where it has none, or has ended)."""
         frame = sys._current_frames().get(self._trainer)
         where = f"{frame.f_code.co_filename}:{frame.f_code.co_name}" if frame else ""
-        cpu = time.clock_gettime(time.pthread_getcpuclockid(self._trainer))
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(self._trainer))
+        except OSError:  # the thread ended (the interpreter exits)
+            cpu, where = 0.0, ""
         return time.monotonic(), cpu, where
 
     def _look(self) -> None:
