@@ -69,23 +69,47 @@ def test_a_cut_wakes_readers_of_the_groups_connections_and_spares_the_scripts() 
             s.close()
 
 
-def test_the_groups_connections_stay_open_until_released() -> None:
+def test_the_groups_connections_stay_open_for_a_while_after_the_cut() -> None:
     """gloo closes its end of a connection once the group failed; a peer still in its
-    collective must not be reset under a send (gloo would never fail it): this rank's
-    end stays open until its next placement, when every rank has let go."""
+    collective must not be reset under a send (gloo would never fail it) while its own
+    abandon is on its way: this rank's end stays open ``KEEP`` seconds after the cut (or
+    until its next placement), then closes, and wakes a peer nobody abandons."""
     sockets = GroupSockets()
+    listener = socket.create_server(("127.0.0.1", 0))
     with sockets.forming():
-        listener, grp, grp_peer = _pair()
+        grp = socket.create_connection(listener.getsockname())  # the group's end
+    grp_peer, _ = listener.accept()  # the peer's, in another process in a job
     try:
-        grp.close()  # as gloo does
+        assert sockets.cut() == 1
+        grp.close()  # as gloo does once the cut failed its operations
         grp_peer.sendall(b"x" * 1000)  # lands: nothing reset the connection
         grp_peer.settimeout(0.2)
         with pytest.raises(TimeoutError):
             grp_peer.recv(1)  # and no end of stream either
-        sockets.release()
+        cut = time.monotonic()
+        sockets.expire(cut + group_module.KEEP / 2)
+        with pytest.raises(TimeoutError):
+            grp_peer.recv(1)  # still open
+        sockets.expire(cut + group_module.KEEP)
         grp_peer.settimeout(2.0)
         with contextlib.suppress(ConnectionResetError):  # unread bytes: a reset
             assert grp_peer.recv(1) == b""
+    finally:
+        for s in (listener, grp_peer):
+            s.close()
+
+
+def test_the_next_placement_releases_the_connections_at_once() -> None:
+    sockets = GroupSockets()
+    listener = socket.create_server(("127.0.0.1", 0))
+    with sockets.forming():
+        grp = socket.create_connection(listener.getsockname())
+    grp_peer, _ = listener.accept()
+    try:
+        grp.close()
+        sockets.release()  # every rank of the old group let go: no wait
+        grp_peer.settimeout(2.0)
+        assert grp_peer.recv(1) == b""
     finally:
         for s in (listener, grp_peer):
             s.close()

@@ -25,12 +25,15 @@ script's own first group is seen forming through ``watch_first_group``).
 gloo never fails a send whose bytes it could not all write at once (the socket was full,
 or the peer's end was closed: EPIPE) when the connection then breaks: the send stays
 queued, and the rank waits for it until the group's timeout (30 minutes by default), cut
-or not. So each rank keeps its end of the group's connections open (a duplicate) until
-its next placement, when every rank of the old group has let go of it: a rank that left
-first never resets a connection under a peer's small send (a rank of the leak test hung
-in about 1 abandon in 60 on a busy host). A large send to a peer that died under it
-stays stuck all the same: the watcher says so after the cut (``stuck``), and the agent
-replaces the node's workers at once.
+or not. So each rank keeps its end of the group's connections open (a duplicate) for
+``KEEP`` seconds after it cut them, or until its next placement, when every rank of the
+old group has let go of it: a rank that left first does not reset a connection under a
+peer's small send while the peer's own abandon, which comes with the same change, is on
+its way (a rank of the leak test hung in about 1 abandon in 60 on a busy host). A peer
+that nobody abandons (its node leaves: a drain waits for a step) is woken by the close
+that follows (chaos seed 127: without the bound, it waited out --shutdown-timeout). A
+large send to a peer that died under it stays stuck all the same: the watcher says so
+after the cut (``stuck``), and the agent replaces the node's workers at once.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ log = logging.getLogger("elastic.live")
 
 POLL = 0.005  # seconds between looks at the control block while waiting or watching
 LOOK = 0.1  # seconds between looks at the main thread after a cut (``stuck``)
+KEEP = 2.0  # seconds a rank keeps its end of the group's connections open after the cut
 # gloo's wait for a peer's connection while a group forms (it waits about five times
 # this): every peer wrote its address by then, so one that does not connect is dead or
 # frozen, and no abort wakes the wait (it takes no socket, and the round's store waits
@@ -149,12 +153,14 @@ class GroupSockets:
     """The TCP connections a process group made (those that appeared while it formed),
     so that another thread can cut them. Matched by descriptor *and* both addresses, so a
     descriptor number reused later by the script's own socket is never touched. Each is
-    kept open by a duplicate until ``release`` (see the module doc)."""
+    kept open by a duplicate until ``release``, or ``KEEP`` seconds after the cut
+    (``expire``; see the module doc)."""
 
     def __init__(self) -> None:
         self._conns: set[Conn] = set()
         self._before: set[Conn] | None = None  # while forming: what was there already
         self._kept: list[int] = []  # duplicates of the connections of groups formed
+        self._cut_at: float | None = None  # when they were cut, until released
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -178,10 +184,15 @@ class GroupSockets:
         """Close the duplicates: every rank of the groups formed so far has let go of
         them (the next placement came, or this worker no longer re-forms in place)."""
         with self._lock:
-            kept, self._kept = self._kept, []
+            kept, self._kept, self._cut_at = self._kept, [], None
         for fd in kept:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def expire(self, now: float) -> None:
+        """Release the duplicates ``KEEP`` seconds after the cut (``now``: monotonic)."""
+        if self._cut_at is not None and now - self._cut_at >= KEEP:
+            self.release()
 
     @property
     def formed(self) -> set[Conn]:
@@ -206,6 +217,8 @@ class GroupSockets:
             now = _connections()
             mine = now - self._before if self._before is not None else now & self._conns
             self._conns = set()
+            if self._cut_at is None:  # what is kept now, or once a forming group is
+                self._cut_at = time.monotonic()
         for fd, _, _ in mine:
             _shut_reads(fd)
         return len(mine)
@@ -411,6 +424,7 @@ class Group:
                     self._coming = False
                     self._closed.set()
                     return
+                self.sockets.expire(time.monotonic())
                 self._look()
                 generation = self.block.abandon_generation
                 if generation == self._seen_abandon:
