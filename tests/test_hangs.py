@@ -491,6 +491,39 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
                 peer.wait()
 
 
+def test_a_live_worker_blocked_on_a_frozen_peer_saves_when_its_node_leaves(
+    tmp_path: Path,
+) -> None:
+    """Chaos seed 127: a node told to leave asks its workers to save at their next step;
+    one waited in a collective on a peer that was frozen, where no step comes, so the
+    drain waited out its timeout (30 s) and killed it. Past its learned allowance it is
+    broken out of its group as one that forms is, and saves from its wait."""
+    port = free_port()
+    mine = Placement(0, 0, 0, 1, 2, 2, "127.0.0.1", port, 0, agent_store=False)
+    with started(tmp_path, PAIR_WORKER, [mine]) as group:
+        env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        peer = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
+        try:
+            wait_until(lambda: group.last_step() >= 5 and group.live, 90, "steps in State.run")
+            while group.last_step() < 12:  # the agent watches: it times the steps
+                assert not group.frozen()
+                time.sleep(0.05)
+            os.kill(peer.pid, signal.SIGSTOP)  # rank 0 blocks at its next agreement
+            step = group.last_step()
+            time.sleep(1.5)
+            asked = time.monotonic()
+            drained = group.drain(signal.SIGTERM, timeout=30)
+            took = time.monotonic() - asked
+            assert drained is Drained.STOPPED and took < 10, (drained, took)
+            assert group.workers[0].proc.poll() == EXIT_RESIZE
+            newest = SnapshotSlots(tmp_path, create=False).newest()
+            assert newest is not None and newest[1] >= step >= 12, (newest, step)
+        finally:
+            peer.kill()
+            peer.wait()
+
+
 LAST_STEP_WORKER = """
 import os, pathlib, time, torch, torch.distributed as dist, elastic
 dist.init_process_group("gloo")

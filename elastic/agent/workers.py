@@ -444,21 +444,26 @@ class WorkerGroup:
         which loses nothing: they saved). A State user that exits 0 instead had left its
         training loop before the ask: it finished (only for State users: a script may
         well exit 0 on a SIGTERM). One found hung (``frozen``, in ``drain_frozen``) would
-        never save: all are killed at once, their last snapshot is what the job keeps."""
+        never save: all are killed at once, their last snapshot is what the job keeps.
+        A live one that reached no step within its learned allowance waits in a
+        collective on a peer that is frozen or gone, where no step comes: it too gives
+        its group up and saves from its wait (chaos seed 127: it waited out the timeout,
+        and the others waited for this node to go)."""
         use_state = self.use_state
         if use_state:
             for w in self.workers:
                 w.control.request_stop()
         else:
             self.signal(sig)
-        deadline = time.monotonic() + timeout
+        asked = time.monotonic()
+        deadline = asked + timeout
         saved = False
-        broken: set[int] = set()  # local ranks broken out of forming a group
+        broken: set[int] = set()  # local ranks broken out of their group
         stopped: dict[int, float] = {}  # local rank: since when its process is seen stopped
         self.drain_frozen = []
         while self.running and time.monotonic() < deadline:
             for w in self.workers:
-                if use_state and w.local_rank not in broken and self._forming(w):
+                if use_state and w.local_rank not in broken and self._stepless(w, asked):
                     w.control.request_abandon()
                     broken.add(w.local_rank)
             self.drain_frozen = self.frozen() if use_state and not saved else []
@@ -479,6 +484,15 @@ class WorkerGroup:
         if not done and not saved:
             return Drained.KILLED
         return Drained.FINISHED if use_state and self._finished() else Drained.STOPPED
+
+    def _stepless(self, w: Worker, asked: float) -> bool:
+        """Asked to stop at ``asked`` (monotonic), ``w`` has no step to stop at: it forms
+        its group, or, live, it reached none within its learned allowance (it waits on a
+        peer); given its group up, it saves from its wait for a placement."""
+        if self._forming(w):
+            return True
+        late = time.monotonic() - asked > hangs.allowance(w.beats).seconds
+        return late and w.control.live and not w.control.stranded and not self._saved(w)
 
     def _stopped(self, since: dict[int, float]) -> list[WorkerFailure]:
         """Workers whose process has stayed stopped (SIGSTOP, a debugger) for
