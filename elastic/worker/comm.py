@@ -8,8 +8,13 @@ default group's collectives must stay the script's own.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import time
 import warnings
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,25 @@ def world() -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+SETTLE = 0.2  # s: the most a collective waits for gloo's thread to let go of its tensor
+
+
+@contextlib.contextmanager
+def lent(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``, made in Python, lent to a gloo collective: on leaving, wait (the GIL let go;
+    at most SETTLE) until gloo's thread let go of it too. Its work is freed by that
+    thread after the caller saw it complete, and a tensor that has a Python object takes
+    the GIL to be let go: if the interpreter finalizes meanwhile (the script ended right
+    after its last commit), the thread exits inside a C++ destructor and the process
+    aborts (SIGABRT) after its job succeeded. While a C++ owner holds it, torch holds
+    its Python object, so the owners show in its reference count."""
+    before = sys.getrefcount(t)
+    yield t
+    deadline = time.monotonic() + SETTLE
+    while sys.getrefcount(t) > before and time.monotonic() < deadline:
+        time.sleep(50e-6)
 
 
 @dataclass(frozen=True)
@@ -77,24 +101,32 @@ class Round:
 class ControlGroup:
     """A gloo group over the default group's ranks, made on first use and remade when the
     default group changes (a new process group after a re-formation). One per process
-    (``control()``): a re-formation (``group.Group.leave``) makes it forget the old one."""
+    (``control()``): a re-formation (``group.Group.leave``) makes it forget the old one.
+
+    It holds its groups weakly: the script's ``destroy_process_group`` ends them there,
+    its threads joined, as without elastic (held, a group lives on to the interpreter's
+    end, its threads with it: see ``lent``)."""
 
     def __init__(self) -> None:
-        self._group: Any = None
-        self._for: Any = None  # the default group it was made for
+        self._group: weakref.ref[Any] | None = None
+        self._for: weakref.ref[Any] | None = None  # the default group it was made for
         self._generation = 0  # counts the groups made
+
+    def _current(self, world_group: Any) -> bool:
+        return self._for is not None and self._for() is world_group
 
     def group(self) -> Any:
         d = dist()
         if d is None or d.get_world_size() == 1:
             return None
         world_group = d.group.WORLD
-        if self._for is not world_group:
+        group = self._group() if self._group is not None else None
+        if group is None or not self._current(world_group):
             gloo = d.get_backend() == "gloo"
-            self._group = world_group if gloo else d.new_group(backend="gloo")
-            self._for = world_group
+            group = world_group if gloo else d.new_group(backend="gloo")
+            self._group, self._for = weakref.ref(group), weakref.ref(world_group)
             self._generation += 1
-        return self._group
+        return group
 
     @property
     def generation(self) -> int:
@@ -102,13 +134,12 @@ class ControlGroup:
         ``agreement.Agreement`` starts its schedule over on. Asked at every commit: one
         look at the default group while it is the one the control group was made for."""
         d = dist()
-        if d is None or d.group.WORLD is not self._for:
+        if d is None or not self._current(d.group.WORLD):
             self.group()
         return self._generation
 
     def forget(self) -> None:
-        """Drop the group (a re-formation): holding it would keep the old process group,
-        its threads and its sockets alive."""
+        """Drop the group (a re-formation): the next collective makes a new one."""
         self._group = self._for = None
 
     def all_reduce(self, values: list[int], op: str) -> list[int]:
@@ -118,7 +149,8 @@ class ControlGroup:
             return values
         d = dist()
         t = torch.tensor(values, dtype=torch.int64)
-        d.all_reduce(t, op=getattr(d.ReduceOp, op), group=group)
+        with lent(t):
+            d.all_reduce(t, op=getattr(d.ReduceOp, op), group=group)
         return [int(v) for v in t.tolist()]
 
     def broadcast(self, blob: memoryview | None, holder: int) -> memoryview:
@@ -127,16 +159,19 @@ class ControlGroup:
         d = dist()
         group = self.group()
         size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
-        d.broadcast(size, src=holder, group=group)
+        with lent(size):
+            d.broadcast(size, src=holder, group=group)
         if blob is not None and rank() == holder:
             with warnings.catch_warnings():  # a read-only buffer is fine: it is only sent
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(blob, dtype=torch.uint8)
-            d.broadcast(data, src=holder, group=group)
+            with lent(data):
+                d.broadcast(data, src=holder, group=group)
             return blob
         out = bytearray(int(size.item()))
         if out:
-            d.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=holder, group=group)
+            with lent(torch.frombuffer(out, dtype=torch.uint8)) as into:
+                d.broadcast(into, src=holder, group=group)
         return memoryview(out)
 
     def swap(self, blob: memoryview, to: int, source: int) -> memoryview:

@@ -489,7 +489,7 @@ class Group:
         """Leave the process group and tell the agent this worker waits for a placement."""
         self.block.waiting(self.generation)
         self.abort()
-        comm.control().forget()  # it holds the old group, its threads and sockets
+        comm.control().forget()  # the next collective is on the next group
         dist = _dist()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group may complain; it goes
