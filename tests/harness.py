@@ -170,6 +170,27 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
+def queued_to_send(pid: int) -> int:
+    """Bytes waiting in the send queues of ``pid``'s TCP connections: more than none
+    stay there once a peer stopped reading and the connection is full (the kernel's own
+    table, ``/proc/net/tcp``, matched to the process's sockets by inode)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)  # the header
+            for line in f:
+                fields = line.split()  # sl local remote st tx:rx tr:when retrnsmt uid timeout inode
+                if fields[9] in inodes:
+                    total += int(fields[4].split(":")[0], 16)
+    return total
+
+
 def wait_until(
     cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05
 ) -> object:

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from harness import ROOT, wait_until
+from harness import ROOT, queued_to_send, wait_until
 
 from elastic.contract import CONTROL_ENV, LOBBY_ENV, REPORTS, ControlBlock, Phase
 from elastic.worker import group as group_module
@@ -428,7 +428,9 @@ def test_a_rank_whose_send_gloo_never_fails_says_it_is_stuck(tmp_path: Path) -> 
         assert procs[1].stdout.readline().strip() == "receiving"
         receiver = psutil.Process(procs[1].pid)
         wait_until(lambda: receiver.status() == psutil.STATUS_STOPPED, 30, "rank 1 stops")
-        time.sleep(0.3)  # rank 0's send fills the connection
+        full = lambda: queued_to_send(procs[0].pid) > 0  # noqa: E731
+        wait_until(full, 30, "rank 0's send fills the connection")  # gloo's write waits
+        time.sleep(0.1)
         procs[1].kill()
         procs[1].wait()
         time.sleep(0.5)  # rank 0's gloo has seen its peer go, and still waits

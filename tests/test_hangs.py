@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import ROOT, wait_until
+from harness import ROOT, queued_to_send, wait_until
 
 from elastic.agent.hangs import (
     FLOOR,
@@ -476,7 +476,9 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
         try:
             receiver = psutil.Process(peer.pid)
             wait_until(lambda: receiver.status() == psutil.STATUS_STOPPED, 90, "rank 1 stops")
-            time.sleep(0.3)  # rank 0's send fills the connection
+            full = lambda: queued_to_send(group.workers[0].proc.pid) > 0  # noqa: E731
+            wait_until(full, 30, "rank 0's send fills the connection")  # gloo's write waits
+            time.sleep(0.1)
             peer.kill()
             peer.wait()
             asked = time.monotonic()
