@@ -363,9 +363,7 @@ def test_the_forward_hook_goes_once_the_ddp_is_found_and_comes_back_after_a_chan
     assert bell.ready and second._comm_hooks, "the new DDP carries it"
 
 
-def test_the_control_groups_tensors_are_freed_on_the_main_thread_and_it_dies_with_the_group() -> (
-    None
-):
+def test_state_frees_its_collectives_tensors_itself_and_holds_no_group_past_destroy() -> None:
     """Two real ranks. The tensors of State's agreements are freed on the main thread
     (``comm.lent``): freed by gloo's thread, they take the GIL, which it cannot have once
     the interpreter finalizes, and the process aborts after its job succeeded
@@ -373,6 +371,6 @@ def test_the_control_groups_tensors_are_freed_on_the_main_thread_and_it_dies_wit
     The script's ``destroy_process_group`` frees the group at once (held by elastic, it
     would live on to the end); a new group gets a new control group."""
     outs = ranks("control_exit.py", 2)
-    expect = ["freed-on-main", "True", "freed", "8", "alive-after-destroy", "False",
+    expect = ["freed-on-main", "True", "freed", "8", "alive-after-destroy", "False",  # 8 made
               "new-generation", "True"]  # fmt: skip
     assert outs == [expect] * 2, outs
