@@ -191,6 +191,13 @@ def queued_to_send(pid: int) -> int:
     return total
 
 
+def until_send_blocked(pid: int) -> None:
+    """Wait until ``pid``'s send to a peer that stopped reading fills the connection, and
+    a moment more: its write is cut short and waits (``queued_to_send``)."""
+    wait_until(lambda: queued_to_send(pid) > 0, 30, f"{pid}'s send fills the connection")
+    time.sleep(0.1)
+
+
 def wait_until(
     cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05
 ) -> object:

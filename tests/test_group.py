@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from harness import ROOT, queued_to_send, wait_until
+from harness import ROOT, until_send_blocked, wait_until
 
 from elastic.contract import CONTROL_ENV, LOBBY_ENV, REPORTS, ControlBlock, Phase
 from elastic.worker import group as group_module
@@ -51,6 +51,16 @@ def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
     return listener, client, server
 
 
+def _group_end(sockets: GroupSockets) -> tuple[socket.socket, socket.socket, socket.socket]:
+    """(listener, the group's end, the peer's end): only the group's end made while it
+    forms (the peer's end is in another process in a job)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    with sockets.forming():
+        grp = socket.create_connection(listener.getsockname())
+    grp_peer, _ = listener.accept()
+    return listener, grp, grp_peer
+
+
 def test_a_cut_wakes_readers_of_the_groups_connections_and_spares_the_scripts() -> None:
     own_listener, own, own_peer = _pair()  # the script's, opened before the group formed
     sockets = GroupSockets()
@@ -75,10 +85,7 @@ def test_the_groups_connections_stay_open_for_a_while_after_the_cut() -> None:
     abandon is on its way: this rank's end stays open ``KEEP`` seconds after the cut (or
     until its next placement), then closes, and wakes a peer nobody abandons."""
     sockets = GroupSockets()
-    listener = socket.create_server(("127.0.0.1", 0))
-    with sockets.forming():
-        grp = socket.create_connection(listener.getsockname())  # the group's end
-    grp_peer, _ = listener.accept()  # the peer's, in another process in a job
+    listener, grp, grp_peer = _group_end(sockets)
     try:
         assert sockets.cut() == 1
         grp.close()  # as gloo does once the cut failed its operations
@@ -101,10 +108,7 @@ def test_the_groups_connections_stay_open_for_a_while_after_the_cut() -> None:
 
 def test_the_next_placement_releases_the_connections_at_once() -> None:
     sockets = GroupSockets()
-    listener = socket.create_server(("127.0.0.1", 0))
-    with sockets.forming():
-        grp = socket.create_connection(listener.getsockname())
-    grp_peer, _ = listener.accept()
+    listener, grp, grp_peer = _group_end(sockets)
     try:
         grp.close()
         sockets.release()  # every rank of the old group let go: no wait
@@ -428,9 +432,7 @@ def test_a_rank_whose_send_gloo_never_fails_says_it_is_stuck(tmp_path: Path) -> 
         assert procs[1].stdout.readline().strip() == "receiving"
         receiver = psutil.Process(procs[1].pid)
         wait_until(lambda: receiver.status() == psutil.STATUS_STOPPED, 30, "rank 1 stops")
-        full = lambda: queued_to_send(procs[0].pid) > 0  # noqa: E731
-        wait_until(full, 30, "rank 0's send fills the connection")  # gloo's write waits
-        time.sleep(0.1)
+        until_send_blocked(procs[0].pid)  # gloo's write waits
         procs[1].kill()
         procs[1].wait()
         time.sleep(0.5)  # rank 0's gloo has seen its peer go, and still waits

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import ROOT, queued_to_send, wait_until
+from harness import ROOT, until_send_blocked, wait_until
 
 from elastic.agent.hangs import (
     FLOOR,
@@ -461,6 +461,14 @@ state.run(train)
 """
 
 
+def _peer(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
+    """Rank 1 of two, the same worker script as the group's rank 0 (``started``), run as
+    another node's worker would be."""
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
+
+
 def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path: Path) -> None:
     """Rank 0 (this node's worker) broadcasts 64 MB a step; rank 1 (another node) stops
     as the bytes arrive and is SIGKILLed. gloo never fails rank 0's unfinished send, so
@@ -470,15 +478,11 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
     port = free_port()
     sender = Placement(0, 0, 0, 1, 2, 2, "127.0.0.1", port, 0, agent_store=False)
     with started(tmp_path, SENDER_WORKER, [sender]) as group:
-        env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
-        peer = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
+        peer = _peer(tmp_path, port)
         try:
             receiver = psutil.Process(peer.pid)
             wait_until(lambda: receiver.status() == psutil.STATUS_STOPPED, 90, "rank 1 stops")
-            full = lambda: queued_to_send(group.workers[0].proc.pid) > 0  # noqa: E731
-            wait_until(full, 30, "rank 0's send fills the connection")  # gloo's write waits
-            time.sleep(0.1)
+            until_send_blocked(group.workers[0].proc.pid)  # gloo's write waits
             peer.kill()
             peer.wait()
             asked = time.monotonic()
@@ -503,9 +507,7 @@ def test_a_live_worker_blocked_on_a_frozen_peer_saves_when_its_node_leaves(
     port = free_port()
     mine = Placement(0, 0, 0, 1, 2, 2, "127.0.0.1", port, 0, agent_store=False)
     with started(tmp_path, PAIR_WORKER, [mine]) as group:
-        env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
-        peer = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
+        peer = _peer(tmp_path, port)
         try:
             wait_until(lambda: group.last_step() >= 5 and group.live, 90, "steps in State.run")
             while group.last_step() < 12:  # the agent watches: it times the steps
