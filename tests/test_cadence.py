@@ -11,7 +11,17 @@ import torch
 
 from elastic import State
 from elastic.contract import NODE_DIR_ENV
-from elastic.worker.cadence import LIMIT, PROBE, REFRESH, WARMUP, Cadence, choose
+from elastic.worker.cadence import (
+    BLOCK,
+    BLOCKS,
+    LIMIT,
+    PROBE,
+    REFRESH,
+    WARMUP,
+    Cadence,
+    StepTimes,
+    choose,
+)
 
 
 def run(c: Cadence, steps: int, step_s: float, cost_s: float, start: int = 1) -> list[int]:
@@ -115,6 +125,49 @@ def test_step_time_is_measured_only_on_clean_steps() -> None:
     run(c, 400, step_s=0.2, cost_s=0.5)  # a disturbed step is 3.5x a clean one
     assert c.step_s == pytest.approx(0.2)
     assert c.interval == 157
+
+
+def test_a_steps_time_is_the_median_of_block_medians() -> None:
+    t = StepTimes()
+    assert t.value is None
+    assert t.add(0.3) and t.value == 0.3  # the first block: what there is
+    assert t.add(0.1) and t.value == pytest.approx(0.2)
+    for _ in range(BLOCK - 2):
+        t.add(0.1)
+    assert t.value == 0.1 and t.count == BLOCK  # the first block full: its median
+    moved = [t.add(5.0) for _ in range(BLOCK)]  # a whole block of a slow spell
+    assert moved == [False] * (BLOCK - 1) + [True]  # changes once a block is full
+    assert t.value == pytest.approx(2.55)  # the median of two blocks: (0.1 + 5.0) / 2
+    for _ in range(BLOCK * 2):
+        t.add(0.1)
+    assert t.value == 0.1  # one slow block among three: outvoted
+    for _ in range(BLOCK * BLOCKS):
+        t.add(0.4)  # steps really are 4x longer now: the window holds only those
+    assert t.value == 0.4
+    t.clear()
+    assert t.value is None and t.count == 0
+
+
+def test_slow_spells_of_a_few_steps_move_no_interval() -> None:
+    """A 1 ms step with a spell of 9 steps at 4 ms every 50 steps, as a busy 2-core VM
+    gives a tiny model: the interval seldom moves, so the ranks seldom agree on a new one
+    (a median of the last 9 steps followed each spell: 200 moves, each an agreement; a
+    snapshot whose next step falls in a spell still moves it once)."""
+    c = Cadence(0.02)
+    intervals = []
+    disturbed = False
+    for step in range(1, 6001):
+        if step > 1:
+            slow = step % 50 < 9
+            c.observe((0.004 if slow else 0.001) + (0.002 if disturbed else 0.0), disturbed)
+        due = c.due(step)
+        c.agree(c.proposal)
+        if due:
+            c.taken(step)
+        disturbed = due
+        intervals.append(c.interval)
+    moves = [b for a, b in itertools.pairwise(intervals[1000:]) if a != b]
+    assert len(moves) <= 2, moves
 
 
 def test_the_ranks_take_the_largest_proposal() -> None:
