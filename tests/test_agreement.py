@@ -103,6 +103,20 @@ def test_the_proposal_uses_the_median_step_and_agreement_times() -> None:
     assert [a.proposal(every) for every in (3, 7, 10, 100, 1000)] == [3, 7, 10, 25, 25]
 
 
+def test_slow_spells_of_a_few_steps_move_no_gap() -> None:
+    """1 ms steps with a spell of 9 at 4 ms every 50, agreements of 1 ms: the gap stays
+    at the 50 steps the latency bound allows (a median of the last 9 steps went to 12 in
+    each spell, and the least of the ranks' proposals with it)."""
+    a = Agreement()
+    a.timed(0.001)
+    gaps = set()
+    for step in range(1, 3001):
+        a.stepped(0.004 if step % 50 < 9 else 0.001)
+        if step > 500:
+            gaps.add(a.proposal())
+    assert gaps == {50}, gaps
+
+
 def ranks(script: str, world: int, *args: str) -> list[list[str]]:
     """``tests/scripts/<script>`` run as ``world`` gloo ranks: each one's words printed."""
     port = free_port()

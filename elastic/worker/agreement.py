@@ -22,14 +22,14 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from elastic.worker.cadence import median
+from elastic.worker.cadence import StepTimes, median
 
 SHARE = 0.02  # of step time the agreements may cost
 LATENCY = 0.05  # seconds of steps a stop, pause or due snapshot may wait, at most
 LIMIT = 100  # the longest gap, whatever the figures say
-KEPT = 9  # steps and agreements timed: their medians are a step's and an agreement's cost
-SETTLED = 2 * KEPT  # steps timed before the bell is weighed against a step: the first
-# ones, on a new group, are its warm-up
+KEPT = 9  # agreements timed: their median is an agreement's cost
+SETTLED = 18  # steps timed before the bell is weighed against a step: the first ones,
+# on a new group, are its warm-up
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,8 @@ class Agreement:
         self.choice = choose(None, None)
         self._next: int | None = None  # None: at the next commit
         self._group: int | None = None  # the control group generation agreed in
-        self._steps: deque[float] = deque(maxlen=KEPT)
+        self._steps = StepTimes()  # a step's time, as the snapshot cadence takes it
         self._costs: deque[float] = deque(maxlen=KEPT)
-        self._stepped = 0  # steps timed in all
 
     def due(self, step: int, group: int, bell: bool | None = None) -> bool:
         """``bell``: whether a rank rang ``doorbell`` in this step's gradient reduction
@@ -106,8 +105,7 @@ class Agreement:
 
     def stepped(self, seconds: float) -> None:
         """A step took ``seconds``, commit to commit, agreement and snapshot left out."""
-        self._steps.append(seconds)
-        self._stepped += 1
+        self._steps.add(seconds)
 
     def timed(self, seconds: float) -> None:
         self._costs.append(seconds)
@@ -115,7 +113,7 @@ class Agreement:
     def proposal(self, every: int | None = None) -> int:
         """This rank's gap, from its figures; with a fixed snapshot interval ``every``,
         the largest divisor of it that is no longer (the least of such proposals is one)."""
-        step_s = median(self._steps) if self._steps else None
+        step_s = self._steps.value
         cost_s = median(self._costs) if self._costs else None
         self.choice = choose(step_s, cost_s)
         gap = self.choice.steps
@@ -125,7 +123,7 @@ class Agreement:
 
     def step_s(self) -> float | None:
         """A step's time, once ``SETTLED`` steps were timed; None before."""
-        return median(self._steps) if self._stepped >= SETTLED else None
+        return self._steps.value if self._steps.count >= SETTLED else None
 
     def agreed(self, step: int, gap: int) -> bool:
         """The ranks agreed at ``step`` on ``gap``: the next agreement is at the next
