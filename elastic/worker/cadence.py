@@ -43,8 +43,9 @@ def median(xs: Iterable[float]) -> float:
 
 
 class StepTimes:
-    """A clean step's time: the median of the medians of the last ``BLOCKS`` blocks of
-    ``BLOCK`` steps (of the steps so far until the first block is full). The median of
+    """A step's time: the median of the medians of the last ``BLOCKS`` blocks of ``BLOCK``
+    steps (of the steps so far until the first block is full); the cadence feeds it clean
+    steps, the agreement schedule every step. The median of
     the last 9 steps, 10 ms of a tiny model's steps, moved 0.7-4 ms with this VM's slow
     spells, and the interval chosen from it 40-310 steps: each move took an agreement
     of the ranks (150 in 6000 steps, 3% of the step time). A step costs an append here;
@@ -57,7 +58,7 @@ class StepTimes:
         self._blocks: deque[float] = deque(maxlen=BLOCKS)
 
     def add(self, seconds: float) -> bool:
-        """Take in a clean step; True if ``value`` changed."""
+        """Take in a step; True if ``value`` changed."""
         self.count += 1
         self._block.append(seconds)
         if len(self._block) == BLOCK:
