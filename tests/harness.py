@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -196,6 +197,26 @@ def until_send_blocked(pid: int) -> None:
     a moment more: its write is cut short and waits (``queued_to_send``)."""
     wait_until(lambda: queued_to_send(pid) > 0, 30, f"{pid}'s send fills the connection")
     time.sleep(0.1)
+
+
+def port_pair(taken: set[int] | None = None) -> int:
+    """A port P with P+1 free too (the static form's etcd: --master-port + 1), P and P+1
+    not in ``taken``. A port free alone let a test's node 0 fail on a P+1 another test's
+    connection held."""
+    taken = taken or set()
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if {port - 1, port, port + 1} & taken:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise OSError("no free port pair")
 
 
 def wait_until(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import ROOT, wait_until
+from harness import ROOT, port_pair, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
 
@@ -144,14 +144,18 @@ def test_standalone_says_it_overrides_nnodes_and_the_job_ends_with_a_summary(
 def test_a_second_node_without_its_node_rank_is_told_to_give_one() -> None:
     """``elastic-run --nnodes 2 ...`` in a second terminal: the first waits as node rank
     0; the second is node rank 0 too. It is told to take --node-rank 1 first."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ("--nnodes", "2", "--master-port", str(port))
+    flags = ("--nnodes", "2", "--master-port", str(port_pair()))
     first = agent(*flags, TRAIN)
-    try:
+    said: list[str] = []
+
+    def registered() -> bool:
         assert first.stderr is not None
-        wait_until(lambda: "registered as" in first.stderr.readline(), 60, "node 0 registers")
+        said.append(first.stderr.readline())
+        assert said[-1] or first.poll() is None, "".join(said)  # it ended: why
+        return "registered as" in said[-1]
+
+    try:
+        wait_until(registered, 60, "node 0 registers")
         second = agent(*flags, TRAIN)
         _, err = second.communicate(timeout=60)
         assert second.returncode == 1
@@ -182,11 +186,8 @@ def test_a_free_port_of_this_host_is_served_with_a_warning_that_says_how_to_choo
 def test_both_nodes_end_a_job_in_the_same_words() -> None:
     """Whichever node closes the job, each says the same last two lines; a default run
     does not name the default job id, and counts say '1 worker'."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     echo = str(ROOT / "tests" / "scripts" / "echo.py")
-    flags = ("--nnodes", "2", "--master-port", str(port))
+    flags = ("--nnodes", "2", "--master-port", str(port_pair()))
     node0 = agent(*flags, "--node-rank", "0", echo)
     node1 = agent(*flags, "--node-rank", "1", echo)
     ends = []

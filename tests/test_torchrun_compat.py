@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import pytest
-from harness import ROOT
+from harness import ROOT, port_pair
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -139,24 +138,6 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Batched
     for (name, who), d in zip(jobs, done, strict=True):
         out[name][who] = d
     return out
-
-
-def port_pair(taken: set[int] | None = None) -> int:
-    """A port P with P+1 free too (the static form's etcd), P and P+1 not in ``taken``."""
-    taken = taken or set()
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if {port - 1, port, port + 1} & taken:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return int(port)
-        except OSError:
-            continue
-    raise OSError("no free port pair")
 
 
 def port_pairs() -> dict[str, int]:
