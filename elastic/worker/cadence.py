@@ -45,11 +45,11 @@ def median(xs: Iterable[float]) -> float:
 class StepTimes:
     """A step's time: the median of the medians of the last ``BLOCKS`` blocks of ``BLOCK``
     steps (of the steps so far until the first block is full); the cadence feeds it clean
-    steps, the agreement schedule every step. The median of
-    the last 9 steps, 10 ms of a tiny model's steps, moved 0.7-4 ms with this VM's slow
-    spells, and the interval chosen from it 40-310 steps: each move took an agreement
-    of the ranks (150 in 6000 steps, 3% of the step time). A step costs an append here;
-    two short sorts every ``BLOCK`` steps."""
+    steps, the agreement schedule every step. The median of the last 9 steps, 10 ms of a
+    tiny model's steps, moved 0.7-4 ms with this VM's slow spells, and the interval
+    chosen from it 40-310 steps: each move took an agreement of the ranks (150 in 6000
+    steps, 3% of the step time). A step costs an append here; two short sorts every
+    ``BLOCK`` steps."""
 
     def __init__(self) -> None:
         self.value: float | None = None
