@@ -1,9 +1,10 @@
 """One rank of a two-rank gloo group owned by ``elastic.worker.group.Group`` (for
 tests/test_group.py): rank 0 broadcasts 64 MB; rank 1 posts its receive and stops itself
-(SIGSTOP) as the first bytes arrive, so that rank 0's send fills the connection, and the
-test SIGKILLs it. gloo leaves rank 0's unfinished
-send queued and never fails it: only the group's timeout (60 s here) would. Rank 0 prints
-when it is in the broadcast and, if it ever returns, how."""
+(SIGSTOP) as the data arrive (not gloo's notices ahead of them), so that rank 0's send
+fills the connection, and the test SIGKILLs it; if its gloo thread read it all first, it
+says so and ends. gloo leaves rank 0's unfinished send queued and never fails it: only
+the group's timeout (60 s here) would. Rank 0 prints when it is in the broadcast and, if
+it ever returns, how."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from elastic.contract import ControlBlock
 from elastic.worker.group import Group
 
+CONTROL = 4096  # more bytes than gloo's notices (a send or receive is ready) ever take
+
 
 def main() -> None:
     block = ControlBlock(os.environ["BLOCK"])
@@ -32,13 +35,15 @@ def main() -> None:
     if dist.get_rank() == 1:
         fds = [fd for fd, _, _ in g.sockets.formed]
         print("receiving", flush=True)
-        dist.broadcast(data, 0, async_op=True)
+        work = dist.broadcast(data, 0, async_op=True)
         waiting = bytearray(4)
-        while True:  # until bytes wait in one of its connections: the transfer is on
+        while not work.is_completed():  # until data waits in a connection: the transfer is on
             for fd in fds:
                 fcntl.ioctl(fd, termios.FIONREAD, waiting)
-                if int.from_bytes(waiting, sys.byteorder):
+                if int.from_bytes(waiting, sys.byteorder) > CONTROL:
                     os.kill(os.getpid(), signal.SIGSTOP)
+        print("received it all before it could stop", flush=True)
+        return
     print("sending", flush=True)
     started = time.monotonic()
     try:
