@@ -14,7 +14,7 @@ from typing import Any
 
 from rendezvous import records, rules
 from rendezvous.client import EtcdClient
-from rendezvous.errors import RendezvousError
+from rendezvous.errors import MalformedRecordError, RendezvousError
 from rendezvous.mirror import JobMirror
 from rendezvous.probe import gone_among
 from rendezvous.records import LeaderRecord, RoundEnd, RoundRecord
@@ -165,6 +165,37 @@ class Lead:
         before = dict(self.proven)
         self._check_gone(targets)
         return self.proven != before
+
+    def probe_neighbours(self, mine: RoundRecord) -> None:
+        """A node that does not lead, its workers' group broken: probe the members next
+        to it (``rules.neighbours``) at the probe ports its round recorded, and revoke
+        the lease of any that refuses, read from its record in etcd, if the record is
+        still that incarnation's (a node that came back under the same name is alive)."""
+        me = self.session.me.id
+        near = set(rules.neighbours(mine, me))
+        now = time.monotonic()
+        due = {
+            m.id: (m.addr, m.probe, 0, m.rev)
+            for m in mine.members
+            if m.id in near and m.probe and now - self._probed.get(m.id, 0.0) >= PROBE_EVERY
+        }
+        self._probed.update(dict.fromkeys(due, now))
+        for node_id in gone_among({n: (addr, port) for n, (addr, port, _, _) in due.items()}):
+            rev = due[node_id][3]
+            self.proven[node_id] = rev
+            try:
+                kv = self.client.get(self.session.key(records.NODES + node_id), timeout=2.0)
+                if kv is None or not kv.lease:
+                    continue
+                rec = records.NodeRecord.decode(kv.key, kv.value)
+                if (rec.resumes or kv.create_revision) != rev:
+                    continue  # another incarnation holds the name now
+                log.warning(
+                    "%s refuses its probe port: its agent is gone; revoking its lease", node_id
+                )
+                self.client.revoke(kv.lease, timeout=2.0)
+            except (RendezvousError, MalformedRecordError) as e:
+                log.warning("could not revoke %s's lease: %s", node_id, e)
 
     def _present(
         self, view: JobView, nodes: tuple[str, ...]

@@ -106,14 +106,18 @@ class Rendezvous:
         """Wake whoever waits on the job (a signal arrived, a deadline moved)."""
         self.mirror.poke()
 
-    def probe_members(self) -> None:
+    def probe_members(self, broken: bool = False) -> None:
         """Find out now whether a member of this node's round is gone: a member whose agent
         refuses its probe port loses its lease at once (see ``probe``). The leader probes
-        them all; the successors probe the leader; the others hear of it from etcd."""
+        them all; the successors probe the leader; the others hear of it from etcd, or,
+        once their workers' group broke (``broken``), probe their neighbours in the
+        round: the leader's own workers may be held where they report nothing."""
         view = self.mirror.view()
         if not self.mirror.full:
             if rules.successor(self.round, self.me.id, self.rev):
                 self.lead.probe_leader(view)
+            if broken and self.round is not None:
+                self.lead.probe_neighbours(self.round)
         elif self.round is not None:
             self.lead.probe_round(view, self.round)
 

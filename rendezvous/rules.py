@@ -580,6 +580,26 @@ def successor(mine: RoundRecord | None, me: str, rev: int) -> bool:
     return m is not None and m.rank <= SUCCESSORS
 
 
+NEIGHBOURS = 2  # members on each side that a lean node whose group broke probes
+
+
+def neighbours(mine: RoundRecord | None, me: str, k: int = NEIGHBOURS) -> tuple[str, ...]:
+    """The members next to ``me`` in its round's rank order, ``k`` on each side (the
+    order wraps), rank 0 aside: whom a node that does not lead probes once its workers'
+    group broke. The leader probes every member then, unless its own workers report
+    nothing (a send gloo never fails holds them); a lost member is next to a survivor
+    on each side, so it is still found at once, for 2k probes a node, not one a member."""
+    if mine is None:
+        return ()
+    order = sorted(mine.members, key=lambda m: m.rank)
+    at = next((i for i, m in enumerate(order) if m.id == me), None)
+    if at is None:
+        return ()
+    n = len(order)
+    near = {order[(at + d) % n] for d in range(-k, k + 1) if d}
+    return tuple(m.id for m in sorted(near, key=lambda m: m.rank) if m.rank != 0 and m.id != me)
+
+
 class LeadStep(enum.Enum):
     """What a node does about the lead."""
 

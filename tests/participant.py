@@ -137,6 +137,9 @@ def main() -> None:
                 emit("raised")
             elif cmd == "resume":  # carry on after a lapse (the agent does it on LAPSED)
                 emit("resumed", ok=rdzv.resume())
+            elif cmd == "broken":  # its workers' group broke: probe as the agent then does
+                rdzv.probe_members(broken=True)
+                emit("probed")
             elif cmd == "others":
                 emit("others", n=rdzv.others())
             elif cmd == "announce":

@@ -106,10 +106,13 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (RZ, L.WORKERS_SUCCEEDED, False): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED, N),
     (RZ, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
     (RZ, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
+    # not held, the others going on in place without it: out, back as a newcomer
+    (RZ, L.HOLD_FAILED, True): (Stop.URGENT, OUT, None, None, N),
     (RS, L.WORKERS_STOPPED, False): (Stop.NONE, J, None, None, N),
     (RS, L.WORKERS_SUCCEEDED, False): (Stop.NONE, AgentState.SUCCEEDED, None, Exit.SUCCEEDED, N),
     (RS, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
     (RS, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
+    (RS, L.HOLD_FAILED, True): (Stop.URGENT, OUT, None, None, N),
     (OUT, L.WENT_ON, False): (Stop.NONE, J, None, None, N),
     (OUT, L.SIGNALLED, False): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED, N),
 }
@@ -197,7 +200,11 @@ def test_side_effects_of_the_rows() -> None:
     assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).leave] == [
         (R, L.WORKERS_FAILED, True),
         (R, L.WORKERS_HUNG, True),
+        (RZ, L.HOLD_FAILED, True),
+        (RS, L.HOLD_FAILED, True),
     ]
+    # ... reported only where the failure was its own: not holding them
+    assert not any(decide(s, L.HOLD_FAILED, True).report_failure for s in (RZ, RS))
     plain = Reaction("x", R)
     assert not (plain.report_failure or plain.announce_leaving or plain.close_job)
     assert plain.start is Start.NONE

@@ -128,7 +128,7 @@ class FakeJob:
         self.calls.append("resume")
         return self.resumes.popleft() if self.resumes else True
 
-    def probe_members(self) -> None:
+    def probe_members(self, broken: bool = False) -> None:
         self.calls.append("probe_members")
 
     outage_until = 0.0  # monotonic: etcd counts as away until then
@@ -1069,6 +1069,59 @@ def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started
     assert [(p.rank, p.group_rank, p.restart_count) for p in ahead] == [(4, 2, 1), (5, 2, 1)]
     assert [p.master_port for p in workers.reformed[0]] == [29503, 29503]  # round 3's store
     assert "leaving the job for now: the other 2 node(s) re-form in place" in caplog.text
+
+
+@pytest.mark.parametrize("joined", [(), ("c",)], ids=["veterans", "c-new"])
+def test_a_node_whose_workers_cannot_be_held_steps_out_while_the_others_go_on(
+    joined: tuple[str, ...], caplog: pytest.LogCaptureFixture
+) -> None:
+    """c is lost (a member since the start, or new in the round); a's worker is stuck in
+    a send to it (gloo never fails it), so a's workers cannot be held. b trained with a
+    and holds what a did: a steps out, reporting nothing (the failure was not its own),
+    so that b re-forms in place without waiting for a's new workers to start; a joins
+    again as a newcomer with them started ahead."""
+    lost = Change(RoundEnd.LOST, "lost c", ("c",))
+    old = FakeJob([round_of(1, "a", "b", "c", joined=joined)], [None, lost])
+    new = FakeJob([round_of(3, "b", "a", cause=RoundCause.RESIZE)])
+    two = round_of(2, "b", cause=RoundCause.LOST)
+    new.glances.append(Glance(two))
+    new.glance_view = Glance(two, leader=NodeRecord("b", "10.0.0.1", 2, in_place=True))
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.held = (Held.FAILED, "rank 0 is stuck in a collective ...")
+    with caplog.at_level(logging.INFO):
+        a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new)
+        assert a.run() == 0
+    assert workers.actions[:2] == ["abandon", "stop 1"]
+    assert old.reported == [] and old.calls[-1] == "shutdown"  # left, nothing charged
+    assert new.calls[:2] == ["glance", "glance"] and "start" in new.calls
+    assert len(workers.started) == 2 and len(workers.reformed) == 1  # started ahead, placed
+    assert "no live re-formation for this node (rank 0 is stuck" in caplog.text
+    assert "leaving the job for now: the other 1 node(s) re-form in place" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("first", "gone"),
+    [(round_of(1, "a", "b"), "b"), (round_of(1, "a", "b", "c", joined=("b",)), "c")],
+    ids=["its-one-peer", "b-new"],
+)
+def test_a_node_that_alone_holds_what_it_trained_stays_in_when_its_workers_cannot_be_held(
+    first: RoundRecord, gone: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node lost was the only other one that trained with a (b is new in the round,
+    and has not trained a step), so a does not step out (the round without it would go
+    on from older state): new workers follow in the next round, as before."""
+    lost = Change(RoundEnd.LOST, f"lost {gone}", (gone,))
+    job = FakeJob([first, round_of(2, "a", *(["b"] if gone == "c" else []))], [None, lost])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.held = (Held.FAILED, "rank 0 is stuck in a collective ...")
+    rejoined: list[FakeJob] = []
+    with caplog.at_level(logging.INFO):
+        a = agent(job, workers, step_out=_step_out, rejoin=lambda: rejoined.append(job) or job)
+        assert a.run() == 0
+    assert rejoined == [] and workers.actions == ["abandon", "stop 1"]
+    assert len(workers.started) == 2 and "no live re-formation (rank 0 is stuck" in caplog.text
 
 
 def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_in_it() -> None:

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -26,7 +27,7 @@ import torch
 from agents import TTL, gone, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from etcd_servers import EtcdCluster
-from harness import ROOT, Proc, wait_until
+from harness import ROOT, Proc, until_send_blocked, wait_until
 
 from elastic.agent.core import COMING_LIVE_S
 from elastic.agent.etcd_server import EtcdServer
@@ -77,15 +78,22 @@ def reference(epochs: int = EPOCHS) -> dict[str, torch.Tensor]:
     return undisturbed(SAMPLES, epochs, GLOBAL)
 
 
-def check_run(out: Path, changes: int, epochs: int = EPOCHS) -> None:
-    """No sample lost; at most the steps in flight repeated; the undisturbed model."""
+def check_samples(out: Path, changes: int, epochs: int = EPOCHS) -> dict:
+    """No sample lost; at most the steps in flight repeated; every step trained. The
+    final model's record."""
     history = rows(out)
     for epoch in range(epochs):
         used = [i for r in history if r["epoch"] == epoch for i in r["indices"]]
         assert sorted(set(used)) == list(range(SAMPLES)), f"epoch {epoch} lost samples"
         assert len(used) - SAMPLES <= changes * GLOBAL, f"epoch {epoch}: repeats beyond a step"
-    final = torch.load(out / "final.pt")
+    final: dict = torch.load(out / "final.pt")
     assert final["step"] == epochs * SAMPLES // GLOBAL
+    return final
+
+
+def check_run(out: Path, changes: int, epochs: int = EPOCHS) -> None:
+    """``check_samples``, and the undisturbed model."""
+    final = check_samples(out, changes, epochs)
     for k, v in reference(epochs).items():
         torch.testing.assert_close(final["model"][k], v, rtol=1e-4, atol=1e-5)
 
@@ -413,6 +421,64 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
         assert "no live re-formation" not in n.transcript()
         assert "stopping workers" not in n.transcript()
     check_run(tmp_path, changes=2, epochs=6)
+
+
+def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_train_on(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """c joins a and b; its fresh worker stops as the state (50 MB) arrives from a (rank
+    0), and c is SIGKILLed with the rest in flight. gloo never fails a's send, so a's
+    worker says it is stuck and a's workers cannot be held; b trained with a, so a steps
+    out (charged nothing) and b re-forms alone in its own process at once, training
+    while a's new worker starts; then a joins again. Before, b waited in the round for
+    a's new worker to start (and heard of c's loss at its lease's end: b, which does not
+    lead, now probes its neighbours once its group broke). Should c's gloo read the whole
+    state before its worker can stop, that c is stopped and another joins, three at
+    most."""
+    wide = ("--width", "2048", "--depth", "1", "--epochs", "4", "--slow-below-world", "3")
+
+    def node(name: str, *args: str) -> Proc:  # b may train alone
+        return start_on(procs, etcd.endpoint, run_id, tmp_path, name, *args, nnodes="1:3")
+
+    a = node("a", *wide)
+    a.wait_output("registered as a", timeout=30)  # rank 0: it sends the state
+    b = node("b", *wide)
+    wait_world(tmp_path, 2, timeout=90)
+    kept = worker_pids(b)
+    for tries in range(1, 4):
+        c = node(f"c{tries}", *wide, "--freeze-receiving")
+        frozen = wait_until(partial(_frozen_or_training, c, tmp_path), 90, "c's worker stops")
+        if isinstance(frozen, int):
+            break
+        c.kill_tree()  # it read the state whole: not the case
+        wait_world(tmp_path, 2, after=time.time(), timeout=60)
+    else:
+        pytest.fail("c's worker never stopped with the state in flight in 3 tries")
+    until_send_blocked(worker_pids(a)[0])  # a's write waits
+    killed = time.time()
+    os.kill(frozen, signal.SIGKILL)  # as it is: a SIGCONT first would let it read on
+    c.kill_tree()
+    alone = wait_world(tmp_path, 1, after=killed, timeout=60)
+    print(f"b trains alone {alone - killed:.2f}s after the kill")
+    back = wait_world(tmp_path, 2, after=alone, timeout=90)
+    print(f"a is back {back - killed:.2f}s after the kill")
+    assert worker_pids(b) == kept and pids_at(tmp_path, 1) <= set(kept)
+    for n in (a, b):
+        assert n.wait(120) == 0, n.transcript()
+    said = a.transcript()
+    assert "is stuck in a collective" in said and "leaving the job for now" in said, said
+    assert "workers failed" not in said and "after a worker failure" not in b.transcript()
+    check_samples(tmp_path, changes=2 + 2 * tries, epochs=4)
+
+
+def _frozen_or_training(c: Proc, out: Path) -> int | str | None:
+    """c's worker's pid once it stopped itself; "training" once it trains instead."""
+    pids = worker_pids(c)
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                return pid
+    return "training" if pids and set(pids) & pids_at(out, 3) else None
 
 
 def test_a_worker_crash_on_one_node(

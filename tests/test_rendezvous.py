@@ -476,6 +476,36 @@ def test_the_jobs_progress_is_recorded_by_rank_0_and_outlives_it(
     seen_by(b, 3)
 
 
+def test_a_node_whose_group_broke_proves_its_dead_neighbour_gone_but_not_its_successor(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    """a leads; c is SIGKILLed. b, which does not lead, its workers' group broken,
+    probes its neighbours: c refuses its probe port, so b revokes c's lease at once
+    (the leader, whose own workers may be held where they report nothing, would hear of
+    it at the lease's end). A c started again under the same name, a new incarnation, is
+    not touched by a probe of the old one's port."""
+    a, b, c = join_in_order(procs, etcd.endpoint, run_id, "abc", nnodes="1:3")
+    start_round([a, b, c])
+    c.signal(signal.SIGKILL)
+    c.wait()
+    b.send("broken")
+    b.expect("probed")
+    b.wait_output("c refuses its probe port: its agent is gone; revoking its lease", 5)
+    change = b.expect("change", end="LOST", timeout=TTL)  # not at the lease's end: revoked
+    assert change["nodes"] == ["c"]
+    again = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+    again.expect("ready")
+    b.err.clear()
+    b.send("broken")
+    b.expect("probed")
+    client = EtcdClient(build_options(etcd.endpoint, run_id, 1, 3)[0])
+    try:
+        assert client.get(f"/elastic-run/{run_id}/{records.NODES}c") is not None
+    finally:
+        client.close()
+    assert not any("revoking" in line for line in b.err), b.err
+
+
 @pytest.mark.parametrize("fault", ["frozen", "killed"])
 def test_a_newcomer_waits_for_the_lost_member_that_alone_holds_the_jobs_newest_state(
     etcd: EtcdServer, run_id: str, procs: list[Proc], fault: str

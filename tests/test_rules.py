@@ -35,6 +35,7 @@ from rendezvous.rules import (
     leads,
     lean_round_end,
     member_state,
+    neighbours,
     notice_to_give,
     plan,
     progress_due,
@@ -495,6 +496,19 @@ def test_successors_are_the_first_ranks_of_the_round() -> None:
     )
     assert not successor(r, "0", 99)  # another incarnation
     assert not successor(None, "0", 1)  # no round yet
+
+
+def test_a_node_whose_group_broke_probes_two_neighbours_a_side_never_the_leader() -> None:
+    ns = [node(str(i), i + 1) for i in range(8)]
+    r = rnd(1, *ns)  # ranks 0..7 in this order
+    assert neighbours(r, "4") == ("2", "3", "5", "6")
+    assert neighbours(r, "7") == ("1", "5", "6")  # the order wraps; rank 0 (the leader) aside
+    assert neighbours(r, "1") == ("2", "3", "7")  # the successors probe the leader
+    assert neighbours(rnd(1, *ns[:3]), "1") == ("2",)  # fewer members than neighbours
+    assert neighbours(r, "x") == () and neighbours(None, "1") == ()
+    # every member but the leader has a neighbour on each side that probes it
+    probed_by = {m: [n for n in map(str, range(8)) if m in neighbours(r, n)] for m in "1234567"}
+    assert all(len(by) >= 2 for by in probed_by.values()), probed_by
 
 
 def test_a_vacant_lead_is_claimed_by_successors_at_once_and_by_others_later() -> None:

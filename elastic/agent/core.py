@@ -5,7 +5,8 @@ nowhere else: ``loop.Agent`` only gathers events and carries out reactions. The 
 (``decide`` implements it; ``tests/test_agent_core.py`` checks every row). *in place*:
 the workers can re-form in place (all alive, all in ``State.run``, ``--restart-mode
 live``), the input ``decide`` takes besides the state and the event; for this node's own
-failure, that the others can go on in place without it (``lobby.step_out``).
+failure, and for workers that could not be held, that the others can go on in place
+without it (``lobby.step_out``).
 
 | state      | event             | in place | stop           | next           | cause       |
 |------------|-------------------|----------|----------------|----------------|-------------|
@@ -43,11 +44,13 @@ failure, that the others can go on in place without it (``lobby.step_out``).
 | RESIZING   | WORKERS_STOPPED   |          | -              | JOINING        |             |
 | RESIZING   | WORKERS_SUCCEEDED |          | -              | SUCCEEDED      |             |
 | RESIZING   | WORKERS_HELD      |          | -              | HOLDING        |             |
-| RESIZING   | HOLD_FAILED       |          | urgent         | JOINING        |             |
+| RESIZING   | HOLD_FAILED       | no       | urgent         | JOINING        |             |
+| RESIZING   | HOLD_FAILED       | yes      | urgent         | OUT            |             |
 | RESTARTING | WORKERS_STOPPED   |          | -              | JOINING        |             |
 | RESTARTING | WORKERS_SUCCEEDED |          | -              | SUCCEEDED      |             |
 | RESTARTING | WORKERS_HELD      |          | -              | HOLDING        |             |
-| RESTARTING | HOLD_FAILED       |          | urgent         | JOINING        |             |
+| RESTARTING | HOLD_FAILED       | no       | urgent         | JOINING        |             |
+| RESTARTING | HOLD_FAILED       | yes      | urgent         | OUT            |             |
 | OUT        | WENT_ON           |          | -              | JOINING        |             |
 | OUT        | SIGNALLED         |          | -              | LEFT           |             |
 
@@ -63,11 +66,12 @@ outage, but no round formed without it) resumes the node as it was, on a new lea
 its workers train on. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
 signal.
 
-OUT: this node's own worker failed or hung, and the others go on in place without it
-(``lobby.step_out``): it reported the failure, left the job, and waits until they have
-re-formed (WENT_ON; or too few of them are left to, or a bound passed, or the job
-ended), then joins again as a newcomer, its new workers started ahead (PREPARING) where
-they can be.
+OUT: this node's own worker failed or hung (or, as a change re-forms the round, could
+not be held), and the others go on in place without it (``lobby.step_out``): it reported
+the failure (not one of holding: that one was not its own), left the job, and waits
+until they have re-formed (WENT_ON; or too few of them are left to, or a bound passed,
+or the job ended), then joins again as a newcomer, its new workers started ahead
+(PREPARING) where they can be.
 PREPARING is a newcomer's first state when its workers start before it joins
 (``lobby``): it observes only them and signals, until they all wait for their placement
 (WORKERS_HELD: join with them held) or one exits or ``lobby.LOBBY_MAX`` passes
@@ -84,7 +88,10 @@ A drain or a hold can end in WORKERS_SUCCEEDED: ``elastic.State`` users asked to
 or to let go of their group, that all exit 0 instead had already left their training
 loop (the ask came in their last step), so the job is done; a new round would only train
 again from their last snapshot. HOLD_FAILED: a worker did not let go within
-``--shutdown-timeout``, or exited otherwise; new workers follow.
+``--shutdown-timeout``, said it is stuck in a send only its group's timeout ends, or
+exited otherwise; new workers follow. Where the others can go on in place without this
+node, it steps out (OUT) rather than have them wait for its new workers' start: nothing
+is reported (the failure was not its own), and it joins again with them started ahead.
 
 Stops: *drain* asks ``elastic.State`` users to save at their next step and exit
 ``EXIT_RESIZE`` (other scripts get SIGTERM, or the signal the agent got), SIGKILL after
@@ -319,7 +326,7 @@ def decide(state: AgentState, event: Event, in_place: bool = False) -> Reaction:
         case AgentState.RUNNING:
             return _running(event, in_place)
         case AgentState.RESIZING | AgentState.RESTARTING:
-            return _stopping(state, event)
+            return _stopping(state, event, in_place)
         case AgentState.OUT:
             return _out(event)
     raise ValueError(f"an agent in state {state.name} does not observe {event}")
@@ -409,7 +416,7 @@ def _holding(event: Event, in_place: bool) -> Reaction:
     raise ValueError(f"a holding agent cannot see {event}")
 
 
-def _stopping(state: AgentState, event: Event) -> Reaction:
+def _stopping(state: AgentState, event: Event, in_place: bool) -> Reaction:
     match event:
         case LocalEvent.WORKERS_STOPPED:
             return Reaction("the workers stopped: join the next round", AgentState.JOINING)
@@ -417,6 +424,14 @@ def _stopping(state: AgentState, event: Event) -> Reaction:
             return Reaction(
                 "the workers let go of their group: join the next round with them",
                 AgentState.HOLDING,
+            )
+        case LocalEvent.HOLD_FAILED if in_place:
+            return Reaction(
+                "the workers could not be held: this node steps out while the others go "
+                "on, and joins again with new workers",
+                AgentState.OUT,
+                stop=Stop.URGENT,
+                leave=True,
             )
         case LocalEvent.HOLD_FAILED:
             return Reaction(

@@ -85,7 +85,7 @@ class Membership(Protocol):
     def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
     def upkeep(self) -> None: ...  # the lead's writes: claim, notice
     def check(self) -> Change | None: ...  # read-only
-    def probe_members(self) -> None: ...
+    def probe_members(self, broken: bool = False) -> None: ...
     def outage(self) -> tuple[float, float] | None: ...  # etcd away lately: (now, until)
     def closed(self) -> ClosedRecord | None: ...
     def wait(self, version: int, timeout: float | None) -> int: ...
@@ -363,9 +363,13 @@ class Agent:
         running, ``--restart-mode live``), or, for a change that breaks the round, on their
         way there from the group they formed in place (a newcomer's, building its model:
         new ones would cost everyone a worker start); held, as the round places them. For
-        this node's own failure: the others go on in place without it (``lobby.step_out``)."""
+        this node's own failure, and workers that could not be held as the round re-forms:
+        the others go on in place without it (``lobby.step_out``)."""
         if event in (LocalEvent.WORKERS_FAILED, LocalEvent.WORKERS_HUNG):
             return self._steps_out()
+        if event is LocalEvent.HOLD_FAILED and self.state is not AgentState.PREPARING:
+            self._stepping = ""  # said as the hold's failure is (none without step_out)
+            return self._steps_out(self._gone(), were_live=True)  # they were to re-form
         if self.state is AgentState.HOLDING:
             r = self.round
             return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
@@ -376,13 +380,27 @@ class Agent:
             self.workers.live or (urgent and self.workers.coming)
         )
 
-    def _steps_out(self) -> bool:
+    def _steps_out(self, gone: frozenset[str] = frozenset(), were_live: bool = False) -> bool:
+        """Whether this node leaves for now while the others go on without it; ``gone``:
+        members of its round the change that broke it took away; ``were_live``: its
+        workers were asked to re-form in place (else: whether they were seen in State.run
+        this round)."""
         if self.step_out is None or self.rejoin is None or self.round is None:
             return False
-        alone = holds_alone(self._holding(count=False))
-        choice = self.step_out(self._live_seen, self.round.size, alone)
+        holding = self._holding(count=False, gone=gone)
+        live = were_live or self._live_seen
+        choice = self.step_out(live, holding.size, holds_alone(holding))
         self._stepping = choice.reason
         return choice.out
+
+    def _gone(self) -> frozenset[str]:
+        """Members of this node's round that the change it re-forms for took away: lost,
+        left, or failed (it may step out too)."""
+        change, r = self._change, self.round
+        taken = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED)
+        if change is None or r is None or change.end not in taken:
+            return frozenset()
+        return frozenset(n for n in change.nodes if r.member(n) is not None)
 
     # -- gathering events ---------------------------------------------------------------------
     def _out(self) -> Event:
@@ -565,9 +583,11 @@ class Agent:
         self._end_handover()
         return False
 
-    def _holding(self, count: bool = True) -> Holding:
+    def _holding(self, count: bool = True, gone: frozenset[str] = frozenset()) -> Holding:
         """What this node knows of the state it holds (``count``: and, where it runs
-        alone, how many nodes could take it)."""
+        alone, how many nodes could take it), in its round less the members ``gone``
+        (those the round does not name among its newcomers count as veterans: a doubt
+        keeps the state's holder in)."""
         r = self.round
         if r is None:
             return Holding(0, 0, 0, False, -1, -1, None, self.checkpoint_dir is not None)
@@ -582,7 +602,9 @@ class Agent:
             except RendezvousError as e:
                 log.debug("could not count the nodes registered or on their way: %s", e)
         newcomer = self.node_id in r.joined
-        return Holding(r.number, r.size, r.counts[0], newcomer, others, step, resumed, on_disk)
+        joined = r.counts[0] - sum(n in r.joined for n in gone)
+        size = r.size - len(gone)
+        return Holding(r.number, size, joined, newcomer, others, step, resumed, on_disk)
 
     def _handover_timed_out(self) -> None:
         """The timer's end of a handover: the signal comes back, wherever the loop is."""
@@ -685,7 +707,7 @@ class Agent:
             if time.monotonic() >= deadline:
                 break
             version = self.rdzv.version
-            self.rdzv.probe_members()
+            self.rdzv.probe_members(broken=True)
             self.rdzv.upkeep()
             change = self.rdzv.check()
             if change is not None and (change.end.urgent or not urgent_only):
@@ -908,6 +930,18 @@ class Agent:
                 log.warning(
                     "%s: joining without them, new workers start in the round",
                     self._hold_failed,
+                )
+            case LocalEvent.HOLD_FAILED if r.leave:
+                log.warning(
+                    "no live re-formation for this node (%s): it steps out while the others "
+                    "go on, and joins again with new workers",
+                    self._hold_failed,
+                )
+            case LocalEvent.HOLD_FAILED if self._stepping:
+                log.warning(
+                    "no live re-formation (%s): new workers follow (%s)",
+                    self._hold_failed,
+                    self._stepping,
                 )
             case LocalEvent.HOLD_FAILED:
                 log.warning("no live re-formation (%s): new workers follow", self._hold_failed)
