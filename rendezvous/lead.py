@@ -182,7 +182,6 @@ class Lead:
         self._probed.update(dict.fromkeys(due, now))
         for node_id in gone_among({n: (addr, port) for n, (addr, port, _, _) in due.items()}):
             rev = due[node_id][3]
-            self.proven[node_id] = rev
             try:
                 kv = self.client.get(self.session.key(records.NODES + node_id), timeout=2.0)
                 if kv is None or not kv.lease:
