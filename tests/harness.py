@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from rendezvous.net import server_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TAG_VAR = "ELASTIC_RUN_TEST_TAG"
 
@@ -201,20 +203,22 @@ def until_send_blocked(pid: int) -> None:
 
 def port_pair(taken: set[int] | None = None) -> int:
     """A port P with P+1 free too (the static form's etcd: --master-port + 1), P and P+1
-    not in ``taken``. A port free alone let a test's node 0 fail on a P+1 another test's
-    connection held."""
-    taken = taken or set()
+    not in ``taken``, both below the range outgoing connections take
+    (``rendezvous.net.server_port``): a port free alone let a test's node 0 fail on a
+    P+1 another test's connection held, and a health check of an etcd not listening yet
+    on a port in that range connected to itself (CI)."""
+    taken = set(taken or ())
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if {port - 1, port, port + 1} & taken:
+        port = server_port(avoid=taken | {floor - 1})
+        if {port - 1, port, port + 1} & taken or port + 1 >= floor:
             continue
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
             return port
         except OSError:
+            taken.add(port)
             continue
     raise OSError("no free port pair")
 

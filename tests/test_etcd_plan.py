@@ -87,3 +87,26 @@ def test_an_etcds_ports_are_below_the_range_outgoing_connections_take() -> None:
     assert port not in taken
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free, as it said
+
+
+def test_a_health_check_answered_with_its_own_request_is_not_healthy() -> None:
+    """A connect to a port no one listens on yet, in the range outgoing connections take,
+    may connect to itself and read its own request back (CI: "BadStatusLine: GET
+    /health" crashed a static node 0 whose etcd was starting): not healthy, no crash."""
+    import threading
+
+    from elastic.agent.etcd_server import EtcdServer
+
+    with socket.create_server(("127.0.0.1", 0)) as echo:
+
+        def serve() -> None:
+            conn, _ = echo.accept()
+            with conn:
+                conn.sendall(conn.recv(4096))  # what a self-connected socket reads back
+
+        threading.Thread(target=serve, daemon=True).start()
+        server = EtcdServer(name="echo", client_port=echo.getsockname()[1])
+        try:
+            assert server.healthy() is False
+        finally:
+            server.close()

@@ -9,6 +9,7 @@ through this etcd) and dies with the agent.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -140,7 +141,7 @@ class EtcdServer:
         """etcd's own /health: true once this member serves reads with a quorum."""
         try:
             return bool(json.loads(self._get("/health")).get("health") == "true")
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return False
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
@@ -150,7 +151,10 @@ class EtcdServer:
                 raise EtcdServerError(
                     f"etcd {self.name} exited with {self.proc.returncode}: {self._log_tail()}"
                 )
-            if self.healthy() and self._listening():
+            # listening first: a connect to a port no one listens on in the ephemeral range
+            # may connect to itself, read its own request back ("BadStatusLine: GET
+            # /health", seen in CI) and hold the port as etcd binds it
+            if self._listening() and self.healthy():
                 return
             time.sleep(0.05)
         raise EtcdServerError(f"etcd {self.name} not healthy within {timeout}s: {self._log_tail()}")
