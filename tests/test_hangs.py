@@ -474,7 +474,22 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
     as the bytes arrive and is SIGKILLed. gloo never fails rank 0's unfinished send, so
     asked to abandon its group, rank 0 cannot let go before the group's timeout (30
     minutes): it says it is stuck, and the hold fails in seconds (new workers follow),
-    not after --shutdown-timeout (30 s here)."""
+    not after --shutdown-timeout (30 s here). gloo sometimes fails the send on the
+    peer's reset instead (CI): then rank 0 lets go, the scenario did not form, and it is
+    tried again, three times at most."""
+    lost = []
+    for attempt in range(3):
+        why = _a_send_to_a_lost_peer_fails_the_hold(tmp_path / str(attempt))
+        if why is None:
+            return
+        lost.append(why)
+    pytest.fail(f"the scenario never formed: {lost}")
+
+
+def _a_send_to_a_lost_peer_fails_the_hold(tmp_path: Path) -> str | None:
+    """One try of the test above: None once its assertions held, or why the scenario
+    did not form."""
+    tmp_path.mkdir()
     port = free_port()
     sender = Placement(0, 0, 0, 1, 2, 2, "127.0.0.1", port, 0, agent_store=False)
     with started(tmp_path, SENDER_WORKER, [sender]) as group:
@@ -488,9 +503,12 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
             asked = time.monotonic()
             held, why = group.hold(urgent=True, timeout=30)
             took = time.monotonic() - asked
+            if held is Held.HELD:
+                return "gloo failed rank 0's send on the reset: it let go"
             assert held is Held.FAILED and why.startswith("rank 0 is stuck in a collective"), why
             assert took < stuck.AFTER + 3.0, took
             assert group.workers[0].proc.poll() is None  # the agent kills it next
+            return None
         finally:
             if peer.poll() is None:
                 peer.kill()
