@@ -201,6 +201,22 @@ def until_send_blocked(pid: int) -> None:
     time.sleep(0.1)
 
 
+def until_formed(one_try: Callable[[Path], str | None], tmp_path: Path, tries: int = 3) -> None:
+    """A test whose scenario rests on a race it cannot win every time: ``one_try`` runs
+    it in a folder of its own under ``tmp_path`` and returns None once its assertions
+    held, or why the scenario did not form; tried again, ``tries`` times at most, then
+    failed with every why."""
+    lost = []
+    for attempt in range(tries):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        why = one_try(folder)
+        if why is None:
+            return
+        lost.append(why)
+    raise AssertionError(f"the scenario never formed in {tries} tries: {lost}")
+
+
 def port_pair(taken: set[int] | None = None) -> int:
     """A port P with P+1 free too (the static form's etcd: --master-port + 1), P and P+1
     not in ``taken``, both below the range outgoing connections take

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from harness import ROOT, queued_to_send, wait_until
+from harness import ROOT, queued_to_send, until_formed, wait_until
 
 from elastic.contract import CONTROL_ENV, LOBBY_ENV, REPORTS, ControlBlock, Phase
 from elastic.worker import group as group_module
@@ -421,19 +421,12 @@ def test_a_rank_whose_send_gloo_never_fails_says_it_is_stuck(tmp_path: Path) -> 
     win every time (rank 1's gloo thread may read all 64 MB before its stop lands; rank
     0's gloo, told of the reset, sometimes aborts the process), so a lost race is tried
     again, at most three times in all."""
-    lost = []
-    for attempt in range(3):
-        why = _a_send_left_queued_says_stuck(tmp_path / str(attempt))
-        if why is None:
-            return
-        lost.append(why)
-    pytest.fail(f"the scenario never formed: {lost}")
+    until_formed(_a_send_left_queued_says_stuck, tmp_path)
 
 
 def _a_send_left_queued_says_stuck(tmp_path: Path) -> str | None:
     """One try of the test above: None once its assertions held, or why the scenario
     did not form."""
-    tmp_path.mkdir()
     port = free_port()
     blocks = [ControlBlock(tmp_path / f"control-{r}", create=True) for r in (0, 1)]
     procs = []

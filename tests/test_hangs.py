@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import ROOT, until_send_blocked, wait_until
+from harness import ROOT, until_formed, until_send_blocked, wait_until
 
 from elastic.agent.hangs import (
     FLOOR,
@@ -477,19 +477,12 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
     not after --shutdown-timeout (30 s here). gloo sometimes fails the send on the
     peer's reset instead (CI): then rank 0 lets go, the scenario did not form, and it is
     tried again, three times at most."""
-    lost = []
-    for attempt in range(3):
-        why = _a_send_to_a_lost_peer_fails_the_hold(tmp_path / str(attempt))
-        if why is None:
-            return
-        lost.append(why)
-    pytest.fail(f"the scenario never formed: {lost}")
+    until_formed(_a_send_to_a_lost_peer_fails_the_hold, tmp_path)
 
 
 def _a_send_to_a_lost_peer_fails_the_hold(tmp_path: Path) -> str | None:
     """One try of the test above: None once its assertions held, or why the scenario
     did not form."""
-    tmp_path.mkdir()
     port = free_port()
     sender = Placement(0, 0, 0, 1, 2, 2, "127.0.0.1", port, 0, agent_store=False)
     with started(tmp_path, SENDER_WORKER, [sender]) as group:
