@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 
-def _ephemeral_floor() -> int:
+def ephemeral_floor() -> int:
     """The lowest port the kernel hands out to outgoing connections (Linux's default 32768)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -19,7 +19,7 @@ def server_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
     """A free port below the kernel's range for outgoing connections, for a server that
     may be restarted on it (an etcd): a port from that range can be taken meanwhile by
     any outgoing connection on the machine, a client of that very server included."""
-    floor = _ephemeral_floor()
+    floor = ephemeral_floor()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(64):
         port = random.randrange(max(1024, floor - 12000), floor)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from rendezvous.net import server_port
+from rendezvous.net import ephemeral_floor, server_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG_VAR = "ELASTIC_RUN_TEST_TAG"
@@ -224,7 +224,7 @@ def port_pair(taken: set[int] | None = None) -> int:
     P+1 another test's connection held, and a health check of an etcd not listening yet
     on a port in that range connected to itself (CI)."""
     taken = set(taken or ())
-    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    floor = ephemeral_floor()
     for _ in range(100):
         port = server_port(avoid=taken | {floor - 1})
         if {port - 1, port, port + 1} & taken or port + 1 >= floor:
