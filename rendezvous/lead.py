@@ -171,17 +171,9 @@ class Lead:
         to it (``rules.neighbours``) at the probe ports its round recorded, and revoke
         the lease of any that refuses, read from its record in etcd, if the record is
         still that incarnation's (a node that came back under the same name is alive)."""
-        me = self.session.me.id
-        near = set(rules.neighbours(mine, me))
-        now = time.monotonic()
-        due = {
-            m.id: (m.addr, m.probe, 0, m.rev)
-            for m in mine.members
-            if m.id in near and m.probe and now - self._probed.get(m.id, 0.0) >= PROBE_EVERY
-        }
-        self._probed.update(dict.fromkeys(due, now))
-        for node_id in gone_among({n: (addr, port) for n, (addr, port, _, _) in due.items()}):
-            rev = due[node_id][3]
+        near = set(rules.neighbours(mine, self.session.me.id))
+        targets = {m.id: (m.addr, m.probe, 0, m.rev) for m in mine.members if m.id in near}
+        for node_id, (_, _, _, rev) in self._refused(targets, PROBE_EVERY).items():
             try:
                 kv = self.client.get(self.session.key(records.NODES + node_id), timeout=2.0)
                 if kv is None or not kv.lease:
@@ -204,17 +196,22 @@ class Lead:
         present = {n: view.nodes[n] for n in nodes if n in view.nodes and n != me}
         return {n: (x.record.addr, x.record.probe, x.lease, x.rev) for n, x in present.items()}
 
-    def _check_gone(
-        self, targets: dict[str, tuple[str, int, int, int]], every: float = PROBE_EVERY
-    ) -> None:
+    def _refused(
+        self, targets: dict[str, tuple[str, int, int, int]], every: float
+    ) -> dict[str, tuple[str, int, int, int]]:
         """Probe ``targets`` (node id: address, probe port, lease, incarnation) not probed
-        in the last ``every`` seconds, all at once; revoke the leases of those that refuse."""
+        in the last ``every`` seconds, all at once: those whose probe port refuses."""
         now = time.monotonic()
         due = {n: t for n, t in targets.items() if now - self._probed.get(n, 0.0) >= every}
         self._probed.update(dict.fromkeys(due, now))
-        for node_id in gone_among({n: (addr, port) for n, (addr, port, _, _) in due.items()}):
-            lease = due[node_id][2]
-            self.proven[node_id] = due[node_id][3]
+        return {n: due[n] for n in gone_among({n: (t[0], t[1]) for n, t in due.items()})}
+
+    def _check_gone(
+        self, targets: dict[str, tuple[str, int, int, int]], every: float = PROBE_EVERY
+    ) -> None:
+        """Probe ``targets`` (``_refused``); revoke the leases of those that refuse."""
+        for node_id, (_, _, lease, rev) in self._refused(targets, every).items():
+            self.proven[node_id] = rev
             if not lease:
                 log.warning("%s refuses its probe port: its agent is gone", node_id)
                 continue
