@@ -417,10 +417,10 @@ def test_a_rank_whose_send_gloo_never_fails_says_it_is_stuck(tmp_path: Path) -> 
     with the rest in flight. gloo leaves rank 0's send queued until the group's timeout
     (60 s), and the abandon's cut does not end it: rank 0's watcher sees its main thread
     blocked in the broadcast, using no CPU, and marks it stuck about a second after the
-    cut, for its agent to replace it. The scenario is built on two races the test cannot
-    win every time (rank 1's gloo thread may read all 64 MB before its stop lands; rank
-    0's gloo, told of the reset, sometimes aborts the process), so a lost race is tried
-    again, at most three times in all."""
+    cut, for its agent to replace it. The scenario is built on races the test cannot win
+    every time (rank 1's gloo thread may read all 64 MB before its stop lands; rank 0's
+    broadcast may end first; rank 0's gloo, told of the reset, sometimes fails the send
+    and the process aborts as it exits), so a lost race is tried again (``until_formed``)."""
     until_formed(_a_send_left_queued_says_stuck, tmp_path)
 
 
