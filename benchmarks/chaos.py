@@ -13,6 +13,8 @@ one, so many land while the job is still recovering from the one before:
     hang      SIGSTOP of one worker whose agent lives (only once it has trained a few
               steps: before that the agent cannot learn its step time)
     freeze    SIGSTOP of a whole node for 2x the lease TTL + 1 s, then SIGCONT
+    agent-freeze  SIGSTOP of a node's agent alone (its workers train on) for as long
+              (only with --only, so that the default storms of a seed stay the same)
     etcd-freeze  etcd SIGSTOPped for 2x the lease TTL + 1 s
     etcd-restart etcd SIGKILLed and started again 1 s later
 
@@ -67,6 +69,7 @@ CONF = f"lease_ttl={TTL},last_call_timeout=1,is_host=false"
 MAX_NODES = 4
 GAPS = (0.0, 0.1, 0.3, 0.6, 1.0, 2.0, 4.0)  # seconds between events: many compound
 EVENTS = ("kill", "term", "join", "rejoin", "hang", "freeze", "etcd-freeze", "etcd-restart")
+KNOWN = (*EVENTS, "agent-freeze")
 PAUSE_BOUND = 12.0  # a pause longer than this after an event alone is a stall
 
 
@@ -178,7 +181,7 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
     alive, targets = s.alive(), s.targets()
     staying = [n for n in alive if n not in s.left]  # a leaving node may take a while
     now = time.time()
-    if kind in ("kill", "term", "freeze") and len(staying) >= 2 and targets:
+    if kind in ("kill", "term", "freeze", "agent-freeze") and len(staying) >= 2 and targets:
         name = rng.choice(targets)
         if kind == "kill":
             s.nodes[name].kill()
@@ -187,7 +190,8 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
             s.nodes[name].term()
             s.left.add(name)
         else:
-            frozen_for(s.nodes[name].tree(), 2 * TTL + 1)
+            node = s.nodes[name]
+            frozen_for(node.tree() if kind == "freeze" else node.tree()[:1], 2 * TTL + 1)
             s.thawed_at[name] = now + 2 * TTL + 1
         return Event(now, kind, name)
     if kind == "join" and len(alive) < MAX_NODES:
@@ -432,9 +436,9 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0, help="... and hidden width x width layers")
     ap.add_argument("--stall", type=float, default=90.0, help="seconds without a step: stalled")
     a = ap.parse_args()
-    unknown = [k for k in a.only.split(",") if k.strip() not in EVENTS]
+    unknown = [k for k in a.only.split(",") if k.strip() not in KNOWN]
     if unknown:
-        ap.error(f"unknown event(s) {unknown}; known: {', '.join(EVENTS)}")
+        ap.error(f"unknown event(s) {unknown}; known: {', '.join(KNOWN)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the nodes are stopped too
     sys.exit(run(a))
 
