@@ -273,3 +273,21 @@ def etcdctl(server, *args: str, user: str | None = None) -> str:
     if done.returncode:
         raise AssertionError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
     return done.stdout
+
+
+def echo_server() -> int:
+    """A service of the script's own on loopback: it echoes each byte back."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(64):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(server.getsockname()[1])

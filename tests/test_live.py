@@ -14,9 +14,7 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch
 from agents import TTL, gone, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from etcd_servers import EtcdCluster
-from harness import ROOT, Proc, until_send_blocked, wait_until
+from harness import ROOT, Proc, echo_server, until_send_blocked, wait_until
 
 from elastic.agent.core import COMING_LIVE_S
 from elastic.agent.etcd_server import EtcdServer
@@ -625,28 +623,12 @@ class Node:
             w.kill_tree()
 
 
-def echo_server() -> int:
-    """A service of the script's own on loopback: it echoes each byte back."""
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            while data := conn.recv(64):
-                conn.sendall(data)
-
-    def accept() -> None:
-        while True:
-            conn, _ = server.accept()
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return int(server.getsockname()[1])
-
-
 def test_thirty_live_re_formations_leak_nothing(procs: list[Proc], tmp_path: Path) -> None:
     """... and never touch a connection of the script's own, opened after its first
-    process group formed and before State.run (15 of the 30 re-formations abandon)."""
-    node = Node(procs, tmp_path, env={"ECHO_PORT": str(echo_server())})
+    process group formed and before State.run (15 of the 30 re-formations abandon),
+    whether elastic saw that group form or not (local rank 1 forms it unwatched)."""
+    env = {"ECHO_PORT": str(echo_server()), "LEAK_UNWATCHED_RANK": "1"}
+    node = Node(procs, tmp_path, env=env)
     node.run(30)
     for pid, entries in node.entries().items():
         assert [e["entry"] for e in entries] == list(range(1, 32)), f"{pid} re-entered each time"

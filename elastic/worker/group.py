@@ -20,7 +20,10 @@ asynchronous writes ignore EPIPE and leave the operation queued, so an operation
 just then would wait for its timeout; measured as a hang in about 1 of 10 abandons).
 NCCL has its own abort (``_abort_process_group``), and its store connection is cut the
 same way. Only the group's connections are cut: those that appeared while it formed (the
-script's own first group is seen forming through ``watch_first_group``).
+script's own first group is seen forming through ``watch_first_group``; unseen, every
+connection of the process), narrowed once the ranks said theirs in the group's store to
+those a peer holds the other end of (``ends``): a connection another thread of the
+script opened meanwhile, or one a script made before an unseen first group, is spared.
 
 gloo never fails a send whose bytes it could not all write at once (the socket was full,
 or the peer's end was closed: EPIPE) when the connection then breaks: the send stays
@@ -44,6 +47,7 @@ import datetime
 import functools
 import logging
 import os
+import queue
 import socket
 import struct
 import sys
@@ -66,13 +70,14 @@ from elastic.contract import (
     peer_gone,
     read_placement,
 )
-from elastic.worker import comm, placed, progress, stuck
+from elastic.worker import comm, ends, placed, progress, stuck
 
 log = logging.getLogger("elastic.live")
 
 POLL = 0.005  # seconds between looks at the control block while waiting or watching
 LOOK = 0.1  # seconds between looks at the main thread after a cut (``stuck``)
 KEEP = 2.0  # seconds a rank keeps its end of the group's connections open after the cut
+SETTLE = 60.0  # seconds a rank waits for its peers to say their ends (``ends``)
 # gloo's wait for a peer's connection while a group forms (it waits about five times
 # this): every peer wrote its address by then, so one that does not connect is dead or
 # frozen, and no abort wakes the wait (it takes no socket, and the round's store waits
@@ -86,7 +91,7 @@ class Reformation(BaseException):
     not swallow it; ``State.run`` catches it."""
 
 
-Conn = tuple[int, Any, Any]  # (fd, local address, remote address)
+Conn = ends.Conn  # (fd, local address, remote address)
 
 
 class Placement(NamedTuple):
@@ -149,9 +154,24 @@ def _shut_reads(fd: int) -> None:
     _libc.shutdown(fd, socket.SHUT_RD)
 
 
+class _Ask(NamedTuple):
+    """A settling of the candidates of one group (``GroupSockets.settle``)."""
+
+    epoch: int
+    store: Any  # the group's store, under torch's prefix
+    rank: int
+    world: int
+    store_at: tuple[str, int]  # where the store listens, as the workers were told
+    mine: frozenset[Conn]
+    given_up: Callable[[], bool]
+
+
 class GroupSockets:
-    """The TCP connections a process group made (those that appeared while it formed),
-    so that another thread can cut them. Matched by descriptor *and* both addresses, so a
+    """The TCP connections a process group made, so that another thread can cut them.
+    First the candidates: those that appeared while it formed (or, for a group formed
+    unwatched, every connection of the process); then, once the ranks said theirs in
+    the group's store, those a peer holds the other end of (``ends``, off the
+    training thread: ``settle``). Matched by descriptor *and* both addresses, so a
     descriptor number reused later by the script's own socket is never touched. Each is
     kept open by a duplicate until ``release``, or ``KEEP`` seconds after the cut
     (``expire``; see the module doc)."""
@@ -159,13 +179,17 @@ class GroupSockets:
     def __init__(self) -> None:
         self._conns: set[Conn] = set()
         self._before: set[Conn] | None = None  # while forming: what was there already
-        self._kept: list[int] = []  # duplicates of the connections of groups formed
+        self._kept: list[tuple[Conn, int]] = []  # duplicates of the groups' connections
         self._cut_at: float | None = None  # when they were cut, until released
+        self._epoch = 0  # which candidates a settling is for: a later one wins
+        self._asks: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
+        self._settler: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def forming(self) -> Iterator[None]:
         with self._lock:
+            self._epoch += 1
             self._before = _connections()
         try:
             yield
@@ -176,16 +200,16 @@ class GroupSockets:
                 self._keep()
 
     def _keep(self) -> None:
-        for fd, _, _ in self._conns:
+        for conn in self._conns:
             with contextlib.suppress(OSError):
-                self._kept.append(os.dup(fd))
+                self._kept.append((conn, os.dup(conn[0])))
 
     def release(self) -> None:
         """Close the duplicates: every rank of the groups formed so far has let go of
         them (the next placement came, or this worker no longer re-forms in place)."""
         with self._lock:
             kept, self._kept, self._cut_at = self._kept, [], None
-        for fd in kept:
+        for _, fd in kept:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -206,9 +230,82 @@ class GroupSockets:
         ``watch_first_group``), else every TCP connection of the process (none kept
         open then: a connection the script closes must close)."""
         with self._lock:
+            self._epoch += 1
             self._conns = _connections() if formed is None else set(formed)
             if formed is not None:
                 self._keep()
+
+    def settle(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        store_at: tuple[str, int],
+        given_up: Callable[[], bool],
+    ) -> None:
+        """Narrow the candidates to the group's (``ends``) through the group's
+        ``store``, in the background: until then, or where the ranks cannot tell (a peer
+        never says, the store goes, ``given_up()``), every candidate counts."""
+        with self._lock:
+            ask = _Ask(self._epoch, store, rank, world, store_at, frozenset(self._conns), given_up)
+            if self._settler is None:
+                self._settler = threading.Thread(
+                    target=self._settle_each, name="elastic-settle", daemon=True
+                )
+                self._settler.start()
+        self._asks.put(ask)
+
+    def _settle_each(self) -> None:
+        while (ask := self._asks.get()) is not None:
+            narrowed = self._exchange(ask)
+            if narrowed is None:
+                continue
+            with self._lock:
+                if ask.epoch != self._epoch or self._before is not None:
+                    continue  # cut, or another group formed meanwhile
+                spared = self._conns - narrowed.group
+                self._conns = set(narrowed.group)
+                dropped = [fd for conn, fd in self._kept if conn in spared]
+                self._kept = [(conn, fd) for conn, fd in self._kept if conn not in spared]
+            for fd in dropped:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            level = logging.INFO if spared else logging.DEBUG
+            log.log(level, "rank %s: its group's connections: %s", ask.rank, narrowed.why)
+
+    def _exchange(self, ask: _Ask) -> ends.Narrowed | None:
+        """Say this rank's ends, wait for every peer's (``SETTLE`` seconds at most) and
+        read them; None where that cannot be done."""
+        others = [r for r in range(ask.world) if r != ask.rank]
+        keys = [ends.key(r) for r in others]
+        deadline, pause = time.monotonic() + SETTLE, POLL
+        try:
+            ask.store.set(ends.key(ask.rank), ends.encode(ask.mine))
+            while keys and not ask.store.check(keys):
+                if ask.epoch != self._epoch or ask.given_up() or time.monotonic() > deadline:
+                    return None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
+            said = ask.store.multi_get(keys) if keys else []
+            host, port = ask.store_at
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            at = {(str(i[4][0]), port) for i in found}
+        except Exception as e:  # the store went (the round broke): the candidates stand
+            log.debug("rank %s: the group's connections stay its candidates: %s", ask.rank, e)
+            return None
+        peers = {r: ends.decode(v) for r, v in zip(others, said, strict=True)}
+        return ends.narrow(ask.mine, peers, ask.rank, ask.world, at)
+
+    def close(self) -> None:
+        """No more groups: close the duplicates, and end the settling (waited for: a
+        thread still in a store call as the interpreter ends aborts the process)."""
+        self.release()
+        with self._lock:
+            self._epoch += 1  # a settling under way gives up at its next look
+            settler = self._settler
+        self._asks.put(None)
+        if settler is not None and settler is not threading.current_thread():
+            settler.join(timeout=1.0)
 
     def cut(self) -> int:
         """Shut the reading side of the group's connections; how many were cut. Every
@@ -217,6 +314,7 @@ class GroupSockets:
             now = _connections()
             mine = now - self._before if self._before is not None else now & self._conns
             self._conns = set()
+            self._epoch += 1
             if self._cut_at is None:  # what is kept now, or once a forming group is
                 self._cut_at = time.monotonic()
         for fd, _, _ in mine:
@@ -390,9 +488,13 @@ class Group:
         and its connections (``watch_first_group``)."""
         dist = _dist()
         self.backend = str(dist.get_backend())
-        with contextlib.suppress(Exception):  # private in torch: without it, the default
-            self.timeout = dist.distributed_c10d._get_default_store().timeout
         self.sockets.adopt(_first_formed)
+        with contextlib.suppress(Exception):  # private in torch: without it, the defaults
+            store = dist.distributed_c10d._get_default_store()
+            self.timeout = store.timeout
+            at = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            rank, world = dist.get_rank(), dist.get_world_size()
+            self.sockets.settle(store, rank, world, at, self.abandoned.is_set)
 
     # -- asks from the agent ------------------------------------------------------------------
     @property
@@ -538,6 +640,9 @@ class Group:
             )
         c10d = dist.distributed_c10d
         c10d._set_pg_timeout(self.timeout or c10d._get_default_timeout(dist.get_backend()))
+        at = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        prefixed = dist.PrefixStore("default_pg", self._store.inner)  # as the group's keys
+        self.sockets.settle(prefixed, rank, world, at, self.abandoned.is_set)
         self.reformations += 1
         self.block.running(generation)
         progress.relabel()
@@ -599,7 +704,7 @@ class Group:
         self.block.unmark(LIVE | COMING)
         self._closed.set()
         self._thread.join(timeout=1.0)
-        self.sockets.release()
+        self.sockets.close()
 
 
 _group: Group | None = None

@@ -4,6 +4,9 @@ training function, what its process holds: for the live re-formation leak test.
 Each entry appends ``{"t", "entry", "pid", "rank", "world", "rss", "fds", "threads"}`` to
 ``$RESULT_DIR/w<pid>.jsonl`` after its first step on the new process group.
 ``LEAK_BACKEND=nccl``: the model on the worker's GPU, the group on NCCL.
+``LEAK_UNWATCHED_RANK=N``: local rank N forms its first group through
+``init_process_group`` bound before ``import elastic`` (as ``from torch.distributed import
+init_process_group`` at the top of a script does), which elastic does not see.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed import init_process_group as unwatched_init  # before elastic wraps it
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,7 +79,8 @@ def main() -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    unwatched = os.environ.get("LEAK_UNWATCHED_RANK") == os.environ["LOCAL_RANK"]
+    (unwatched_init if unwatched else dist.init_process_group)(backend)
     global own
     if os.environ.get("ECHO_PORT"):  # a logging or data service of the script's own
         own = socket.create_connection(("127.0.0.1", int(os.environ["ECHO_PORT"])))
