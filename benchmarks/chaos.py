@@ -14,7 +14,10 @@ one, so many land while the job is still recovering from the one before:
               steps: before that the agent cannot learn its step time)
     freeze    SIGSTOP of a whole node for 2x the lease TTL + 1 s, then SIGCONT
     agent-freeze  SIGSTOP of a node's agent alone (its workers train on) for as long
-              (only with --only, so that the default storms of a seed stay the same)
+    junk      a value no agent wrote (not JSON, JSON of other shapes) put at one of the
+              job's keys in etcd, drawn from those there (off any lease)
+              (these two only with --only, so that the default storms of a seed stay the
+              same)
     etcd-freeze  etcd SIGSTOPped for 2x the lease TTL + 1 s
     etcd-restart etcd SIGKILLed and started again 1 s later
 
@@ -52,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import etcd3
 import psutil
 import torch
 
@@ -69,7 +73,8 @@ CONF = f"lease_ttl={TTL},last_call_timeout=1,is_host=false"
 MAX_NODES = 4
 GAPS = (0.0, 0.1, 0.3, 0.6, 1.0, 2.0, 4.0)  # seconds between events: many compound
 EVENTS = ("kill", "term", "join", "rejoin", "hang", "freeze", "etcd-freeze", "etcd-restart")
-KNOWN = (*EVENTS, "agent-freeze")
+KNOWN = (*EVENTS, "agent-freeze", "junk")
+JUNK = (b"\x80junk", b"{}", b"[]", b"null", b'{"id": 7, "members": "x", "round": -1}')
 PAUSE_BOUND = 12.0  # a pause longer than this after an event alone is a stall
 
 
@@ -212,6 +217,18 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
             with contextlib.suppress(psutil.Error):
                 worker.send_signal(signal.SIGSTOP)  # its agent kills it: no SIGCONT needed
             return Event(now, kind, f"{name}/{worker.pid}")
+    if kind == "junk":
+        host, port = s.etcd.endpoint.rsplit(":", 1)
+        client = etcd3.client(host, int(port), timeout=5)
+        try:
+            keys = sorted(m.key.decode() for _, m in client.get_prefix("/elastic-run/chaos/"))
+            if keys:
+                key = rng.choice(keys)
+                client.put(key, rng.choice(JUNK))
+                return Event(now, kind, key.removeprefix("/elastic-run/chaos/"))
+        finally:
+            client.close()
+        return None
     if kind == "etcd-freeze":
         assert s.etcd.proc is not None
         frozen_for([psutil.Process(s.etcd.proc.pid)], 2 * TTL + 1)
