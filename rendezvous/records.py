@@ -319,6 +319,21 @@ class NodeRecord:
             raise _bad(key, f"id {rec.id!r} does not match the key")
         return rec
 
+    @classmethod
+    def foreign(cls, key: str, raw: bytes, lease: int) -> str | None:
+        """Why the value at a node's key is no agent's record (every agent writes a
+        NodeRecord there, on its lease); None where it may be one."""
+        if not lease:
+            return (
+                f"a value on no lease at etcd key {key}: no node's record (every "
+                "elastic-run node holds its record on its lease)"
+            )
+        try:
+            cls.decode(key, raw)
+        except MalformedRecordError as e:
+            return str(e)
+        return None
+
 
 @dataclass(frozen=True)
 class GoneRecord:

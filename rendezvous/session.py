@@ -210,6 +210,8 @@ class Session:
         (its agent is dead), or wait a moment for the lease to expire if the probe proves
         nothing (a frozen or unreachable holder); False if the holder answers: it is
         alive, and the id is taken."""
+        if self._clear_foreign(holder):
+            return True
         try:
             rec: NodeRecord | None = NodeRecord.decode(holder.key, holder.value)
         except RendezvousError:
@@ -228,6 +230,20 @@ class Session:
         if rec is not None and rec.probe and answers(rec.addr, rec.probe, timeout=0.5):
             return False
         time.sleep(0.25)
+        return True
+
+    def _clear_foreign(self, holder: KV) -> bool:
+        """Remove what holds this node's key where no agent wrote it
+        (``NodeRecord.foreign``), unless it was written since: True if it was such a
+        value (a junk value there, on no lease, would never go by itself)."""
+        why = NodeRecord.foreign(holder.key, holder.value, holder.lease)
+        if why is None:
+            return False
+        log.warning("%s: removing it, this node's id is its own", why)
+        ops = self.client.ops
+        with contextlib.suppress(RendezvousError):  # the next try reads what is there
+            same = ops.mod(holder.key) == holder.mod_revision
+            self.client.txn([same], [ops.delete(holder.key)], timeout=OUTAGE_TRY)
         return True
 
     def register_again(self) -> None:
@@ -266,7 +282,8 @@ class Session:
         """``rec`` on a new lease in place of the old one, written only if its key is
         absent (and ``unchanged`` holds): (revision or 0, what holds the key, lease id).
         A new lease that carries nothing is revoked at once; one a failed call left is
-        revoked by the next attempt, as the old one is here."""
+        revoked by the next attempt, as the old one is here. A value no agent wrote at
+        the key is removed and the write tried again."""
         for attempt in range(REGRANTS + 1):
             self.lease.revoke()
             lease_id = self.lease.grant(timeout=timeout)
@@ -278,11 +295,13 @@ class Session:
                     unchanged=unchanged,
                     timeout=timeout,
                 )
-                break
             except LeaseNotFoundError:
                 if attempt == REGRANTS:
                     raise
                 log.info("etcd dropped the new lease before it answered: writing anew")
+                continue
+            if revision or existing is None or not self._clear_foreign(existing):
+                break
         if not revision:
             self.lease.revoke()
         return revision, existing, lease_id

@@ -117,6 +117,9 @@ class Decoded:
         self.delete(rel)
         try:
             if rel.startswith(records.NODES):
+                why = NodeRecord.foreign(kv.key, kv.value, kv.lease)
+                if why is not None:  # its node, if alive, writes its record again
+                    raise MalformedRecordError(why)
                 rec = NodeRecord.decode(kv.key, kv.value)
                 if not 0 <= rec.resumes < kv.create_revision:
                     raise MalformedRecordError(

@@ -154,6 +154,50 @@ def test_after_an_outage_past_the_ttl_each_node_carries_on_in_its_round(
     assert a.mirror.view().round is not None and a.mirror.view().round.number == 1
 
 
+FOREIGN = [
+    b"\x80junk",
+    b'{"id": "a", "addr": "10.9.9.9", "nproc": 1, "done": 0}',  # a record, on no lease
+]
+
+
+@pytest.mark.parametrize("value", FOREIGN, ids=["not-json", "on-no-lease"])
+def test_a_value_no_agent_wrote_over_a_nodes_record_is_replaced_by_that_node(
+    pair: list[Rendezvous], value: bytes
+) -> None:
+    """Put over a's record mid-job, off its lease: a finds its record gone, as in an
+    outage, and carries on over the value: removed, and a's record written again. Before,
+    each try was refused ("changed meanwhile"), since a value on no lease never goes by
+    itself: a was fenced, and its id stayed "taken", so it could not join again."""
+    a, _ = pair
+    rev = a.rev
+    a.client.put(a.session.node_key, value)
+    wait_until(lambda: check(a) is RoundEnd.LAPSED, 10, "a to find its record gone")
+    wait_until(a.resume, 10, "a to carry on")
+    rec = record(a)
+    assert rec is not None and rec.resumes == rev and rec.addr == "127.0.0.1"
+    assert check(a) is None
+
+
+@pytest.mark.parametrize("value", FOREIGN, ids=["not-json", "on-no-lease"])
+def test_a_node_registers_over_a_value_at_its_key_that_no_agent_wrote(
+    fresh_etcd: EtcdServer, run_id: str, value: bytes
+) -> None:
+    """... and so does a node that finds one there as it joins, or joins again (it was
+    refused: "node id 'a' is already taken")."""
+    conf = RdzvConf(connect_timeout=2, lease_ttl=TTL, last_call_timeout=0.1)
+    (a,) = unstarted(fresh_etcd.endpoint, run_id, "a", conf, (1, 1))
+    client = a.client
+    try:
+        client.put(a.key(f"{records.NODES}a"), value)
+        a.start()
+        assert (rec := record(a)) is not None and rec.addr == "127.0.0.1"
+        client.put(a.session.node_key, value)
+        a.session.register_again()
+        assert (rec := record(a)) is not None and rec.addr == "127.0.0.1"
+    finally:
+        stop([a])
+
+
 def test_a_node_does_not_resume_into_a_job_that_moved_on(pair: list[Rendezvous]) -> None:
     """The round changed between the view and the resumption: refused in etcd itself.
     (etcd drops a's lease here as an outage would: revoked by another client.)"""

@@ -180,6 +180,29 @@ def test_the_lead_key_holds_a_live_leader_only_on_a_lease(
 
 
 @pytest.mark.parametrize(
+    ("raw", "lease", "why"),
+    [
+        (NodeRecord(id="a", addr="h", nproc=1).encode(), 1, None),
+        (NodeRecord(id="a", addr="h", nproc=1).encode(), 0, "on no lease"),
+        (b"\x80junk", 1, "not JSON"),
+        (NodeRecord(id="b", addr="h", nproc=1).encode(), 1, "does not match the key"),
+    ],
+)
+def test_a_value_at_a_nodes_key_is_an_agents_only_as_its_record_on_a_lease(
+    raw: bytes, lease: int, why: str | None
+) -> None:
+    """What no agent wrote is no member (the view names it) and is removed by the node
+    whose key it holds (``Session``); a value on no lease never goes by itself."""
+    found = NodeRecord.foreign("/j/nodes/a", raw, lease)
+    assert found is None if why is None else why in str(found)
+    decoded = Decoded()
+    decoded.put(records.NODES + "a", KV("/j/nodes/a", raw, 7, 7, lease))
+    view = decoded.view(7, 0.0)
+    assert ("a" in view.nodes) is (why is None)
+    assert not view.problems if why is None else why in view.problems[0]
+
+
+@pytest.mark.parametrize(
     ("resumes", "rev", "ok"), [(0, 7, True), (3, 3, True), (7, 7, False), (9, 9, False)]
 )
 def test_a_record_that_resumes_is_that_incarnation_and_never_a_later_one(
