@@ -366,10 +366,9 @@ def glance(client: EtcdClient, prefix: str) -> Glance:
             decoded.put(kv.key[len(prefix) :], kv)
         present = decoded.nodes.get(leader.id)
         node = present.record if present is not None and present.rev == leader.rev else None
-    round_ = decoded.round if decoded.round_err is None else None
     closed = decoded.closed is not None or decoded.closed_err is not None
     count = client.count(prefix + records.NODES)
-    return Glance(round_, closed, node, decoded.progress, count)
+    return Glance(decoded.round, closed, node, decoded.progress, count)
 
 
 def read_view(client: EtcdClient, prefix: str) -> JobView:

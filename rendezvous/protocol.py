@@ -154,7 +154,6 @@ class Rendezvous:
         try:
             self.mirror.start(initial=(revision, kvs))
             self._raise_if_closed(self.mirror.view())
-            _ = self.mirror.view().round  # a malformed round fails here, not later
         except RendezvousError:
             self.session.lease.revoke()
             raise

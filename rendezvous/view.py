@@ -52,8 +52,7 @@ class JobView:
     nodes: dict[str, PresentNode] = field(default_factory=dict)
     gone: dict[str, GoneRecord] = field(default_factory=dict)
     round_record: RoundRecord | None = None
-    round_mod_revision: int = 0
-    round_error: str | None = None
+    round_mod_revision: int = 0  # of whatever the key holds: a write over it is guarded by it
     closed_record: ClosedRecord | None = None
     closed_error: str | None = None
     failures: dict[int, dict[str, FailureRecord]] = field(default_factory=dict)
@@ -69,8 +68,6 @@ class JobView:
 
     @property
     def round(self) -> RoundRecord | None:
-        if self.round_error:
-            raise MalformedRecordError(self.round_error)
         return self.round_record
 
     @property
@@ -101,7 +98,6 @@ class Decoded:
         self.gone: dict[str, GoneRecord] = {}
         self.round: RoundRecord | None = None  # the header
         self.round_rev = 0
-        self.round_err: str | None = None
         self.buckets: dict[int, tuple[int, list[Member]]] = {}
         self.shown: RoundRecord | None = None  # the newest round whose members are here
         self.shown_rev = 0
@@ -114,6 +110,11 @@ class Decoded:
         self.problems: dict[str, str] = {}  # rel key -> why it was ignored
 
     def put(self, rel: str, kv: KV) -> None:
+        """Take in the value at ``rel``; one that is malformed is named in ``problems``
+        and read as absent, but for the round's header: a value no leader wrote over it
+        leaves the last good header in place (the round goes on; the next is written
+        over the value, guarded by its revision)."""
+        header = self.round
         self.delete(rel)
         try:
             if rel.startswith(records.NODES):
@@ -161,7 +162,8 @@ class Decoded:
                 self.failures.setdefault(f.round, {})[f.node] = f
         except MalformedRecordError as e:
             if rel == records.ROUND:
-                self.round_err = str(e)
+                self.round, self.round_rev = header, kv.mod_revision
+                self.problems[rel] = str(e)
             elif rel == records.CLOSED:
                 self.closed_err = str(e)
             else:
@@ -179,7 +181,7 @@ class Decoded:
             if number.isdigit():
                 self.failures.get(int(number), {}).pop(node, None)
         elif rel == records.ROUND:
-            self.round, self.round_rev, self.round_err = None, 0, None
+            self.round, self.round_rev = None, 0
         elif rel.startswith(records.MEMBERS):
             bucket = rel[len(records.MEMBERS) :]
             if bucket.isdigit():
@@ -198,7 +200,7 @@ class Decoded:
         of a newer round is still on its way, the newest round it has whole."""
         header = self.round
         if header is None:
-            return None, 0
+            return None, self.round_rev  # a value no leader wrote, if any
         members = [
             m
             for b, (number, ms) in self.buckets.items()
@@ -225,7 +227,6 @@ class Decoded:
             dict(self.gone),
             shown,
             shown_rev,
-            self.round_err,
             self.closed,
             self.closed_err,
             {n: dict(f) for n, f in self.failures.items() if f},

@@ -262,19 +262,26 @@ def test_custom_prefix(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None
 
 
 @pytest.mark.parametrize("value", [b"\x80\x04\x95pickle", b"[1, 2]", b'{"number": "one"}'])
-def test_malformed_round_is_a_clear_error(
+def test_a_value_at_the_round_key_that_no_leader_wrote_is_named_and_written_over(
     etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
 ) -> None:
+    """Before the job: the first round is written over it. Mid-job: the round goes on
+    (the last good header stands), and the next change's round is written over it.
+    Before, every agent exited with MalformedRecordError, and no node could join."""
     e, _ = build_options(etcd.endpoint, run_id, 1, 1)
     client = EtcdClient(e)
     key = f"/elastic-run/{run_id}/{records.ROUND}"
     try:
         client.put(key, value)
-        a = join(procs, etcd.endpoint, run_id, "a", nnodes="1")
-        err = a.expect("error")  # refused before registering: the job state is unreadable
-        assert err["kind"] == "MalformedRecordError" and key in err["message"]
-        assert a.wait(10) == 3
-        assert "Traceback" not in "\n".join(a.err)
+        a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
+        assert [r["number"] for r in start_round([a, b])] == [1, 1]
+        a.wait_output(key, stream="err")  # named in the log
+        client.put(key, value)
+        c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+        rounds = start_round([a, b, c])
+        assert [r["members"] for r in rounds] == [["a", "b", "c"]] * 3
+        assert [r["number"] for r in rounds] == [2, 2, 2]
+        assert "Traceback" not in "\n".join(a.err + b.err + c.err)
     finally:
         client.close()
 

@@ -226,7 +226,7 @@ def main(argv: Sequence[str]) -> int:
             not view.nodes
             and view.round_record is None
             and view.closed_record is None
-            and not view.round_error
+            and not view.problems
             and not view.closed_error
         ):
             print(
