@@ -373,6 +373,11 @@ class EtcdClient:
 
         return int(self.call(f"write {key}", run, timeout))
 
+    def delete_if(self, key: str, mod_revision: int, timeout: float | None = None) -> bool:
+        """Delete ``key`` only if it was last written at ``mod_revision``."""
+        ops = self.ops
+        return self.txn([ops.mod(key) == mod_revision], [ops.delete(key)], timeout=timeout)
+
     def create_and_read(
         self,
         key: str,

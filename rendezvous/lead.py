@@ -8,6 +8,7 @@ functions in ``rules``; this module carries them out in etcd.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -77,7 +78,16 @@ class Lead:
         mine_now = self.holds(view)
         if mine_now != self.mirror.full:
             self.mirror.set_full(mine_now)
+        if mine_now and view.closed_junk is not None:
+            self._remove(view.closed_junk)
         return mine_now
+
+    def _remove(self, junk: KV) -> None:
+        """Remove a value no agent wrote at the closed key (the view named it), unless it
+        was written since: no round, and no close, is written over it."""
+        log.warning("removing the value at %s: it closes nothing", junk.key)
+        with contextlib.suppress(RendezvousError):  # the next upkeep looks again
+            self.client.delete_if(junk.key, junk.mod_revision, timeout=1.0)
 
     def _claim(self, junk: KV | None) -> None:
         """Create the post, or replace ``junk``: what the key holds that is no live

@@ -366,7 +366,7 @@ def glance(client: EtcdClient, prefix: str) -> Glance:
             decoded.put(kv.key[len(prefix) :], kv)
         present = decoded.nodes.get(leader.id)
         node = present.record if present is not None and present.rev == leader.rev else None
-    closed = decoded.closed is not None or decoded.closed_err is not None
+    closed = decoded.closed is not None
     count = client.count(prefix + records.NODES)
     return Glance(decoded.round, closed, node, decoded.progress, count)
 

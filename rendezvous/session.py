@@ -27,6 +27,7 @@ from rendezvous.errors import (
     EtcdUnavailableError,
     LeaseLostError,
     LeaseNotFoundError,
+    MalformedRecordError,
     RendezvousCancelled,
     RendezvousClosedError,
     RendezvousError,
@@ -168,10 +169,13 @@ class Session:
                 break
             self.lease.revoke()
             lease_id = 0
+            closed = {kv.key: kv for kv in kvs}.get(self.key(records.CLOSED))
+            if closed is not None and self._clear_junk_closed(closed):
+                continue
             if (
                 holder is None
                 or time.monotonic() > deadline
-                or self.key(records.CLOSED) in {kv.key for kv in kvs}
+                or closed is not None
                 or not self._clear_dead_holder(holder)
             ):
                 self._refused(kvs)
@@ -240,10 +244,20 @@ class Session:
         if why is None:
             return False
         log.warning("%s: removing it, this node's id is its own", why)
-        ops = self.client.ops
         with contextlib.suppress(RendezvousError):  # the next try reads what is there
-            same = ops.mod(holder.key) == holder.mod_revision
-            self.client.txn([same], [ops.delete(holder.key)], timeout=OUTAGE_TRY)
+            self.client.delete_if(holder.key, holder.mod_revision, timeout=OUTAGE_TRY)
+        return True
+
+    def _clear_junk_closed(self, kv: KV) -> bool:
+        """Remove a value no agent wrote at the closed key, unless written since: True if
+        it was one (it closes nothing, and no node could join over it)."""
+        try:
+            ClosedRecord.decode(kv.key, kv.value)
+            return False
+        except MalformedRecordError as e:
+            log.warning("%s: removing it, it closes nothing", e)
+        with contextlib.suppress(RendezvousError):
+            self.client.delete_if(kv.key, kv.mod_revision, timeout=OUTAGE_TRY)
         return True
 
     def register_again(self) -> None:

@@ -54,7 +54,7 @@ class JobView:
     round_record: RoundRecord | None = None
     round_mod_revision: int = 0  # of whatever the key holds: a write over it is guarded by it
     closed_record: ClosedRecord | None = None
-    closed_error: str | None = None
+    closed_junk: KV | None = None  # a value no agent wrote at the closed key: not closed
     failures: dict[int, dict[str, FailureRecord]] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     last_join: float = 0.0  # monotonic time this process saw the newest node register
@@ -72,8 +72,6 @@ class JobView:
 
     @property
     def closed(self) -> ClosedRecord | None:
-        if self.closed_error:
-            raise MalformedRecordError(self.closed_error)
         return self.closed_record
 
 
@@ -104,7 +102,7 @@ class Decoded:
         self.leader: KV | None = None
         self.notice: NoticeRecord | None = None
         self.closed: ClosedRecord | None = None
-        self.closed_err: str | None = None
+        self.closed_junk: KV | None = None
         self.progress: ProgressRecord | None = None
         self.failures: dict[int, dict[str, FailureRecord]] = {}
         self.problems: dict[str, str] = {}  # rel key -> why it was ignored
@@ -164,8 +162,9 @@ class Decoded:
             if rel == records.ROUND:
                 self.round, self.round_rev = header, kv.mod_revision
                 self.problems[rel] = str(e)
-            elif rel == records.CLOSED:
-                self.closed_err = str(e)
+            elif rel == records.CLOSED:  # the leader removes it: a close is written over none
+                self.closed_junk = kv
+                self.problems[rel] = str(e)
             else:
                 self.problems[rel] = str(e)
 
@@ -191,7 +190,7 @@ class Decoded:
         elif rel == records.NOTICE:
             self.notice = None
         elif rel == records.CLOSED:
-            self.closed, self.closed_err = None, None
+            self.closed, self.closed_junk = None, None
         elif rel == records.PROGRESS:
             self.progress = None
 
@@ -228,7 +227,7 @@ class Decoded:
             shown,
             shown_rev,
             self.closed,
-            self.closed_err,
+            self.closed_junk,
             {n: dict(f) for n, f in self.failures.items() if f},
             tuple(self.problems.values()),
             last_join,

@@ -32,13 +32,19 @@ def until(what: Callable[[], object], timeout: float = 10.0) -> None:
     wait_until(what, timeout, "the condition")
 
 
+def put_node(client: EtcdClient, prefix: str, node: str) -> None:
+    """A node's record, on a lease as every agent holds it (one on none is no node's)."""
+    record = NodeRecord(node, "127.0.0.1", 1).encode()
+    client.put(prefix + records.NODES + node, record, lease=client.grant(60))
+
+
 def test_going_full_again_sees_keys_dropped_while_lean(client: EtcdClient, run_id: str) -> None:
     """A lean read drops the keys outside its share; reading them again later, unchanged
     (older than that lean read), must bring them back: a leader that took the lead twice
     once planned rounds without them."""
     prefix = f"/elastic-run/{run_id}/"
     for node in "abx":
-        client.put(prefix + records.NODES + node, NodeRecord(node, "127.0.0.1", 1).encode())
+        put_node(client, prefix, node)
     mirror = JobMirror(client, prefix, own="x")
     mirror.start(timeout=5)
     try:
@@ -50,7 +56,7 @@ def test_going_full_again_sees_keys_dropped_while_lean(client: EtcdClient, run_i
         client.put(prefix + "unrelated", b"{}")  # the revision moves on
         mirror.set_full(True)
         assert set(mirror.view().nodes) == {"a", "b", "x"}
-        client.put(prefix + records.NODES + "c", NodeRecord("c", "127.0.0.1", 1).encode())
+        put_node(client, prefix, "c")
         until(lambda: "c" in mirror.view().nodes)  # and the full watch goes on from there
         client.raw().delete(prefix + records.NODES + "a")
         until(lambda: "a" not in mirror.view().nodes)
@@ -63,7 +69,7 @@ def test_full_view_is_not_complete_until_read(client: EtcdClient, run_id: str) -
     when the view holds the whole job (deciding on it before would miss nodes)."""
     prefix = f"/elastic-run/{run_id}/"
     for node in "ax":
-        client.put(prefix + records.NODES + node, NodeRecord(node, "127.0.0.1", 1).encode())
+        put_node(client, prefix, node)
     mirror = JobMirror(client, prefix, own="x")
     mirror.start(timeout=5)
     try:

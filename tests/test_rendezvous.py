@@ -286,6 +286,31 @@ def test_a_value_at_the_round_key_that_no_leader_wrote_is_named_and_written_over
         client.close()
 
 
+@pytest.mark.parametrize("value", [b"\x80junk", b'{"state": 3, "reason": []}'])
+def test_a_value_at_the_closed_key_that_no_agent_wrote_closes_nothing(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
+) -> None:
+    """Before the job: the first node removes it and joins (it exited with
+    MalformedRecordError). Mid-job: named, removed, and the next round forms (every
+    agent exited, and no round could have been written over it)."""
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
+    client = EtcdClient(e)
+    key = f"/elastic-run/{run_id}/{records.CLOSED}"
+    try:
+        client.put(key, value)
+        a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
+        assert [r["number"] for r in start_round([a, b])] == [1, 1]
+        client.put(key, value)
+        a.wait_output(key, stream="err")  # named
+        wait_until(lambda: client.get(key) is None, 10, "the leader to remove it")
+        c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+        rounds = start_round([a, b, c])
+        assert [r["members"] for r in rounds] == [["a", "b", "c"]] * 3
+        assert "Traceback" not in "\n".join(a.err + b.err + c.err)
+    finally:
+        client.close()
+
+
 def test_malformed_node_record_is_ignored_by_name(
     etcd: EtcdServer, run_id: str, procs: list[Proc]
 ) -> None:

@@ -227,7 +227,7 @@ def main(argv: Sequence[str]) -> int:
             and view.round_record is None
             and view.closed_record is None
             and not view.problems
-            and not view.closed_error
+            and view.closed_junk is None
         ):
             print(
                 f"elastic-run status: error: no job {a.run_id!r} under {opts.prefix} "
