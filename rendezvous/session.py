@@ -241,24 +241,26 @@ class Session:
         (``NodeRecord.foreign``), unless it was written since: True if it was such a
         value (a junk value there, on no lease, would never go by itself)."""
         why = NodeRecord.foreign(holder.key, holder.value, holder.lease)
-        if why is None:
-            return False
-        log.warning("%s: removing it, this node's id is its own", why)
-        with contextlib.suppress(RendezvousError):  # the next try reads what is there
-            self.client.delete_if(holder.key, holder.mod_revision, timeout=OUTAGE_TRY)
-        return True
+        if why is not None:
+            self._remove(holder, f"{why}: removing it, this node's id is its own")
+        return why is not None
 
     def _clear_junk_closed(self, kv: KV) -> bool:
         """Remove a value no agent wrote at the closed key, unless written since: True if
         it was one (it closes nothing, and no node could join over it)."""
         try:
             ClosedRecord.decode(kv.key, kv.value)
-            return False
         except MalformedRecordError as e:
-            log.warning("%s: removing it, it closes nothing", e)
+            self._remove(kv, f"{e}: removing it, it closes nothing")
+            return True
+        return False
+
+    def _remove(self, kv: KV, why: str) -> None:
+        """Delete ``kv``'s key unless it was written since (the next try reads what is
+        there then)."""
+        log.warning("%s", why)
         with contextlib.suppress(RendezvousError):
             self.client.delete_if(kv.key, kv.mod_revision, timeout=OUTAGE_TRY)
-        return True
 
     def register_again(self) -> None:
         """Join again as a new incarnation (the old lease is gone): new lease, new record.

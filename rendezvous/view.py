@@ -46,7 +46,7 @@ class PresentNode:
 
 @dataclass(frozen=True)
 class JobView:
-    """The job as of one etcd revision. Malformed round/closed values raise on access."""
+    """The job as of one etcd revision. Malformed values are named in ``problems``."""
 
     revision: int = 0
     nodes: dict[str, PresentNode] = field(default_factory=dict)
@@ -159,14 +159,11 @@ class Decoded:
                     )
                 self.failures.setdefault(f.round, {})[f.node] = f
         except MalformedRecordError as e:
+            self.problems[rel] = str(e)
             if rel == records.ROUND:
                 self.round, self.round_rev = header, kv.mod_revision
-                self.problems[rel] = str(e)
             elif rel == records.CLOSED:  # the leader removes it: a close is written over none
                 self.closed_junk = kv
-                self.problems[rel] = str(e)
-            else:
-                self.problems[rel] = str(e)
 
     def delete(self, rel: str) -> None:
         """Forget what ``rel`` held (the key layout says what it was)."""
