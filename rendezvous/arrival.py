@@ -45,8 +45,9 @@ class Arrival:
 
 def others(client: EtcdClient, prefix: str, me: str, timeout: float) -> int:
     """The nodes other than ``me`` registered in the job or on their way to it, read in
-    one transaction (only the keys count; the records are small). Raises
+    one transaction (only the keys count, those on a lease: every agent holds its keys
+    on one, and a value on none, which no agent wrote, would never go). Raises
     RendezvousError."""
     _, kvs = client.read([], [prefix + records.NODES, prefix + records.ARRIVING], timeout=timeout)
-    ids = {kv.key[len(prefix) :].partition("/")[2] for kv in kvs}
+    ids = {kv.key[len(prefix) :].partition("/")[2] for kv in kvs if kv.lease}
     return len(ids - {me})

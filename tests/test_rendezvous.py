@@ -675,7 +675,8 @@ def test_a_newcomer_on_its_way_counts_as_another_node_until_it_registers_or_dies
 ) -> None:
     """What a node told to leave reads to know whether anyone can take the newest state
     (``Rendezvous.others``): registered nodes and newcomers whose workers start before
-    they register (``arriving/``, withdrawn as they register, gone with their lease)."""
+    they register (``arriving/``, withdrawn as they register, gone with their lease),
+    never a value there that no agent wrote."""
     etcd_opts, opts = build_options(etcd.endpoint, run_id, 1, 4, RdzvConf())
     with contextlib.closing(EtcdClient(etcd_opts)) as client:
         _on_its_way(client, opts.job_prefix, etcd, run_id, procs)
@@ -707,3 +708,6 @@ def _on_its_way(
     assert others() == 2
     c.signal(signal.SIGKILL)
     wait_until(lambda: others() == 1, TTL + 3, "c's word to go with its lease")
+    client.put(prefix + records.ARRIVING + "x", b"junk")  # no agent's: on no lease
+    client.put(prefix + records.NODES + "y", b"junk")
+    assert others() == 1  # it would never go: a node leaving would wait for it in vain
