@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
-from harness import ROOT, echo_server
+import torch.distributed as dist
+from harness import ROOT, echo_server, wait_until
 
 from elastic.worker import ends
+from elastic.worker.group import GroupSockets
 from rendezvous.net import free_port
 
 A, B = ("10.0.0.1", 40001), ("10.0.0.2", 40002)  # two ranks' ends
@@ -52,6 +55,36 @@ def test_what_a_peer_said_is_read_only_when_it_is_what_ranks_write() -> None:
     assert ends.decode(b'{"a": 1}') == set()
     assert ends.decode(b'[["10.0.0.1", "x", "10.0.0.2", 2]]') == set()
     assert ends.decode(ends.encode([(7, A, B)])) == {(A, B)}
+
+
+def test_a_connection_found_the_scripts_is_neither_cut_nor_held_open() -> None:
+    """The settling narrows the candidates in the background: the script's connection,
+    opened while the group formed, is no longer cut, and the duplicate that kept the
+    group's ends open is closed for it, so the script's own close reaches its peer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sockets = GroupSockets()
+    with sockets.forming():
+        grp = socket.create_connection(listener.getsockname())
+        own = socket.create_connection(listener.getsockname())
+    grp_peer, _ = listener.accept()
+    own_peer, _ = listener.accept()
+    store = dist.HashStore()  # rank 1 said its ends: the other end of the group's alone
+    store.set(ends.key(1), ends.encode([(0, grp_peer.getsockname(), grp.getsockname())]))
+    try:
+        assert len(sockets.formed) == 2
+        sockets.settle(store, 0, 2, ("127.0.0.1", 1), lambda: False)
+        wait_until(lambda: len(sockets.formed) == 1, 10, "the settling")
+        assert sockets.cut() == 1
+        own.close()  # no duplicate holds it open
+        own_peer.settimeout(2.0)
+        assert own_peer.recv(1) == b""
+        grp_peer.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            grp_peer.recv(1)  # the group's end is kept open a while (KEEP)
+    finally:
+        sockets.close()
+        for s_ in (listener, grp, grp_peer, own_peer):
+            s_.close()
 
 
 @pytest.mark.parametrize("unwatched", [False, True])
