@@ -296,7 +296,7 @@ class Rendezvous:
         master_port = self.options.master_port or free_port("", avoid=used)
         store_port = free_port("", avoid=used | {master_port})
         rec = RoundRecord(
-            number=(current.number if current else 0) + 1,
+            number=rules.next_number(view),
             members=p.members,
             master_addr=self.me.addr,
             master_port=master_port,

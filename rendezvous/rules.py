@@ -572,6 +572,21 @@ def leads(view: JobView, me: str, rev: int) -> bool:
     return ld is not None and ld.id == me and ld.rev == rev
 
 
+def next_number(view: JobView) -> int:
+    """The number of the round to write: above every round any key names (the header,
+    the members' buckets, a node's last round done, the job's progress). A leader whose
+    view holds no readable header (a value no leader wrote hides it, and it never saw
+    the one before) numbered the next round 1 again; the members, in a round of that
+    number or above, took it for no news, and their broken collectives for failures of
+    their own (chaos seed 8, with junk)."""
+    named = [view.newest_round, *(n.record.done for n in view.nodes.values())]
+    if view.round is not None:
+        named.append(view.round.number)
+    if view.progress is not None:
+        named.append(view.progress.round)
+    return max(named) + 1
+
+
 def successor(mine: RoundRecord | None, me: str, rev: int) -> bool:
     """``me`` is one of the first ranks of its round, which step in for a dead leader at
     once: a thousand nodes probing the leader and claiming its post when it dies would

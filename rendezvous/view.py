@@ -65,6 +65,9 @@ class JobView:
     # monotonic time this process saw a node's record go, or began to see the whole job
     # (a read says nothing of when a record went)
     last_loss: float = 0.0
+    # the newest round number any key here names (the header, a bucket): the next is
+    # above it, even where a value no leader wrote hides the header (``rules.next_number``)
+    newest_round: int = 0
 
     @property
     def round(self) -> RoundRecord | None:
@@ -217,6 +220,8 @@ class Decoded:
 
     def view(self, revision: int, last_join: float, last_loss: float = 0.0) -> JobView:
         shown, shown_rev = self.assembled()
+        named = [r.number for r in (self.round, shown) if r]
+        newest = max([*named, *(n for n, _ in self.buckets.values()), 0])
         return JobView(
             revision,
             dict(self.nodes),
@@ -233,4 +238,5 @@ class Decoded:
             self.notice,
             self.progress,
             last_loss,
+            newest,
         )

@@ -286,6 +286,29 @@ def test_a_value_at_the_round_key_that_no_leader_wrote_is_named_and_written_over
         client.close()
 
 
+def test_a_leader_that_never_saw_the_rounds_header_numbers_the_next_above_it(
+    etcd: EtcdServer, run_id: str, procs: list[Proc]
+) -> None:
+    """Round 1's header hidden by a value no leader wrote; c joins (it never saw the
+    header) and leads once a and b are killed: its round is 2, read from the members'
+    bucket and the nodes' records, not 1 again (chaos seed 8: a survivor of the old
+    round 3 took a new "round 3" for no news)."""
+    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
+    client = EtcdClient(e)
+    try:
+        a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
+        assert [r["number"] for r in start_round([a, b])] == [1, 1]
+        client.put(f"/elastic-run/{run_id}/{records.ROUND}", b"\x80junk")
+        c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+        c.expect("ready")
+        for n in (a, b):
+            n.signal(signal.SIGKILL)
+        (r,) = start_round([c], timeout=30)
+        assert r["number"] == 2 and r["members"] == ["c"]
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("value", [b"\x80junk", b'{"state": 3, "reason": []}'])
 def test_a_value_at_the_closed_key_that_no_agent_wrote_closes_nothing(
     etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes

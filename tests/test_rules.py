@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from rendezvous import records
 from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
@@ -36,6 +37,7 @@ from rendezvous.rules import (
     lean_round_end,
     member_state,
     neighbours,
+    next_number,
     notice_to_give,
     plan,
     progress_due,
@@ -44,7 +46,7 @@ from rendezvous.rules import (
     waiting,
     waiting_by_count,
 )
-from rendezvous.view import JobView, PresentNode
+from rendezvous.view import KV, Decoded, JobView, PresentNode
 
 LEAVING = NodeState.LEAVING
 
@@ -595,3 +597,21 @@ def test_the_jobs_progress_is_written_at_a_pace_every_watch_can_take(
     assert progress_due(step, written, since, members, new_round, final=True) is (
         step >= 0 and step != written
     )
+
+
+def test_the_next_round_is_numbered_above_every_round_a_key_names() -> None:
+    """Its header hidden by a value no leader wrote (and never seen before), the round's
+    number still shows in its members' bucket, the nodes' last rounds and the job's
+    progress: the next is above all of them, not round 1 again."""
+    assert next_number(JobView()) == 1
+    assert next_number(JobView(round_record=rnd(4))) == 5
+    decoded = Decoded()
+    decoded.put(records.ROUND, KV("/j/job/round", b"\x80junk", 9, 9, 0))
+    header = rnd(3, node("a", 1), node("b", 2))
+    for b, v in header.encode_buckets().items():
+        decoded.put(f"{records.MEMBERS}{b}", KV(f"/j/members/{b}", v, 8, 8, 0))
+    view = decoded.view(9, 0.0)
+    assert view.round is None and next_number(view) == 4
+    assert next_number(replace(view, nodes={"a": node("a", 1, done=5)})) == 6
+    progress = ProgressRecord(step=10, node="a", round=7)
+    assert next_number(replace(view, progress=progress)) == 8
