@@ -97,6 +97,30 @@ class Proc:
                 self.seen.append(ev)
                 return ev
 
+    def expect_each(self, timeout: float, *wanted: tuple[str, dict[str, object]]) -> list[dict]:
+        """The next event of each of ``wanted`` ((name, match) pairs), in whichever order
+        they come (two threads of the process print them); fails with the output."""
+        found: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(found) < len(wanted):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [w for i, w in enumerate(wanted) if i not in found]
+                raise AssertionError(
+                    f"{self.name}: no {missing} within {timeout}s\n{self.transcript()}"
+                )
+            try:
+                ev = self.events.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            for i, (event, match) in enumerate(wanted):
+                same = ev.get("event") == event and all(ev.get(k) == v for k, v in match.items())
+                if i not in found and same:
+                    found[i] = ev
+                    self.seen.append(ev)
+                    break
+        return [found[i] for i in range(len(wanted))]
+
     def has_seen(self, event: str) -> bool:
         return any(ev.get("event") == event for ev in self.seen)
 
