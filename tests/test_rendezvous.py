@@ -263,75 +263,60 @@ def test_custom_prefix(etcd: EtcdServer, run_id: str, procs: list[Proc]) -> None
 
 @pytest.mark.parametrize("value", [b"\x80\x04\x95pickle", b"[1, 2]", b'{"number": "one"}'])
 def test_a_value_at_the_round_key_that_no_leader_wrote_is_named_and_written_over(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
+    etcd: EtcdServer, run_id: str, procs: list[Proc], client: EtcdClient, value: bytes
 ) -> None:
     """Before the job: the first round is written over it. Mid-job: the round goes on
     (the last good header stands), and the next change's round is written over it.
     Before, every agent exited with MalformedRecordError, and no node could join."""
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
-    client = EtcdClient(e)
     key = f"/elastic-run/{run_id}/{records.ROUND}"
-    try:
-        client.put(key, value)
-        a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
-        assert [r["number"] for r in start_round([a, b])] == [1, 1]
-        a.wait_output(key, stream="err")  # named in the log
-        client.put(key, value)
-        c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
-        rounds = start_round([a, b, c])
-        assert [r["members"] for r in rounds] == [["a", "b", "c"]] * 3
-        assert [r["number"] for r in rounds] == [2, 2, 2]
-        assert "Traceback" not in "\n".join(a.err + b.err + c.err)
-    finally:
-        client.close()
+    client.put(key, value)
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
+    assert [r["number"] for r in start_round([a, b])] == [1, 1]
+    a.wait_output(key, stream="err")  # named in the log
+    client.put(key, value)
+    c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+    rounds = start_round([a, b, c])
+    assert [r["members"] for r in rounds] == [["a", "b", "c"]] * 3
+    assert [r["number"] for r in rounds] == [2, 2, 2]
+    assert "Traceback" not in "\n".join(a.err + b.err + c.err)
 
 
 def test_a_leader_that_never_saw_the_rounds_header_numbers_the_next_above_it(
-    etcd: EtcdServer, run_id: str, procs: list[Proc]
+    etcd: EtcdServer, run_id: str, procs: list[Proc], client: EtcdClient
 ) -> None:
     """Round 1's header hidden by a value no leader wrote; c joins (it never saw the
     header) and leads once a and b are killed: its round is 2, read from the members'
     bucket and the nodes' records, not 1 again (chaos seed 8: a survivor of the old
     round 3 took a new "round 3" for no news)."""
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
-    client = EtcdClient(e)
-    try:
-        a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
-        assert [r["number"] for r in start_round([a, b])] == [1, 1]
-        client.put(f"/elastic-run/{run_id}/{records.ROUND}", b"\x80junk")
-        c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
-        c.expect("ready")
-        for n in (a, b):
-            n.signal(signal.SIGKILL)
-        (r,) = start_round([c], timeout=30)
-        assert r["number"] == 2 and r["members"] == ["c"]
-    finally:
-        client.close()
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
+    assert [r["number"] for r in start_round([a, b])] == [1, 1]
+    client.put(f"/elastic-run/{run_id}/{records.ROUND}", b"\x80junk")
+    c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+    c.expect("ready")
+    for n in (a, b):
+        n.signal(signal.SIGKILL)
+    (r,) = start_round([c], timeout=30)
+    assert r["number"] == 2 and r["members"] == ["c"]
 
 
 @pytest.mark.parametrize("value", [b"\x80junk", b'{"state": 3, "reason": []}'])
 def test_a_value_at_the_closed_key_that_no_agent_wrote_closes_nothing(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], value: bytes
+    etcd: EtcdServer, run_id: str, procs: list[Proc], client: EtcdClient, value: bytes
 ) -> None:
     """Before the job: the first node removes it and joins (it exited with
     MalformedRecordError). Mid-job: named, removed, and the next round forms (every
     agent exited, and no round could have been written over it)."""
-    e, _ = build_options(etcd.endpoint, run_id, 1, 1)
-    client = EtcdClient(e)
     key = f"/elastic-run/{run_id}/{records.CLOSED}"
-    try:
-        client.put(key, value)
-        a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
-        assert [r["number"] for r in start_round([a, b])] == [1, 1]
-        client.put(key, value)
-        a.wait_output(key, stream="err")  # named
-        wait_until(lambda: client.get(key) is None, 10, "the leader to remove it")
-        c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
-        rounds = start_round([a, b, c])
-        assert [r["members"] for r in rounds] == [["a", "b", "c"]] * 3
-        assert "Traceback" not in "\n".join(a.err + b.err + c.err)
-    finally:
-        client.close()
+    client.put(key, value)
+    a, b = join_in_order(procs, etcd.endpoint, run_id, "ab", nnodes="1:3")
+    assert [r["number"] for r in start_round([a, b])] == [1, 1]
+    client.put(key, value)
+    a.wait_output(key, stream="err")  # named
+    wait_until(lambda: client.get(key) is None, 10, "the leader to remove it")
+    c = join(procs, etcd.endpoint, run_id, "c", nnodes="1:3")
+    rounds = start_round([a, b, c])
+    assert [r["members"] for r in rounds] == [["a", "b", "c"]] * 3
+    assert "Traceback" not in "\n".join(a.err + b.err + c.err)
 
 
 def test_malformed_node_record_is_ignored_by_name(
