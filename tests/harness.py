@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -78,34 +79,27 @@ class Proc:
         **match: object,
     ) -> dict:
         """The next event named ``event`` (matching ``match``); fails with the output."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(
-                    f"{self.name}: no {event} {match} within {timeout}s\n{self.transcript()}"
-                )
-            try:
-                ev = self.events.get(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if (
-                ev.get("event") == event
-                and all(ev.get(k) == v for k, v in match.items())
-                and (where is None or where(ev))
-            ):
-                self.seen.append(ev)
-                return ev
+
+        def wanted(ev: dict) -> bool:
+            return _matches(ev, event, match) and (where is None or where(ev))
+
+        return self._take(timeout, [(f"{event} {match}", wanted)])[0]
 
     def expect_each(self, timeout: float, *wanted: tuple[str, dict[str, object]]) -> list[dict]:
         """The next event of each of ``wanted`` ((name, match) pairs), in whichever order
         they come (two threads of the process print them); fails with the output."""
+        tests = [(f"{e} {m}", functools.partial(_matches, event=e, match=m)) for e, m in wanted]
+        return self._take(timeout, tests)
+
+    def _take(self, timeout: float, tests: list[tuple[str, Callable[[dict], bool]]]) -> list[dict]:
+        """The first event each of ``tests`` (what it waits for, the test) accepts, each
+        event taken by one test at most; the others are passed over."""
         found: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
-        while len(found) < len(wanted):
+        while len(found) < len(tests):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [w for i, w in enumerate(wanted) if i not in found]
+                missing = ", ".join(w for i, (w, _) in enumerate(tests) if i not in found)
                 raise AssertionError(
                     f"{self.name}: no {missing} within {timeout}s\n{self.transcript()}"
                 )
@@ -113,13 +107,12 @@ class Proc:
                 ev = self.events.get(timeout=min(left, 0.2))
             except queue.Empty:
                 continue
-            for i, (event, match) in enumerate(wanted):
-                same = ev.get("event") == event and all(ev.get(k) == v for k, v in match.items())
-                if i not in found and same:
+            for i, (_, test) in enumerate(tests):
+                if i not in found and test(ev):
                     found[i] = ev
                     self.seen.append(ev)
                     break
-        return [found[i] for i in range(len(wanted))]
+        return [found[i] for i in range(len(tests))]
 
     def has_seen(self, event: str) -> bool:
         return any(ev.get("event") == event for ev in self.seen)
@@ -315,3 +308,7 @@ def echo_server() -> int:
 
     threading.Thread(target=accept, daemon=True).start()
     return int(server.getsockname()[1])
+
+
+def _matches(ev: dict, event: str, match: dict[str, object]) -> bool:
+    return ev.get("event") == event and all(ev.get(k) == v for k, v in match.items())
