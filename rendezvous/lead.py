@@ -8,7 +8,6 @@ functions in ``rules``; this module carries them out in etcd.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -78,16 +77,10 @@ class Lead:
         mine_now = self.holds(view)
         if mine_now != self.mirror.full:
             self.mirror.set_full(mine_now)
-        if mine_now and view.closed_junk is not None:
-            self._remove(view.closed_junk)
+        if mine_now and view.closed_junk is not None:  # no round, no close, is written over it
+            why = f"removing the value at {view.closed_junk.key}: it closes nothing"
+            self.session.remove(view.closed_junk, why, timeout=1.0)  # the next upkeep looks again
         return mine_now
-
-    def _remove(self, junk: KV) -> None:
-        """Remove a value no agent wrote at the closed key (the view named it), unless it
-        was written since: no round, and no close, is written over it."""
-        log.warning("removing the value at %s: it closes nothing", junk.key)
-        with contextlib.suppress(RendezvousError):  # the next upkeep looks again
-            self.client.delete_if(junk.key, junk.mod_revision, timeout=1.0)
 
     def _claim(self, junk: KV | None) -> None:
         """Create the post, or replace ``junk``: what the key holds that is no live

@@ -242,7 +242,7 @@ class Session:
         value (a junk value there, on no lease, would never go by itself)."""
         why = NodeRecord.foreign(holder.key, holder.value, holder.lease)
         if why is not None:
-            self._remove(holder, f"{why}: removing it, this node's id is its own")
+            self.remove(holder, f"{why}: removing it, this node's id is its own")
         return why is not None
 
     def _clear_junk_closed(self, kv: KV) -> bool:
@@ -251,16 +251,16 @@ class Session:
         try:
             ClosedRecord.decode(kv.key, kv.value)
         except MalformedRecordError as e:
-            self._remove(kv, f"{e}: removing it, it closes nothing")
+            self.remove(kv, f"{e}: removing it, it closes nothing")
             return True
         return False
 
-    def _remove(self, kv: KV, why: str) -> None:
-        """Delete ``kv``'s key unless it was written since (the next try reads what is
-        there then)."""
+    def remove(self, kv: KV, why: str, timeout: float = OUTAGE_TRY) -> None:
+        """Delete a value no agent wrote, at ``kv``'s key, unless it was written since,
+        saying ``why`` (a failed try is left to the next look at what is there)."""
         log.warning("%s", why)
         with contextlib.suppress(RendezvousError):
-            self.client.delete_if(kv.key, kv.mod_revision, timeout=OUTAGE_TRY)
+            self.client.delete_if(kv.key, kv.mod_revision, timeout=timeout)
 
     def register_again(self) -> None:
         """Join again as a new incarnation (the old lease is gone): new lease, new record.
