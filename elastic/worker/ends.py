@@ -78,8 +78,9 @@ def narrow(
     (its addresses); every candidate where a peer of the ``world`` mirrors none."""
     mine = frozenset(mine)
     mirrors = {c: (of(c)[1], of(c)[0]) for c in mine}
+    wanted = set(mirrors.values())
     for peer in range(world):
-        if peer != rank and not set(mirrors.values()) & peers.get(peer, set()):
+        if peer != rank and not wanted & peers.get(peer, set()):
             return Narrowed(mine, f"rank {peer} holds no end of them: all {len(mine)} kept")
     theirs = set().union(*peers.values()) if peers else set()
     stores = {addr(a) for a in store}
