@@ -275,8 +275,10 @@ class Jump:
     lag: int  # steps trained in the record's interval before the newest: a kill's blind spot
 
 
-RECORD_LAG = 3.0  # seconds: the job's progress record is written every 2 s (rules.py)
-WARNED = re.compile(r"round (\d+) resumes from step (\d+), (\d+) step\(s\) behind")
+# seconds: the job's progress record is written every 0.5 s (rules.PROGRESS_EVERY), of
+# the step the agent last read from its workers; and a warning from it says "at least"
+RECORD_LAG = 1.5
+WARNED = re.compile(r"round (\d+) resumes from step (\d+), (?:at least )?(\d+) step\(s\) behind")
 
 
 def jumps(rows: list[dict]) -> list[Jump]:

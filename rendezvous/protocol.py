@@ -438,7 +438,9 @@ class Rendezvous:
         self._progress = (written, now, number)  # a write that fails waits an interval
         recorded = self.mirror.view().progress
         job = recorded.job if recorded is not None and recorded.job else self._job
-        rec = ProgressRecord(step=step, node=self.me.id, round=r.number, at=time.time(), job=job)
+        rec = ProgressRecord(
+            step=step, node=self.me.id, round=r.number, at=time.time(), job=job, final=final
+        )
 
         def done() -> None:
             self._progress = (step, now, rec.round)

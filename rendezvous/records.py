@@ -613,6 +613,9 @@ class ProgressRecord:
     # snapshot left in shared memory belongs to it only if taken under the same (a job
     # started again under the same id, on an etcd that forgot the first, is another)
     job: str = ""
+    # its writer's last word (it left the job): no step of the job is newer. Otherwise
+    # the writer may have committed an interval's steps more before it was lost
+    final: bool = False
 
     def encode(self) -> bytes:
         return dumps(_shallow(self))
@@ -629,6 +632,7 @@ class ProgressRecord:
             round=_field(key, obj, "round", int),
             at=_number(obj, "at"),
             job=_text(key, obj, "job"),
+            final=obj.get("final") is True,
         )
 
 

@@ -540,7 +540,7 @@ def fenced(
 
 
 # -- the job's progress -----------------------------------------------------------------------
-PROGRESS_EVERY = 2.0  # seconds between writes of the job's progress, at least
+PROGRESS_EVERY = 0.5  # seconds between writes of the job's progress, at least
 PROGRESS_FANOUT = 200  # ... and one second more per this many members: each gets each write
 
 
@@ -553,7 +553,7 @@ def progress_due(
     from replaces an older round's, so a loss is never counted twice) or as it leaves
     the job (``final``: its last steps may be the job's newest), else at a pace every
     node's watch can take. A kill loses at most one interval's steps from the record: a
-    later warning then counts that many fewer."""
+    later warning then says its count is a floor (``ProgressRecord.final``)."""
     if step < 0 or step == written:
         return False
     return new_round or final or since >= max(PROGRESS_EVERY, members / PROGRESS_FANOUT)

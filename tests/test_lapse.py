@@ -295,6 +295,11 @@ def test_the_jobs_progress_is_written_off_the_loop_while_etcd_is_frozen(
             return kv is not None and records.ProgressRecord.decode(kv.key, kv.value).step == step
 
         wait_until(lambda: recorded(8), 15, "step 8 to be the job's progress")
+        rank0.report_progress(9, final=True)  # as it leaves: flushed, and its last word
+        kv = rank0.client.get(rank0.key(records.PROGRESS))
+        assert kv is not None
+        last = records.ProgressRecord.decode(kv.key, kv.value)
+        assert last.step == 9 and last.final
 
 
 def test_a_node_whose_new_lease_etcd_drops_before_its_registration_registers_anew(

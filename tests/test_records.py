@@ -224,6 +224,7 @@ def test_a_record_that_resumes_is_that_incarnation_and_never_a_later_one(
     ("value", "why"),
     [
         (b'{"step": 292, "node": "a", "round": 2, "at": 1.5}', ""),
+        (b'{"step": 292, "node": "a", "round": 2, "at": 1.5, "final": 1}', ""),  # not True
         (b'{"step": -3, "node": "a", "round": 2}', "negative"),
         (b'{"step": "292", "node": "a", "round": 2}', "wrong type"),
         (b'{"node": "a", "round": 2}', "missing field 'step'"),

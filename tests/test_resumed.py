@@ -47,3 +47,22 @@ def test_the_jobs_recorded_progress_counts_when_this_node_knows_less(
         assert verdict is None
         return
     assert verdict is not None and verdict.steps == steps and whose in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("committed", "lags", "floor"),
+    [
+        (-1, True, True),  # the writer's steps after its last write are on no record
+        (-1, False, False),  # its last word, as it left: nothing newer
+        (295, True, False),  # this node's own newest is the count: exact
+    ],
+)
+def test_a_count_from_a_record_its_writer_may_have_outrun_is_said_to_be_a_floor(
+    committed: int, lags: bool, floor: bool
+) -> None:
+    """The record lags its writer by up to an interval: a round of nodes that trained
+    none of those steps knows only that many, and says the count is at least that."""
+    verdict = redone(committed, 280, 4, 292, "b", lags)
+    assert verdict is not None and verdict.steps == max(committed, 292) - 280
+    said = "at least" in verdict.reason and "node b records its step every" in verdict.reason
+    assert said is floor

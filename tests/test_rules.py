@@ -579,8 +579,8 @@ def test_nodes_waiting_from_the_whole_job_or_from_a_count() -> None:
 @pytest.mark.parametrize(
     ("step", "written", "since", "members", "new_round", "due"),
     [
-        (10, 5, 2.5, 3, False, True),  # an interval on, a new step
-        (10, 5, 1.0, 3, False, False),  # too soon
+        (10, 5, 0.6, 3, False, True),  # an interval on, a new step
+        (10, 5, 0.3, 3, False, False),  # too soon
         (5, 5, 60.0, 3, False, False),  # nothing new
         (-1, 5, 60.0, 3, True, False),  # the workers said no step yet
         (3, 292, 0.0, 3, True, True),  # a new round resumed behind: at once

@@ -645,8 +645,11 @@ class Agent:
             return
         committed, recorded, number = self._resuming
         self._resuming = None
-        step, by = (recorded.step, recorded.node) if recorded is not None else (-1, "")
-        verdict = redone(committed, restored, number, step, by)
+        if recorded is None:
+            verdict = redone(committed, restored, number)
+        else:
+            lags = not recorded.final
+            verdict = redone(committed, restored, number, recorded.step, recorded.node, lags)
         if verdict is not None:
             log.warning("%s", verdict.reason)
             if self.metrics is not None:
