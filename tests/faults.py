@@ -38,12 +38,15 @@ class NetNode:
         return ["ip", "netns", "exec", self.ns, *cmd]
 
     def cut(self) -> None:
-        """The cable is pulled: nothing in or out, and no resets either."""
+        """The cable is pulled: nothing in or out, and no resets either. Only the node's
+        end goes down: this end loses its carrier but keeps its route, so what it sends
+        is dropped unanswered (then "no route to host", once ARP gives up), as on a real
+        cable. Down here too, the route would go and the node's address would be sent
+        off the machine by the default route, where something answered with resets: a
+        partition that looked like a dead agent."""
         sh("ip", "-n", self.ns, "link", "set", self.node_if, "down")
-        sh("ip", "link", "set", self.host_if, "down")
 
     def restore(self) -> None:
-        sh("ip", "link", "set", self.host_if, "up")
         sh("ip", "-n", self.ns, "link", "set", self.node_if, "up")
 
 
