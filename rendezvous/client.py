@@ -27,7 +27,7 @@ from etcd3.utils import prefix_range_end
 from rendezvous import tlsprobe
 from rendezvous.config import EtcdOptions
 from rendezvous.errors import EtcdUnavailableError, LeaseNotFoundError, RendezvousError
-from rendezvous.net import answers
+from rendezvous.net import Reach, reach, unreached
 from rendezvous.view import KV
 
 log = logging.getLogger(__name__)
@@ -211,9 +211,10 @@ class EtcdClient:
 
     def _hint(self) -> str:
         """What the user can check, from what answers at the endpoints at the TCP level."""
-        live = [e for e in self.options.endpoints if answers(*_split(e), timeout=0.5)]
+        reaches = {e: reach(*_split(e), timeout=0.5) for e in self.options.endpoints}
+        live = [e for e, r in reaches.items() if r is Reach.ANSWERS]
         if not live:
-            return "; nothing accepts connections there: is etcd running, and is the port right?"
+            return f"; {unreached(reaches, self.answered)}"
         if self.answered:
             return (
                 f"; {', '.join(live)} accepts connections, and etcd answered there before: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import random
 import socket
 from pathlib import Path
@@ -73,8 +74,43 @@ def is_local_address(host: str) -> bool:
 
 def answers(host: str, port: int, timeout: float = 1.0) -> bool:
     """Whether anything accepts a TCP connection at host:port now."""
+    return reach(host, port, timeout) is Reach.ANSWERS
+
+
+class Reach(enum.Enum):
+    """What a TCP connection to an address meets: each points at another cause."""
+
+    ANSWERS = "accepts connections"
+    REFUSED = "refuses connections"  # the host is up, nothing listens on the port
+    NO_ROUTE = "is unreachable from this host (no route)"  # a link down, a partition
+    SILENT = "does not answer at all"  # packets dropped: a partition, a firewall, a frozen host
+    UNKNOWN_HOST = "does not resolve"
+
+
+def reach(host: str, port: int, timeout: float = 1.0) -> Reach:
+    """What a TCP connection to host:port meets now (``Reach``)."""
     try:
         with socket.create_connection((host.strip("[]"), port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+            return Reach.ANSWERS
+    except socket.gaierror:
+        return Reach.UNKNOWN_HOST
+    except TimeoutError:
+        return Reach.SILENT
+    except (ConnectionRefusedError, ConnectionResetError):
+        return Reach.REFUSED
+    except OSError:  # unreachable, or a route that rejects (blackhole, prohibit)
+        return Reach.NO_ROUTE
+
+
+def unreached(reaches: dict[str, Reach], answered_before: bool) -> str:
+    """What a user can check when no endpoint (``reaches``: what a connection to each
+    met) accepts a connection: a server that is not running is told apart from a network
+    between here and there that carries nothing."""
+    refused = [e for e, r in reaches.items() if r is Reach.REFUSED]
+    if len(refused) == len(reaches):
+        return "nothing accepts connections there: is etcd running, and is the port right?"
+    said = "; ".join(f"{e} {r.value}" for e, r in reaches.items())
+    if all(r is Reach.UNKNOWN_HOST for r in reaches.values()):
+        return f"{said}: is the host name right?"
+    why = "this host may be cut off from it (a link down, a partition, a firewall)"
+    return f"{said}: {why}" + (", as etcd answered there before" if answered_before else "")

@@ -25,6 +25,7 @@ import torch
 from agents import TTL, gone, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from etcd_servers import EtcdCluster
+from faults import isolated_node
 from harness import ROOT, Proc, echo_server, until_send_blocked, wait_until
 
 from elastic.agent.core import COMING_LIVE_S
@@ -344,6 +345,59 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
         assert n.wait(120) == 0, n.transcript()
         assert "no live re-formation" not in n.transcript()
         assert "after a worker failure" not in n.transcript()
+    check_run(tmp_path, changes=3, epochs=epochs)
+
+
+def test_a_newcomer_cut_off_as_the_round_with_it_forms(
+    run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """c, in a network namespace, joins a and b; as the round of three forms, its cable is
+    pulled (what a and b send it is dropped unanswered: no reset, no refused probe
+    port, so nothing proves it dead). a and b leave the dead round within the lease TTL
+    and train on in their own processes; c, back, finds its lease gone, joins again, and
+    said while away that it may be cut off (it said "is etcd running?")."""
+    epochs = 20
+    with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
+
+        def node(name: str, inside: bool) -> Proc:
+            return start_agent(
+                procs,
+                etcd.endpoint,
+                run_id,
+                name,
+                SCRIPT,
+                "--epochs",
+                str(epochs),
+                nnodes="2:3",
+                env={
+                    "RESULT_DIR": str(tmp_path),
+                    "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if,
+                },
+                local_addr=net.node_ip if inside else net.host_ip,
+                prefix=tuple(net.command([])) if inside else (),
+                extra=("--max-restarts", "2"),
+            )
+
+        a, b = node("a", False), node("b", False)
+        wait_world(tmp_path, 2, timeout=90)
+        kept = set(worker_pids(a)) | set(worker_pids(b))
+        c = node("c", True)
+        b.wait_output("joined c", timeout=60)
+        cut = time.time()
+        net.cut()
+        a.wait_output("lost c", timeout=TTL + 3)
+        back = wait_world(tmp_path, 2, after=time.time(), timeout=30)
+        print(f"a and b train {back - cut:.2f}s after the cut")
+        assert back - cut < TTL + 3, a.transcript()
+        assert "c refuses its probe port" not in a.transcript()  # cut off is not dead
+        restored = time.time()
+        net.restore()
+        c.wait_output("lease is gone", timeout=30)
+        wait_world(tmp_path, 3, after=restored, timeout=60)
+        for n in (a, b, c):
+            assert n.wait(120) == 0, n.transcript()
+        assert "this host may be cut off" in c.transcript()
+    survivors_kept(tmp_path, kept)
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
