@@ -226,6 +226,8 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
                 key = rng.choice(keys)
                 client.put(key, rng.choice(JUNK))
                 return Event(now, kind, key.removeprefix("/elastic-run/chaos/"))
+        except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError):
+            pass  # etcd is frozen or restarting (an event before this one): no junk now
         finally:
             client.close()
         return None
