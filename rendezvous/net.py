@@ -106,11 +106,13 @@ def unreached(reaches: dict[str, Reach], answered_before: bool) -> str:
     """What a user can check when no endpoint (``reaches``: what a connection to each
     met) accepts a connection: a server that is not running is told apart from a network
     between here and there that carries nothing."""
-    refused = [e for e, r in reaches.items() if r is Reach.REFUSED]
-    if len(refused) == len(reaches):
+    met = set(reaches.values())
+    if met == {Reach.REFUSED}:
         return "nothing accepts connections there: is etcd running, and is the port right?"
     said = "; ".join(f"{e} {r.value}" for e, r in reaches.items())
-    if all(r is Reach.UNKNOWN_HOST for r in reaches.values()):
+    if met & {Reach.NO_ROUTE, Reach.SILENT}:
+        why = "this host may be cut off from it (a link down, a partition, a firewall)"
+        return f"{said}: {why}" + (", as etcd answered there before" if answered_before else "")
+    if met == {Reach.UNKNOWN_HOST}:
         return f"{said}: is the host name right?"
-    why = "this host may be cut off from it (a link down, a partition, a firewall)"
-    return f"{said}: {why}" + (", as etcd answered there before" if answered_before else "")
+    return f"{said}: is etcd running, and are the host names and ports right?"

@@ -541,7 +541,7 @@ def fenced(
 
 # -- the job's progress -----------------------------------------------------------------------
 PROGRESS_EVERY = 0.5  # seconds between writes of the job's progress, at least
-PROGRESS_FANOUT = 200  # ... and one second more per this many members: each gets each write
+PROGRESS_FANOUT = 200  # ... or a second per this many members, if more: each gets each write
 
 
 def progress_due(

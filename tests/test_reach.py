@@ -59,6 +59,11 @@ _REACH = "from rendezvous.net import reach; print(reach({host!r}, 2379, timeout=
             False,
             "a:1 does not answer at all; b:2 refuses connections: this host may be cut off",
         ),
+        (
+            {"a:1": R.UNKNOWN_HOST, "b:2": R.REFUSED},
+            False,
+            "a:1 does not resolve; b:2 refuses connections: is etcd running, and are the host",
+        ),
     ],
 )
 def test_what_the_user_is_told_to_check(reaches: dict[str, Reach], before: bool, said: str) -> None:
