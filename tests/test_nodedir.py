@@ -117,6 +117,27 @@ def test_a_predecessors_snapshot_not_kept_goes_whole(
     nodedir.remove(mine)
 
 
+def test_a_kept_snapshot_carries_its_run_to_an_agent_after_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node a's agent starts again, keeps its dead predecessor's snapshot and is killed
+    before it notes the job's run itself: the next agent of a finds the snapshot with its
+    run, and keeps it (it found none, and removed the snapshot: chaos seed 16)."""
+    dead = _dead_predecessor(tmp_path, monkeypatch)
+    nodedir.remember_job(dead, "r1")
+    second = nodedir.create("J", "a")
+    assert nodedir.predecessor_job(second) == "r1"
+    nodedir.inherit(second, keep=True)
+    owner = json.loads((second / nodedir.OWNER).read_text())
+    (second / nodedir.OWNER).write_text(json.dumps({**owner, "start": 2.0}))  # killed
+    second = second.rename(tmp_path / "J_a.2")  # its pid was another than the next one's
+    third = nodedir.create("J", "a")
+    assert not second.exists()
+    assert nodedir.predecessor_step(third) == 7
+    assert nodedir.keeps(35, False, "r1", nodedir.predecessor_job(third))[0]
+    nodedir.remove(third)
+
+
 @pytest.mark.parametrize(
     ("recorded", "closed", "theirs", "kept", "why"),
     [
