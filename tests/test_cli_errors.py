@@ -92,14 +92,22 @@ def test_unreachable_etcd_names_the_endpoint() -> None:
     assert "nothing accepts connections there" in line
 
 
-def test_nothing_at_a_free_endpoint_of_this_host_with_is_host_false() -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
+@pytest.mark.parametrize(
+    ("host", "met"),
+    [("127.0.0.1", "it refuses connections"), ("no-such-host.invalid", "it does not resolve")],
+)
+def test_nothing_at_an_endpoint_this_node_does_not_serve(host: str, met: str) -> None:
+    """A free port of this host with is_host=false, or a name that does not resolve (a
+    typo, or a Kubernetes service whose pod is not up yet): waited for, then one line
+    that says what a connection there met."""
+    endpoint = f"{host}:{free_port()}"
     conf = "is_host=false,join_timeout=2"
     done = elastic_run(
         "--rdzv-endpoint", endpoint, "--rdzv-id", "x", "--rdzv-conf", conf, SCRIPT, timeout=30
     )
     assert done.returncode == 1
-    assert f"nothing answered at {endpoint} within join_timeout" in error_line(done)
+    line = error_line(done)
+    assert f"nothing answered at {endpoint} within join_timeout (2s; {met})" in line
 
 
 def test_pet_variables_are_read_like_torchrun() -> None:

@@ -20,7 +20,7 @@ from rendezvous.client import EtcdClient
 from rendezvous.config import DEFAULT_PORT, build_options, parse_endpoints
 from rendezvous.errors import RendezvousError
 from rendezvous.mirror import read_view
-from rendezvous.net import answers, is_local_address, resolve
+from rendezvous.net import Reach, answers, is_local_address, reach, resolve
 
 log = logging.getLogger("elastic.launch")
 
@@ -49,18 +49,19 @@ def _wait_for(plan: EtcdPlan, timeout: float) -> None:
     log.info("waiting for the job's etcd at %s (%s)", plan.endpoint, plan.reason)
     deadline = time.monotonic() + timeout
     next_word = time.monotonic() + 10
-    while not answers(plan.host, plan.port, timeout=0.5):
+    while (met := reach(plan.host, plan.port, timeout=0.5)) is not Reach.ANSWERS:
         now = time.monotonic()
         if now > deadline:
             raise EtcdServerError(
-                f"nothing answered at {plan.endpoint} within join_timeout ({timeout:.0f}s): "
-                "is the node that serves the job's etcd (node rank 0, or the agent on that "
-                "host) running?"
+                f"nothing answered at {plan.endpoint} within join_timeout ({timeout:.0f}s; "
+                f"it {met.value}): is the node that serves the job's etcd (node rank 0, or "
+                "the agent on that host) running?"
             )
         if now > next_word:
             log.info(
-                "still waiting for the job's etcd at %s (join_timeout in %.0fs)",
+                "still waiting for the job's etcd at %s: it %s (join_timeout in %.0fs)",
                 plan.endpoint,
+                met.value,
                 deadline - now,
             )
             next_word = now + 30
