@@ -285,7 +285,9 @@ class NodeRecord:
     min_nodes: int = 0  # the job's --nnodes as this node was started with (0: unknown)
     max_nodes: int = 0
     rank: int = -1  # the group rank it asks for (torchrun's --node-rank); -1: none
-    in_place: bool = False  # its workers re-form in place (State.run): a newcomer's can wait ahead
+    # the job's workers re-form in place (State.run: this node's did): a newcomer's can wait
+    # ahead of its joining (the leader's record is read)
+    in_place: bool = False
     # the incarnation it carries on (0: none): etcd dropped its lease in an outage while no
     # round formed without it, so it came back as it was (``Session.resume``)
     resumes: int = 0

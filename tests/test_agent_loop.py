@@ -1015,12 +1015,21 @@ def test_without_a_running_round_the_node_joins_first() -> None:
 
 
 def test_the_leader_says_when_its_workers_re_form_in_place() -> None:
+    """Once, however many turns; and not taken back while its workers are replaced (new
+    ones, not in State.run yet): newcomers still start theirs ahead of joining."""
     job = FakeJob([round_of(1, "a")])
     job.leads = True
-    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
-    workers.live = True
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    polls = workers.poll
+
+    def poll() -> tuple[GroupState, list[WorkerFailure]]:
+        said = len(job.in_place_said)
+        workers.live = said == 0 or not job.in_place_said[0]  # live, then between processes
+        return polls()
+
+    workers.poll = poll  # type: ignore[method-assign]
     assert agent(job, workers).run() == 0
-    assert job.in_place_said == [True]  # once, however many turns
+    assert job.in_place_said == [True]
 
 
 def test_while_the_workers_form_in_place_the_members_are_probed() -> None:

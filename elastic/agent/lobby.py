@@ -75,7 +75,7 @@ def ahead(
         return Ahead((), f"round {r.number} is full: this node waits as a standby")
     leader = glance.leader
     if not live and (leader is None or not leader.in_place):
-        return Ahead((), "the leader's workers do not re-form in place: the members restart")
+        return Ahead((), "the job's workers do not re-form in place: the members restart")
     placements = tuple(
         Placement(
             local_rank=lr,

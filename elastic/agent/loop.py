@@ -211,6 +211,7 @@ class Agent:
         self._handing: tuple[int, threading.Timer] | None = None
         self._handed = False  # a handover was tried: once per agent
         self._state_seen = False  # workers ran elastic.State (new ones may not have said yet)
+        self._ever_live = False  # workers re-formed in place in some round (the script can)
         self.round: RoundRecord | None = None
         self._previous: RoundRecord | None = None
         self._restart_count = 0  # torchrun's count for the workers (not the budget)
@@ -512,7 +513,8 @@ class Agent:
             live = self.workers.live
             self._live_seen = self._live_seen or live
             self._state_seen = self._state_seen or self.workers.use_state
-            self._announce_in_place(live)
+            self._ever_live = self._ever_live or live
+            self._announce_in_place(self._ever_live)
             hung = (
                 self.workers.hung(self.hang_timeout)
                 if self.hang_timeout > 0
@@ -667,8 +669,12 @@ class Agent:
             self.rdzv.report_progress(step, final=True)
 
     def _announce_in_place(self, live: bool) -> None:
-        """Say whether this node's workers re-form in place (``live``): a newcomer starts
-        its own before it joins only when the leader's do (``lobby``); the rendezvous
+        """Say whether the job's workers re-form in place (``live``: this node's did, in
+        this round or an earlier one): a newcomer starts its own before it joins only
+        when the leader says so (``lobby``). Not taken back while this node's workers are
+        replaced: a newcomer's started ahead wait for their place all the same, and the
+        others train on through their start-up (newcomers that registered meanwhile
+        without them held every member for it: chaos seed 18, 8 s). The rendezvous
         writes it while this node leads (one write when it changes, retried if it fails)."""
         if live != self._announced:
             self.rdzv.announce_in_place(live)
