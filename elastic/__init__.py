@@ -47,13 +47,18 @@ def heartbeat(step: int | None = None) -> None:
 def watch_the_first_group() -> None:
     """In a worker that re-forms in place (under elastic-run, ``--restart-mode live``),
     see the script's first process group form, whenever it does: a re-formation then
-    cuts that group's connections only (``worker.group.watch_first_group``). Nowhere
-    else is torch imported here."""
+    cuts that group's connections only (``worker.group.watch_first_group``). In any
+    worker under elastic-run, a gloo group the script leaves is destroyed at its exit
+    (``worker.finalize``). Nowhere else is torch imported here."""
     import os
 
     from elastic.contract import CONTROL_ENV, RESTART_MODE_ENV, RestartMode
 
     live = os.environ.get(RESTART_MODE_ENV, RestartMode.LIVE.value) == RestartMode.LIVE.value
+    if os.environ.get(CONTROL_ENV):
+        from elastic.worker import finalize
+
+        finalize.at_exit()  # a group the script leaves is destroyed in order
     if os.environ.get(CONTROL_ENV) and live:
         from elastic.worker import group
 
