@@ -135,7 +135,16 @@ def test_after_an_outage_past_the_ttl_each_node_carries_on_in_its_round(
     wait_until(lambda: a.mirror.connected, 10, "a's view to be read again")
     freeze(fresh_etcd, 0, resume_fails)  # a second outage, during the recovery: tried again
     # still lapsed, once its view is read again (a moment after the thaw: None till then)
-    wait_until(lambda: check(a) is RoundEnd.LAPSED, 10, "a to find its lease still dropped")
+    seen: list[object] = []
+
+    def lapsed() -> bool:
+        seen[:] = [check(a), a.mirror.complete, a.mirror.connected, record(a)]
+        return seen[0] is RoundEnd.LAPSED
+
+    try:
+        wait_until(lapsed, 10, "a to find its lease still dropped")
+    except AssertionError as e:  # flaky under load, cause not yet known: what a saw
+        raise AssertionError(f"{e}; a saw last (check, complete, connected, record): {seen}") from e
     wait_until(a.resume, 10, "a to carry on")
     # b has not come back yet: a, just out of the outage itself, does not count it lost
     assert record(b) is None and check(a) is None
