@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._nodes import Node, steps
 from elastic.agent.etcd_server import EtcdServer, EtcdServerError
+from rendezvous.rules import PROGRESS_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "live_train.py"
@@ -277,9 +278,9 @@ class Jump:
     lag: int  # steps trained in the record's interval before the newest: a kill's blind spot
 
 
-# seconds: the job's progress record is written every 0.5 s (rules.PROGRESS_EVERY), of
-# the step the agent last read from its workers; and a warning from it says "at least"
-RECORD_LAG = 1.5
+# seconds the job's progress record may lag the newest step: its interval, and a second for
+# the agent's read of its workers' step and the write (a warning from it says "at least")
+RECORD_LAG = PROGRESS_EVERY + 1.0
 WARNED = re.compile(r"round (\d+) resumes from step (\d+), (?:at least )?(\d+) step\(s\) behind")
 
 

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from conftest import need
 
@@ -36,6 +37,15 @@ class NetNode:
     def command(self, cmd: list[str]) -> list[str]:
         """``cmd`` run inside the node's namespace (same pid: ip execs it)."""
         return ["ip", "netns", "exec", self.ns, *cmd]
+
+    def agent(self, inside: bool, env: dict[str, str]) -> dict[str, Any]:
+        """``start_agent``'s placement of an agent inside the node's namespace or on this
+        side of the link: its address, its workers' gloo interface, how it is run."""
+        return {
+            "env": {**env, "GLOO_SOCKET_IFNAME": self.node_if if inside else self.host_if},
+            "local_addr": self.node_ip if inside else self.host_ip,
+            "prefix": tuple(self.command([])) if inside else (),
+        }
 
     def cut(self) -> None:
         """The cable is pulled: nothing in or out, and no resets either. Only the node's

@@ -89,10 +89,6 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(
     with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
 
         def node(name: str, inside: bool) -> Proc:
-            env = {
-                "RESULT_DIR": str(tmp_path),
-                "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if,
-            }
             return start_agent(
                 procs,
                 etcd.endpoint,
@@ -101,10 +97,8 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(
                 TRAIN,
                 *TRAIN_ARGS,
                 nnodes="2:3",
-                env=env,
-                local_addr=net.node_ip if inside else net.host_ip,
-                prefix=tuple(net.command([])) if inside else (),
                 extra=("--start-method", "forkserver"),
+                **net.agent(inside, {"RESULT_DIR": str(tmp_path)}),
             )
 
         a, b, c = node("a", False), node("b", False), node("c", True)

@@ -369,13 +369,8 @@ def test_a_newcomer_cut_off_as_the_round_with_it_forms(
                 "--epochs",
                 str(epochs),
                 nnodes="2:3",
-                env={
-                    "RESULT_DIR": str(tmp_path),
-                    "GLOO_SOCKET_IFNAME": net.node_if if inside else net.host_if,
-                },
-                local_addr=net.node_ip if inside else net.host_ip,
-                prefix=tuple(net.command([])) if inside else (),
                 extra=("--max-restarts", "2"),
+                **net.agent(inside, {"RESULT_DIR": str(tmp_path)}),
             )
 
         a, b = node("a", False), node("b", False)
