@@ -63,7 +63,9 @@ part() { # name, seconds, command... : stdout holds the figures, stderr the logs
 
 # every-step snapshots of 1.6 GB (batch 256 and 2048), NVML against nvidia-smi meanwhile
 part snapshot 170 $py benchmarks/gpu_metrics.py -- --batches 256,2048
-part gpu-tests 170 $py -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_gpu.py
+# the framework adapters on the GPU first (their printed figures: -rP), then the rest
+part gpu-tests 300 $py -m pytest -q -rfEsP -p no:cacheprovider -m gpu tests/test_gpu_frameworks.py \
+    tests/test_gpu.py
 # live re-formation with the model on the GPU (gloo ranks on one device) against respawn
 part live-cuda 160 $py benchmarks/faults.py --only kill,join --repeat 2 --device "$cuda" \
     --width 2048

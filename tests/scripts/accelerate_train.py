@@ -9,6 +9,7 @@ accelerate docs show: ``save_state`` every ``--checkpoint-every`` steps to
 ``$RESULT_DIR/ckpt``, and on start ``load_state`` and ``skip_first_batches``.
 ``--live`` (with ``--adapter``): the loop runs in ``State.run``, and each round makes its
 ``Accelerator`` (``round_accelerator``) and prepares the plain objects again.
+``--device cuda`` trains on the GPU (``--backend gloo``: two nodes on one GPU).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, skip_first_batches
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from elastic_train import Indexed  # the same data as the hand-written loop
 from torch import nn
 from torch.utils.data import DataLoader
@@ -84,10 +85,17 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=1000, help="without --adapter")
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="the adapter in State.run")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--backend", help="the process group's (default: accelerate's choice)")
     a = ap.parse_args()
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
     logging.getLogger("elastic.state").setLevel(logging.INFO)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=a.accumulate)
+    made = {
+        "cpu": a.device == "cpu",
+        "gradient_accumulation_steps": a.accumulate,
+        "kwargs_handlers": [InitProcessGroupKwargs(backend=a.backend)] if a.backend else [],
+    }
+    accelerator = Accelerator(**made)
     set_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
@@ -142,7 +150,7 @@ def main() -> None:
         state = elastic.State(model=net, optimizer=optimizer, data=data, epoch=0)
 
         def live() -> None:
-            acc = round_accelerator(cpu=True, gradient_accumulation_steps=a.accumulate)
+            acc = round_accelerator(**made)
             model, opt, loader = acc.prepare(net, optimizer, raw)
             data.use(loader)
             train(acc, model, opt, Adapter(state, data))

@@ -5,7 +5,8 @@ Logs, per batch and rank, the sample indices it trains on to ``$RESULT_DIR/w<pid
 its step's all-reduce, whose samples the others commit, has logged them (logged at the
 step's end, they were missing, though trained on); rank 0 saves the
 final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` attaches
-``ElasticCallback``; ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end
+``ElasticCallback``; ``--device cuda`` trains on the GPU (``--backend gloo``: two nodes
+on one GPU); ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end
 of that step, on the first attempt only. The Trainer's own checkpoints go to
 ``$RESULT_DIR/out`` every ``--checkpoint-every`` steps and the script resumes from the
 last one, as such scripts do.
@@ -116,12 +117,15 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="ElasticCallback.run: workers kept")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--backend", help="the process group's (default: gloo on CPU, else NCCL)")
     a = ap.parse_args()
     # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
     logging.getLogger("elastic.state").setLevel(logging.INFO)
     result = os.environ["RESULT_DIR"]
     out = os.path.join(result, "out")
+    backend = a.backend or ("gloo" if a.device == "cpu" else "nccl")
     set_seed(0)  # the model's initial weights too
     net = Net()
 
@@ -138,8 +142,8 @@ def main() -> None:
             logging_steps=1000,
             report_to=[],
             seed=0,
-            use_cpu=True,
-            ddp_backend="gloo",
+            use_cpu=a.device == "cpu",
+            ddp_backend=backend,
             ddp_find_unused_parameters=False,
             disable_tqdm=True,
         )
@@ -158,7 +162,7 @@ def main() -> None:
             trainer = make()
             return trainer
 
-        ElasticCallback.run(made, resume_from_checkpoint=last)
+        ElasticCallback.run(made, resume_from_checkpoint=last, backend=backend)
     else:
         trainer = make()
         if a.adapter:

@@ -8,6 +8,7 @@ final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
 ``ElasticLightning``; ``--live`` fits through its ``run()`` (a new Trainer in the same
 process after each membership change); ``--strategy model_parallel`` shards the model
 with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU).
+``--device cuda`` trains on the GPU (``--backend gloo``: two nodes on one GPU).
 ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end of that step, on the
 first attempt only. Lightning's own ModelCheckpoint writes every ``--checkpoint-every``
 steps to ``$RESULT_DIR/ckpt`` and the script resumes from it.
@@ -28,7 +29,7 @@ import lightning as L
 import torch
 from elastic_train import Indexed  # the same data as the hand-written loop
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
@@ -110,6 +111,8 @@ def main() -> None:
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="the adapter's run(): workers kept")
     ap.add_argument("--strategy", choices=["ddp", "model_parallel"], default="ddp")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--backend", help="the process group's (default: Lightning's choice)")
     a = ap.parse_args()
     # the snapshot interval elastic.State picks, with its time (benchmarks/frameworks.py)
     logging.basicConfig(format="%(created).3f %(name)s: %(message)s")
@@ -134,9 +137,10 @@ def main() -> None:
 
     def fit() -> L.Trainer:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        ddp = DDPStrategy(process_group_backend=a.backend) if a.backend else "ddp"
         trainer = L.Trainer(
-            accelerator="cpu",
-            strategy="ddp" if a.strategy == "ddp" else ModelParallelStrategy(),
+            accelerator="gpu" if a.device == "cuda" else "cpu",
+            strategy=ddp if a.strategy == "ddp" else ModelParallelStrategy(),
             devices=local,
             num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,  # this round's
             max_epochs=a.epochs,
@@ -149,7 +153,7 @@ def main() -> None:
         trainer.fit(module, loader, ckpt_path=last if os.path.exists(last) else None)
         return trainer
 
-    trainer = elastic.run(fit) if a.live else fit()
+    trainer = elastic.run(fit, backend=a.backend) if a.live else fit()
     if trainer.global_rank == 0 and a.strategy == "ddp":  # a sharded model: its checkpoint
         opt = trainer.optimizers[0]
         final = {
