@@ -1,6 +1,7 @@
 """A gloo group the script leaves is destroyed at the worker's exit, while the
 interpreter is whole (torch freeing it during finalization aborted the process now and
-then: a job that trained to the end reported FAILED)."""
+then: a job that trained to the end reported FAILED); an NCCL one too
+(test_gpu_frameworks: no "destroy_process_group() was not called" at exit)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def test_the_default_gloo_group_is_destroyed_at_exit(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["after: False", "left for the interpreter: False"]
+
+
+def test_the_backends_whose_group_is_destroyed() -> None:
+    from elastic.worker.finalize import destroys
+
+    for yes in ("gloo", "nccl", "cpu:gloo,cuda:nccl", "NCCL"):
+        assert destroys(yes), yes
+    for no in ("mpi", "ucc", "cpu:gloo,cuda:ucc", ""):
+        assert not destroys(no), no
 
 
 def test_a_process_without_torch_distributed_has_nothing_to_destroy() -> None:

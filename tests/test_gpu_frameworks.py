@@ -139,7 +139,8 @@ def test_a_node_lost_keeps_the_survivors_cuda_worker(
 
 def test_the_examples_gpu_forms_run(tmp_path: Path) -> None:
     """Each framework's example as the README's table runs it on GPUs (NCCL, one GPU a
-    worker: here one worker), to the end; what torch says as the workers exit is shown."""
+    worker: here one worker), to the end; the NCCL group the Trainer's and accelerate's
+    scripts leave is destroyed at exit (torch warned it "can leak resources" before)."""
     runs = {
         "lightning": ("examples/lightning_ddp.py", "--epochs", "1", "--dir", str(tmp_path / "l")),
         "transformers": ("examples/hf_trainer.py", "--epochs", "1", "--dir", str(tmp_path / "h")),
@@ -167,3 +168,35 @@ def test_the_examples_gpu_forms_run(tmp_path: Path) -> None:
         print(f"{name}: exit {d.returncode}; at exit: {said or 'nothing'}")
     for name, d in done.items():
         assert d.returncode == 0, f"{name}: {d.stderr[-3000:]}"
+        assert "destroy_process_group() was not called" not in d.stderr, name
+
+
+def test_lightning_fsdp_stands_aside_and_resumes_from_its_own_checkpoint(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Lightning's FSDPStrategy (GPUs only: Lightning refuses it on CPU) with the adapter:
+    its checkpoint is rank 0's alone, so the adapter stands aside and says so; a worker
+    killed at step 7 resumes from Lightning's own checkpoint of step 5, and the adapter's
+    loader still goes on at the checkpoint's sample: every sample once in the kept steps."""
+    job = (
+        SCRIPTS / "lightning_train.py", "--samples", "96", *CUDA, "--strategy", "fsdp",
+        "--adapter", "--checkpoint-every", "5", "--kill-rank", "0", "--kill-step", "7",
+    )  # fmt: skip
+    agent = start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        "a",
+        *job,
+        env={"RESULT_DIR": str(tmp_path)},
+        extra=("--max-restarts", "1", *FORK),
+    )
+    assert agent.wait(300) == 0, agent.transcript()
+    said = agent.transcript()
+    assert "FSDPStrategy keeps sharded checkpoints of its own" in said, said
+    assert "signal SIGKILL" in said
+    history = steps(tmp_path)
+    again = [r for r in history if r["restart_count"] == 1]
+    assert min(r["step"] for r in again) == 6, sorted({r["step"] for r in again})
+    assert max(r["step"] for r in history) == 48
+    samples_once(history, 96, 2)

@@ -23,5 +23,5 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     progress     training progress for the agent's /metrics
     alive        the process's sign of life apart from progress (frozen vs blocked)
     placed       whether a worker started ahead read its ranks before it was placed
-    finalize     the default gloo group the script leaves, destroyed at exit
+    finalize     the default group the script leaves, destroyed at exit
 """

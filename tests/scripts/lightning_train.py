@@ -7,7 +7,8 @@ rank 0 saves the
 final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
 ``ElasticLightning``; ``--live`` fits through its ``run()`` (a new Trainer in the same
 process after each membership change); ``--strategy model_parallel`` shards the model
-with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU).
+with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU), ``--strategy fsdp``
+with FSDP (Lightning's FSDPStrategy, GPUs only).
 ``--device cuda`` trains on the GPU (``--backend gloo``: two nodes on one GPU).
 ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end of that step, on the
 first attempt only. Lightning's own ModelCheckpoint writes every ``--checkpoint-every``
@@ -29,7 +30,7 @@ import lightning as L
 import torch
 from elastic_train import Indexed  # the same data as the hand-written loop
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
@@ -110,7 +111,7 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="the adapter's run(): workers kept")
-    ap.add_argument("--strategy", choices=["ddp", "model_parallel"], default="ddp")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp", "model_parallel"], default="ddp")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--backend", help="the process group's (default: Lightning's choice)")
     a = ap.parse_args()
@@ -135,12 +136,18 @@ def main() -> None:
     loader = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
     last = os.path.join(result, "ckpt", "last.ckpt")
 
+    def strategy() -> Any:
+        if a.strategy == "fsdp":
+            return FSDPStrategy()
+        if a.strategy == "model_parallel":
+            return ModelParallelStrategy()
+        return DDPStrategy(process_group_backend=a.backend) if a.backend else "ddp"
+
     def fit() -> L.Trainer:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        ddp = DDPStrategy(process_group_backend=a.backend) if a.backend else "ddp"
         trainer = L.Trainer(
             accelerator="gpu" if a.device == "cuda" else "cpu",
-            strategy=ddp if a.strategy == "ddp" else ModelParallelStrategy(),
+            strategy=strategy(),
             devices=local,
             num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,  # this round's
             max_epochs=a.epochs,
