@@ -20,6 +20,8 @@ job's budget, with the nodes whose own failure they were.
     kill receiving  c joins; as its worker receives the state from a (rank 0), c is
                   SIGKILLed (a --width of 2048 or more: a's send may be cut short)
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
+    kill standby  --nnodes 1:2: a and b train, c waits as a standby; b is SIGKILLed and
+                  c takes its place (to the first step of a and c)
     kill re-forming  c (rank 1) SIGKILLed; as b's agent re-forms for it, a (the leader,
                   rank 0, the store host) too: b, rank 0 moments after rank 1, trains alone
     kill resized  c joins; two steps at three, then a is SIGKILLed
@@ -221,6 +223,26 @@ def kill_receiving(job: Job) -> Outcome:
     return job.outcome(at, job.since(2, at))
 
 
+def kill_standby(job: Job) -> Outcome:
+    """--nnodes 1:2: c waits as a standby beside a and b; b is SIGKILLed: to the first
+    step of a and c (world size 2 again: told from a's and b's by c's worker's pid)."""
+    job.nnodes = "1:2"
+    start_training(job, "ab")
+    job.start("c")
+    job.wait_log("c", "registered as c")
+    time.sleep(1.0)  # c settled as a standby
+    old = {s["pid"] for s in steps(job.results)}
+    at = time.time()
+    job.nodes["b"].kill()
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        new = [s for s in steps(job.results) if s["world"] == 2 and s["pid"] not in old]
+        if new:  # c's first step, taken with a's
+            return job.outcome(at, new[0]["t"] - at)
+        time.sleep(0.05)
+    return job.outcome(at, None)
+
+
 def two_kills(job: Job) -> Outcome:
     start_training(job, "abc")
     at = time.time()
@@ -400,6 +422,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill newcomer": kill_newcomer,
     "kill resyncing": kill_resyncing,
     "kill receiving": kill_receiving,
+    "kill standby": kill_standby,
     "two kills": two_kills,
     "kill re-forming": kill_re_forming,
     "kill resized": kill_resized,

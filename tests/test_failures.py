@@ -76,3 +76,30 @@ def test_the_exception_line_is_read_past_the_runtimes_last_words() -> None:
     assert last_line(tb) == f"RuntimeError: {GLOO_RESET}"
     assert last_line("terminate called after throwing an instance of 'x'\n") == ""
     assert last_line("") == ""
+
+
+def test_the_exception_line_is_read_before_the_frames_pybind11_lists_after_it() -> None:
+    """A peer lost under DDP's comm hook: the exception raised in its callback ends with
+    "At:" and its frames, each line prefixed by the rank; it was read as the worker's own
+    failure (the last line, a frame) and charged a restart (respawn, a standby taking
+    over: benchmarks/faults.py)."""
+    error = (
+        f"[rank0]: RuntimeError: Got the following error when running the callback: {GLOO_RESET}"
+    )
+    tail = "\n".join(
+        [
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "train.py", line 64, in train',
+            error,
+            "[rank0]: At:",
+            "[rank0]:   /work/elastic/worker/doorbell.py(212): done",
+            "[rank0]:   /usr/lib/python3.11/threading.py(1045): _bootstrap_inner",
+        ]
+    )
+    assert last_line(tail) == error
+    failure = collect(0, 0, 4242, 1, "", stderr_tail=tail)
+    assert failure.consequence and failure.message == error
+    assert last_line("At:\nx.py(1): f") == "x.py(1): f"  # no exception line before it
+    assert last_line("ValueError: bad\nfile.py(3): not a frame list") == (
+        "file.py(3): not a frame list"
+    )

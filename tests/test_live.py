@@ -266,6 +266,32 @@ def test_sigterm_leave_then_two_joins_at_once(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
+def test_a_standby_takes_a_lost_members_place_with_its_workers_started_ahead(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """--nnodes 1:2 and a third node c: c waits as a standby, its worker started and
+    waiting in the lobby for the place of a member lost. b is SIGKILLed: a keeps its
+    process, and c's waiting worker, not a new one, takes b's place (before, c's worker
+    started only once c was admitted: a waited 2.5 s for it, benchmarks/faults.py)."""
+    epochs, args = 10, ("--epochs", "10", "--step-time", "0.2")
+    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:2") for n in "ab")
+    wait_world(tmp_path, 2, timeout=90)
+    kept = set(worker_pids(a))
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:2")
+    c.wait_output("joining the job with them", timeout=60)  # its worker waits, ready
+    ahead = set(worker_pids(c))
+    assert "waits as a standby" in c.transcript(), c.transcript()
+    killed = time.time()
+    b.kill_tree()
+    wait_until(lambda: ahead <= pids_at(tmp_path, 2), 60, "c's waiting worker to train")
+    for agent in (a, c):
+        assert agent.wait(120) == 0, agent.transcript()
+    after = {r["pid"] for r in rows(tmp_path) if r["t"] > killed + 0.5}
+    assert after == kept | ahead, (after, kept, ahead)
+    assert "new workers follow" not in c.transcript(), c.transcript()
+    check_run(tmp_path, changes=1, epochs=epochs)
+
+
 @pytest.mark.slow(seconds=75)
 @pytest.mark.parametrize("then", ["builds", "b-killed"])
 def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(

@@ -26,6 +26,7 @@ def round_of(number: int, *nodes: tuple[str, int]) -> RoundRecord:
 
 LEADER = NodeRecord("a", "10.0.0.7", 2, in_place=True)
 RUNNING = Glance(round_of(3, ("a", 2), ("b", 3)), leader=LEADER)
+FULL = Glance(round_of(3, ("a", 2), ("b", 2), ("c", 2), ("d", 2)), leader=LEADER)
 WIRE = ("10.0.0.3", 41999)
 
 
@@ -41,6 +42,21 @@ def test_the_workers_start_after_the_members_as_the_next_round_will_place_them()
     assert "round 3 trains with room" in choice.reason and "round 4" in choice.reason
 
 
+def test_a_standby_starts_its_workers_for_the_place_of_a_member_lost() -> None:
+    """A full round admits a standby only for a member lost: its workers wait for the
+    last place (group rank 3 of 4, ranks 6-7 of 8 where each node has 2 workers), so a
+    loss costs the survivors the forming of the group, not the standby's start-up."""
+    choice = ahead(FULL, 0, False, nproc=2, max_nodes=4, static=False, in_place=True, store=WIRE)
+    assert [
+        (p.rank, p.group_rank, p.world_size, p.group_world_size) for p in choice.placements
+    ] == [
+        (6, 3, 8, 4),
+        (7, 3, 8, 4),
+    ]
+    assert "round 3 is full: this node waits as a standby" in choice.reason
+    assert "the place of a member lost" in choice.reason
+
+
 @pytest.mark.parametrize(
     ("glance", "static", "in_place", "why"),
     [
@@ -50,12 +66,8 @@ def test_the_workers_start_after_the_members_as_the_next_round_will_place_them()
         (Glance(None, leader=LEADER), False, True, "no round runs yet"),
         (replace(RUNNING, leader=None), False, True, "do not re-form in place"),
         (replace(RUNNING, leader=replace(LEADER, in_place=False)), False, True, "do not re-form"),
-        (
-            Glance(round_of(3, ("a", 2), ("b", 3), ("c", 1), ("d", 1)), leader=LEADER),
-            False,
-            True,
-            "full",
-        ),
+        (replace(FULL, leader=None), False, True, "is full, and the job's workers do not re-form"),
+        (FULL, False, False, "--restart-mode respawn"),
     ],
 )
 def test_no_workers_start_ahead_where_the_next_round_is_unknown_or_restarts_anyway(

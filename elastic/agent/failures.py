@@ -9,6 +9,7 @@ earliest failure that is not a consequence of another (``rendezvous.rules.earlie
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -25,12 +26,26 @@ __all__ = ["FailureReport", "WorkerFailure", "collect", "format_report", "summar
 _EPILOGUE = "terminate called"
 
 
+# pybind11 ends an error raised in Python code that C++ called (a DDP comm hook's future
+# callback, say) with that code's frames: "At:", then a "file(line): function" a frame,
+# after the exception's line (each line perhaps with the launcher's "[rank0]:" prefix)
+_PREFIX = r"^(?:\[[^\]]*\]:)?\s*"
+_AT = re.compile(_PREFIX + r"At:$")
+_FRAME = re.compile(_PREFIX + r"\S.*\(\d+\): \S+$")
+
+
 def last_line(text: str) -> str:
     """The exception line of a traceback: its last non-empty line, past what the C++
-    runtime printed as the process then aborted (``_EPILOGUE``)."""
+    runtime printed as the process then aborted (``_EPILOGUE``) and the frames pybind11
+    lists after an exception raised through C++ (``_AT``)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     while lines and _EPILOGUE in lines[-1]:
         lines.pop()
+    frames = len(lines)
+    while frames and _FRAME.match(lines[frames - 1]):
+        frames -= 1
+    if 1 < frames < len(lines) and _AT.match(lines[frames - 1]):
+        lines = lines[: frames - 1]
     return lines[-1] if lines else ""
 
 

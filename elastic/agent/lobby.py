@@ -12,6 +12,11 @@ all wait there (a worker that reached torch's own ``init_process_group`` instead
 script having imported elastic later, is seen at once: ``tripwire``), or after
 ``LOBBY_MAX``; the members then pause once, for the forming of the group alone.
 
+A standby (the round is full: ``--nnodes`` MAX) starts its workers the same way, for the
+place of a member lost: the last group rank, the members' world size (a member of its
+own number of workers lost). A loss then costs the survivors the forming of the group,
+not the standby's start-up; while nothing is lost its workers wait, as a hot spare's do.
+
 A round that places the newcomer otherwise (another node joined or was lost meanwhile)
 gets new workers: the ones started ahead may have read their ranks already.
 
@@ -71,19 +76,25 @@ def ahead(
         return Ahead((), "the job is over")
     if r is None:
         return Ahead((), "no round runs yet: the first forms with this node")
-    if r.size >= max_nodes:
-        return Ahead((), f"round {r.number} is full: this node waits as a standby")
     leader = glance.leader
     if not live and (leader is None or not leader.in_place):
-        return Ahead((), "the job's workers do not re-form in place: the members restart")
+        why = "the job's workers do not re-form in place: the members restart"
+        return Ahead((), f"round {r.number} is full, and {why}" if r.size >= max_nodes else why)
+    if r.size >= max_nodes:  # a standby: in the place of a member lost, of its own nproc
+        before = r.world_size - nproc  # the ranks of the members who stay (the header only)
+        group_rank, how = r.size - 1, f"round {r.number} is full: this node waits as a standby"
+        what = "a member lost"
+    else:
+        before, group_rank, how = r.world_size, r.size, f"round {r.number} trains with room"
+        what = f"this node in round {r.number + 1}"
     placements = tuple(
         Placement(
             local_rank=lr,
-            rank=r.world_size + lr,
-            group_rank=r.size,
+            rank=before + lr,
+            group_rank=group_rank,
             local_world_size=nproc,
-            world_size=r.world_size + nproc,
-            group_world_size=r.size + 1,
+            world_size=before + nproc,
+            group_world_size=group_rank + 1,
             master_addr=store[0],
             master_port=store[1],
             restart_count=restart_count,
@@ -92,9 +103,8 @@ def ahead(
     )
     return Ahead(
         placements,
-        f"round {r.number} trains with room for this node: its workers start now and wait "
-        f"for their place in round {r.number + 1} (group rank {r.size}, world size "
-        f"{r.world_size + nproc})",
+        f"{how}: its workers start now and wait for the place of {what} (group rank "
+        f"{group_rank}, world size {before + nproc})",
     )
 
 
