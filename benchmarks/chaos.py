@@ -2,7 +2,8 @@
 
 Nodes (an elastic-run agent and its workers, each a process tree on this machine) train
 ``tests/scripts/live_train.py`` (DDP in ``State.run``, a fixed global batch, every
-micro-batch's sample indices logged) on one etcd, ``--nnodes 1:4``. While it trains,
+micro-batch's sample indices logged) on one etcd, ``--nnodes 1:4`` (``--max-nodes 2``:
+1:2, and the nodes past 2 of the up to 4 wait as standbys). While it trains,
 events drawn from ``--seed`` hit it one after another, each 0-4 s after the previous
 one, so many land while the job is still recovering from the one before:
 
@@ -32,6 +33,7 @@ after it.
 
     python benchmarks/chaos.py [--seed 1] [--events 12] [--nproc 1] [--mode live]
                                [--only kill,join,...] [--width 1024 --depth 2]
+                               [--max-nodes 4]
 
 ``--width`` and ``--depth`` make the model big enough that its gradients and state take
 more than a socket's buffer to send (1024 and 2: 8 MB of gradients a step), where gloo
@@ -105,7 +107,7 @@ class Storm:
         return self.work / "steps"
 
     def start(self, name: str) -> None:
-        cmd = [sys.executable, "-m", "elastic", "--nnodes", f"1:{MAX_NODES}",
+        cmd = [sys.executable, "-m", "elastic", "--nnodes", f"1:{self.a.max_nodes}",
                "--nproc-per-node", str(self.a.nproc), "--rdzv-endpoint", self.etcd.endpoint,
                "--rdzv-id", "chaos", "--rdzv-conf", CONF, "--node-id", name,
                "--local-addr", "127.0.0.1", "--restart-mode", self.a.mode,
@@ -449,6 +451,12 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=12)
     ap.add_argument("--initial", type=int, default=3, help="nodes before the first event")
     ap.add_argument("--nproc", type=int, default=1, help="workers per node")
+    ap.add_argument(
+        "--max-nodes",
+        type=int,
+        default=MAX_NODES,
+        help=f"the job's MAX (--nnodes 1:MAX); of up to {MAX_NODES} nodes, those past it wait",
+    )
     ap.add_argument("--mode", default="live", choices=("live", "respawn"))
     ap.add_argument("--only", default=",".join(EVENTS), help="event kinds, comma-separated")
     ap.add_argument("--samples", type=int, default=9600)
