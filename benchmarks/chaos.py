@@ -362,7 +362,8 @@ def run(a: argparse.Namespace) -> int:
                 s.start(s.fresh_name())
                 time.sleep(0.3)
             deadline = time.monotonic() + 120
-            while len({r["rank"] for r in s.rows()}) < a.initial * a.nproc:
+            first = min(a.initial, a.max_nodes) * a.nproc  # the others wait as standbys
+            while len({r["rank"] for r in s.rows()}) < first:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the job never trained at its first size")
                 time.sleep(0.1)

@@ -27,8 +27,8 @@ _EPILOGUE = "terminate called"
 
 
 # pybind11 ends an error raised in Python code that C++ called (a DDP comm hook's future
-# callback, say) with that code's frames: "At:", then a "file(line): function" a frame,
-# after the exception's line (each line perhaps with the launcher's "[rank0]:" prefix)
+# callback, say) with that code's frames, after the exception's line: "At:", then one
+# "file(line): function" line a frame (each line perhaps with a "[rank0]:" prefix)
 _PREFIX = r"^(?:\[[^\]]*\]:)?\s*"
 _AT = re.compile(_PREFIX + r"At:$")
 _FRAME = re.compile(_PREFIX + r"\S.*\(\d+\): \S+$")
