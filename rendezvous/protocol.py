@@ -159,15 +159,16 @@ class Rendezvous:
             raise
         self.round = None
 
-    def shutdown(self, leave: bool = True) -> None:
+    def shutdown(self, leave: bool = True, back: bool = False) -> None:
         """Stop the background threads; with ``leave`` the others see this node go at once,
-        as a departure (its tombstone), not a loss."""
+        as a departure (its tombstone), not a loss; ``back``: for now (it steps out, and
+        joins again as a newcomer)."""
         self._arrival.withdraw()  # one that never registered
         if self.session.closed:
             return
         self._progress_writer.stop()
         resign = self.lead.resignation(self.mirror.view()) if leave else None
-        self.session.close(leave, resign, reachable=self.mirror.connected)
+        self.session.close(leave, resign, reachable=self.mirror.connected, back=back)
         self.mirror.stop()
 
     # -- rounds ---------------------------------------------------------------------------

@@ -346,6 +346,9 @@ class GoneRecord:
     rev: int
     host: str = ""
     at: float = 0.0
+    # it left for now (its own worker failed: ``lobby.step_out``) and joins again, its
+    # snapshots kept: what it trained may be the job's newest state (``rules.plan``)
+    back: bool = False
 
     def encode(self) -> bytes:
         return dumps(_shallow(self))
@@ -357,6 +360,7 @@ class GoneRecord:
             rev=_field(key, obj, "rev", int),
             host=str(obj.get("host", "")),
             at=_number(obj, "at"),
+            back=obj.get("back") is True,
         )
 
 

@@ -112,7 +112,16 @@ def _members(view: JobView, max_nodes: int) -> dict[str, MemberState]:
 
 def _newcomers(view: JobView, max_nodes: int) -> list[PresentNode]:
     """Present incarnations outside the round that may join it: those that ask for a rank
-    (torchrun's static form) in that order, then the others in join order."""
+    (torchrun's static form) in that order, then those that were members of the round (as
+    an earlier incarnation: one that stepped out, or came back after a loss; what it
+    trained may be the job's newest state, kept on its host), then the others in join
+    order (chaos seed 24: two fresh nodes took the only places, and the round trained
+    284 steps again while the members that held them waited as standbys)."""
+    r = view.round
+
+    def member_before(n: PresentNode) -> bool:
+        return r is not None and r.member(n.record.id) is not None
+
     return sorted(
         (
             n
@@ -120,7 +129,7 @@ def _newcomers(view: JobView, max_nodes: int) -> list[PresentNode]:
             if member_state(view, n.record.id, n.rev, max_nodes)
             in (MemberState.JOINING, MemberState.STANDBY)
         ),
-        key=lambda n: (n.record.rank < 0, n.record.rank, n.rev),
+        key=lambda n: (n.record.rank < 0, n.record.rank, not member_before(n), n.rev),
     )
 
 
@@ -248,7 +257,8 @@ def plan(
             present=count,
             lapsed=lapsed,
         )
-    away = holders_away(view, current, staying, lost, proven)
+    back = tuple(m.id for m in previous if m.id in left and _comes_back(view, m))
+    away = holders_away(view, current, staying, lost + back, proven)
     until = view.last_loss + HOLD_TTLS * lease_ttl
     if away and now < until:
         assert view.progress is not None
@@ -256,7 +266,7 @@ def plan(
             False,
             f"waiting up to {until - now:.1f}s for {', '.join(away)}: no other member of "
             f"round {number} is left, so the job's newest state (step {view.progress.step}) "
-            "may be theirs alone, and nothing shows they died",
+            "may be theirs alone, and they may yet come back",
             writer=writer,
             wake_at=until,
             present=count,
@@ -320,19 +330,30 @@ def holders_away(
     lost: tuple[str, ...],
     proven: Mapping[str, int] | None,
 ) -> tuple[str, ...]:
-    """The members among ``lost`` that may hold the job's newest state alone and may yet
-    come back: when no member that stays in round ``current`` holds what its members
-    trained (``_holds_its_rounds``), the job committed a step, and they are not known to
-    be gone for good (proven dead, or registered again as a new incarnation, whose
-    workers find the old one's snapshots on its host). A node frozen past its lease's end
-    comes back to its round (``RoundEnd.LAPSED``) if none formed without it; a round
-    formed at once would lose every step since the newest state another node holds."""
+    """The members among ``lost`` (lost, or left for now: ``_comes_back``) that may hold
+    the job's newest state alone and may yet come back: when no member that stays in
+    round ``current`` holds what its members trained (``_holds_its_rounds``), the job
+    committed a step, and they are not known to be gone for good (proven dead, or
+    registered again as a new incarnation, whose workers find the old one's snapshots on
+    its host, and which ``_newcomers`` puts first). A node frozen past its lease's end
+    comes back to its round (``RoundEnd.LAPSED``) if none formed without it, one that
+    stepped out once its new workers wait; a round formed at once would lose every step
+    since the newest state another node holds (chaos seed 24: the only two members' workers
+    hung at once, each stepped out for the other to go on, and a node that had just come
+    formed a round alone from step 0)."""
     if current is None or not lost or view.progress is None:
         return ()
     if any(_holds_its_rounds(view, current, m) for m in staying):
         return ()
     members = current.members
     return tuple(m.id for m in members if m.id in lost and not _gone_for_good(view, m, proven))
+
+
+def _comes_back(view: JobView, m: Member) -> bool:
+    """Member ``m`` left for now (``GoneRecord.back``: its own worker failed, and it steps
+    out to join again with new workers, its snapshots kept)."""
+    gone = view.gone.get(m.id)
+    return gone is not None and gone.rev == m.rev and gone.back
 
 
 def _holds_its_rounds(view: JobView, current: RoundRecord, m: Member) -> bool:

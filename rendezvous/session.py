@@ -455,31 +455,38 @@ class Session:
 
     # -- leaving -----------------------------------------------------------------------------------
     def close(
-        self, leave: bool = True, resign: tuple[Any, Any] | None = None, reachable: bool = True
+        self,
+        leave: bool = True,
+        resign: tuple[Any, Any] | None = None,
+        reachable: bool = True,
+        back: bool = False,
     ) -> None:
         """End the session. With ``leave`` the others see this node go at once, as a
         departure (its tombstone, and ``resign``: a compare and an operation that give
         up the lead in the same transaction), not a loss; the lease is revoked. Unless
-        etcd does not answer (``reachable``: its watch is up): then the lease expires."""
+        etcd does not answer (``reachable``: its watch is up): then the lease expires.
+        ``back``: it leaves for now, and its tombstone says so (``GoneRecord.back``)."""
         if self.closed:
             return
         self.closed = True
         if leave:
             self.leaving = True
             if self.record is not None and self.lease.lease_id and not self.lease.lost:
-                self._last_words("tell etcd it leaves", reachable, lambda: self._leave(resign))
+                self._last_words(
+                    "tell etcd it leaves", reachable, lambda: self._leave(resign, back)
+                )
             if not self._silent:  # else it is left to expire
                 self.lease.revoke(timeout=LEAVE_TIMEOUT)
         self.lease.stop()
         if self._probe is not None:
             self._probe.close()
 
-    def _leave(self, resign: tuple[Any, Any] | None) -> None:
+    def _leave(self, resign: tuple[Any, Any] | None, back: bool) -> None:
         """In one transaction: this node's tombstone (on a short lease of its own, so it
         goes away by itself) and the removal of its record."""
         ttl = max(GONE_TTL, 2 * self.options.lease_ttl)
         gone_lease = self.client.grant(ttl, timeout=LEAVE_TIMEOUT)
-        rec = GoneRecord(rev=self.rev, host=self.me.host, at=time.time())
+        rec = GoneRecord(rev=self.rev, host=self.me.host, at=time.time(), back=back)
         ops = self.client.ops
         leave = [
             ops.put(self.key(records.GONE + self.me.id), rec.encode(), lease=gone_lease),

@@ -160,8 +160,9 @@ class FakeJob:
         self.closed_as.append(state)
         return True
 
-    def shutdown(self, leave: bool = True) -> None:
+    def shutdown(self, leave: bool = True, back: bool = False) -> None:
         self.calls.append("shutdown")
+        self.left_for_now = back
 
 
 class FakeWorkers:
@@ -1080,6 +1081,7 @@ def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started
         a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new)
         assert a.run() == 0
     assert old.calls[-2:] == ["report, not done", "shutdown"]  # reported, then left
+    assert old.left_for_now  # its tombstone says it comes back (rules.plan waits for it)
     # out, ahead (on its way), registered
     assert new.calls[:5] == ["glance", "glance", "glance", "announce_arrival", "start"]
     (ahead,) = workers.started[1:]

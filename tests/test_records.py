@@ -15,6 +15,7 @@ from rendezvous.records import (
     ClosedRecord,
     FailureRecord,
     FailureReport,
+    GoneRecord,
     JobOutcome,
     Member,
     NodeRecord,
@@ -246,3 +247,12 @@ def test_the_jobs_progress_is_read_or_named_as_malformed(value: bytes, why: str)
     )
     decoded.delete(records.PROGRESS)
     assert not decoded.view(7, 0.0).problems
+
+
+def test_a_tombstone_says_whether_its_node_comes_back() -> None:
+    """A node that steps out leaves a tombstone that says it comes back (rules.plan waits
+    for it where it may hold the job's newest state); one written before says it does not."""
+    back = GoneRecord(7, "host-a", 1.5, back=True)
+    assert GoneRecord.decode("/j/gone/a", back.encode()) == back
+    assert not GoneRecord.decode("/j/gone/a", b'{"rev": 7, "host": "h", "at": 1}').back
+    assert not GoneRecord.decode("/j/gone/a", b'{"rev": 7, "back": "yes"}').back

@@ -393,6 +393,44 @@ def test_a_round_waits_for_lost_members_that_may_hold_the_jobs_newest_state_alon
     assert plan(replace(two, round_record=unnamed), 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
 
 
+def test_a_round_waits_for_members_that_stepped_out_holding_the_jobs_newest_state() -> None:
+    """c and d, round 4's only members, both step out (their workers hung at once: each
+    left for the other to go on); f, fresh, would form a round alone from what it holds,
+    nothing. Their tombstones say they come back (they left for now, snapshots kept): the
+    round waits for them as for members lost, and takes them first once registered, over
+    fresh nodes (chaos seed 24: f and e took the two places and trained 284 steps again).
+    A member that left for good (SIGTERM: it handed the state over first) is not waited
+    for."""
+    c, d, f, e = node("c", 3), node("d", 4), node("f", 8), node("e", 9)
+    gone = {
+        "c": GoneRecord(3, "host", back=True),
+        "d": GoneRecord(4, "host", back=True),
+    }
+    four = rnd(4, c, d)
+    held = replace(view(f, r=four), gone=gone, progress=ProgressRecord(284, "c", 4), last_loss=10.0)
+    p = plan(held, 1, 2, 0.1, 0, now=11.0, lease_ttl=3)
+    assert not p.form and p.lapsed == ("c", "d") and p.wake_at == 16.0, p
+    assert "newest state (step 284) may be theirs alone, and they may yet come back" in p.reason
+    assert plan(held, 1, 2, 0.1, 0, now=16.0, lease_ttl=3).form  # the hold is over
+    for_good = {k: replace(g, back=False) for k, g in gone.items()}
+    assert plan(replace(held, gone=for_good), 1, 2, 0.1, 0, now=11.0, lease_ttl=3).form
+    # back, registered after f and e: they take the two places
+    c2, d2 = node("c", 20), node("d", 21)
+    back = replace(held, nodes={n.record.id: n for n in (f, e, c2, d2)})
+    p = plan(back, 1, 2, 0.1, 0, now=11.0, lease_ttl=3)
+    assert p.form and [m.id for m in p.members] == ["c", "d"], p
+
+
+def test_newcomers_that_were_members_before_come_first() -> None:
+    """Among nodes waiting, a former member (a new incarnation) is admitted before nodes
+    new to the job, and static ranks before both."""
+    a, b, x = node("a", 1, done=1), node("b", 2), node("x", 3, done=1)
+    r = rnd(1, a, b, x)
+    fresh, b2 = node("n", 10), node("b", 11)
+    p = plan(view(a, x, fresh, b2, r=r), 1, 3, 0.1, 0, now=1.0)
+    assert p.form and p.lost == ("b",) and [m.id for m in p.members] == ["a", "x", "b"], p
+
+
 def test_round_end_for_newcomers_and_newer_rounds() -> None:
     a, b, n = node("a", 1), node("b", 2), node("n", 9)
     r = rnd(1, a, b)

@@ -99,7 +99,7 @@ class Membership(Protocol):
     def raise_progress(self, step: int) -> None: ...  # any node: only over an older step
     def progress(self) -> ProgressRecord | None: ...  # the job's progress as recorded
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
-    def shutdown(self, leave: bool = True) -> None: ...
+    def shutdown(self, leave: bool = True, back: bool = False) -> None: ...
 
 
 class Workers(Protocol):
@@ -804,7 +804,7 @@ class Agent:
         assert self.rejoin is not None and self.round is not None
         log.warning("leaving the job for now: %s", self._stepping)
         self._last_progress()
-        self.rdzv.shutdown(leave=True)
+        self.rdzv.shutdown(leave=True, back=True)
         self.rdzv = self.rejoin()
         self._restart_count += 1
         self._out_of = (self.round.number, time.monotonic())
