@@ -332,7 +332,8 @@ def holders_away(
 ) -> tuple[str, ...]:
     """The members among ``lost`` (lost, or left for now: ``_comes_back``) that may hold
     the job's newest state alone and may yet come back: when no member that stays in
-    round ``current`` holds what its members trained (``_holds_its_rounds``), the job
+    round ``current``, or is back in the job as a new incarnation, holds what its members
+    trained (``_holds_its_rounds``), the job
     committed a step, and they are not known to be gone for good (proven dead, or
     registered again as a new incarnation, whose workers find the old one's snapshots on
     its host, and which ``_newcomers`` puts first). A node frozen past its lease's end
@@ -343,7 +344,9 @@ def holders_away(
     formed a round alone from step 0)."""
     if current is None or not lost or view.progress is None:
         return ()
-    if any(_holds_its_rounds(view, current, m) for m in staying):
+    # a member back as a new incarnation holds what it held (its host's snapshots)
+    back = [m for m in current.members if m.id in view.nodes and view.nodes[m.id].rev != m.rev]
+    if any(_holds_its_rounds(view, current, m) for m in (*staying, *back)):
         return ()
     members = current.members
     return tuple(m.id for m in members if m.id in lost and not _gone_for_good(view, m, proven))

@@ -414,8 +414,11 @@ def test_a_round_waits_for_members_that_stepped_out_holding_the_jobs_newest_stat
     assert plan(held, 1, 2, 0.1, 0, now=16.0, lease_ttl=3).form  # the hold is over
     for_good = {k: replace(g, back=False) for k, g in gone.items()}
     assert plan(replace(held, gone=for_good), 1, 2, 0.1, 0, now=11.0, lease_ttl=3).form
-    # back, registered after f and e: they take the two places
+    # c back (d not yet): it holds what round 4 trained, as d does; no wait for d
     c2, d2 = node("c", 20), node("d", 21)
+    p = plan(replace(held, nodes={"f": f, "c": c2}), 1, 2, 0.1, 0, now=11.0, lease_ttl=3)
+    assert p.form and [m.id for m in p.members] == ["c", "f"], p
+    # back, registered after f and e: they take the two places
     back = replace(held, nodes={n.record.id: n for n in (f, e, c2, d2)})
     p = plan(back, 1, 2, 0.1, 0, now=11.0, lease_ttl=3)
     assert p.form and [m.id for m in p.members] == ["c", "d"], p
