@@ -333,15 +333,15 @@ def holders_away(
     """The members among ``lost`` (lost, or left for now: ``_comes_back``) that may hold
     the job's newest state alone and may yet come back: when no member that stays in
     round ``current``, or is back in the job as a new incarnation, holds what its members
-    trained (``_holds_its_rounds``), the job
-    committed a step, and they are not known to be gone for good (proven dead, or
-    registered again as a new incarnation, whose workers find the old one's snapshots on
-    its host, and which ``_newcomers`` puts first). A node frozen past its lease's end
-    comes back to its round (``RoundEnd.LAPSED``) if none formed without it, one that
-    stepped out once its new workers wait; a round formed at once would lose every step
-    since the newest state another node holds (chaos seed 24: the only two members' workers
-    hung at once, each stepped out for the other to go on, and a node that had just come
-    formed a round alone from step 0)."""
+    trained (``_holds_its_rounds``), the job committed a step, and they are not known to
+    be gone for good (proven dead, or registered again as a new incarnation, whose
+    workers find the old one's snapshots on its host, and which ``_newcomers`` puts
+    first). A node frozen past its lease's end comes back to its round
+    (``RoundEnd.LAPSED``) if none formed without it, one that stepped out once its new
+    workers wait; a round formed at once would lose every step since the newest state
+    another node holds (chaos seed 24: the only two members' workers hung at once, each
+    stepped out for the other to go on, and a node that had just come formed a round
+    alone from step 0)."""
     if current is None or not lost or view.progress is None:
         return ()
     # a member back as a new incarnation holds what it held (its host's snapshots)
