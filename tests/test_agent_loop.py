@@ -1143,6 +1143,24 @@ def test_a_node_that_alone_holds_what_it_trained_stays_in_when_its_workers_canno
     assert len(workers.started) == 2 and "no live re-formation (rank 0 is stuck" in caplog.text
 
 
+def test_a_node_whose_worker_fails_as_the_only_other_member_leaves_stays_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's worker fails as etcd already shows b, the only other member, leaving: b holds
+    nothing a could step out to leave with it, so a restarts in the round (chaos seed 27:
+    it stepped out for b to go on, and the job's state went with both)."""
+    leaving = Change(RoundEnd.LEAVING, "b leaving", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", restarts=1)], [None, leaving])
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+    rejoined: list[FakeJob] = []
+    with caplog.at_level(logging.INFO):
+        a = agent(job, workers, step_out=_step_out, rejoin=lambda: rejoined.append(job) or job)
+        assert a.run() == 0
+    assert rejoined == [] and len(workers.started) == 2, job.calls
+    assert "leaving the job for now" not in caplog.text
+
+
 def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_in_it() -> None:
     """Two nodes, at least two: without this one no round forms, so it stays in."""
     job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", "b", restarts=1)])

@@ -367,7 +367,7 @@ class Agent:
         this node's own failure, and workers that could not be held as the round re-forms:
         the others go on in place without it (``lobby.step_out``)."""
         if event in (LocalEvent.WORKERS_FAILED, LocalEvent.WORKERS_HUNG):
-            return self._steps_out()
+            return self._steps_out(self._going())
         if event is LocalEvent.HOLD_FAILED and self.state is not AgentState.PREPARING:
             self._stepping = ""  # said as the hold's failure is (none without step_out)
             return self._steps_out(self._gone(), were_live=True)  # they were to re-form
@@ -402,6 +402,22 @@ class Agent:
         if change is None or r is None or change.end not in taken:
             return frozenset()
         return frozenset(n for n in change.nodes if r.member(n) is not None)
+
+    def _going(self) -> frozenset[str]:
+        """Members of this node's round that etcd already shows going as its own workers
+        fail (lost, failed, leaving or left): they hold nothing it could step out to
+        leave with them (chaos seed 27: b's worker hung as a, the only other member, was
+        told to leave; b stepped out for a to go on, and the job's state went with both)."""
+        r = self.round
+        try:
+            change = self.rdzv.check()
+        except RendezvousError as e:
+            log.debug("could not read whether other members are going: %s", e)
+            return frozenset()
+        going = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED, RoundEnd.LEAVING)
+        if change is None or r is None or change.end not in going:
+            return frozenset()
+        return frozenset(n for n in change.nodes if n != self.node_id and r.member(n))
 
     # -- gathering events ---------------------------------------------------------------------
     def _out(self) -> Event:
