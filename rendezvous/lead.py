@@ -14,7 +14,7 @@ from typing import Any
 
 from rendezvous import records, rules
 from rendezvous.client import EtcdClient
-from rendezvous.errors import MalformedRecordError, RendezvousError
+from rendezvous.errors import LeaseNotFoundError, MalformedRecordError, RendezvousError
 from rendezvous.mirror import JobMirror
 from rendezvous.probe import gone_among
 from rendezvous.records import LeaderRecord, RoundEnd, RoundRecord
@@ -87,12 +87,19 @@ class Lead:
         leader's (a foreign or leaseless value), as long as nobody wrote it since."""
         s = self.session
         value = self._record(s.rev)
-        if junk is not None:
-            log.warning("claiming the lead over a value that is no leader's at %s", self._key)
-            revision = self.client.put_if(self._key, value, junk.mod_revision, lease=s.lease_id)
-            existing = None
-        else:
-            revision, existing = self.client.create(self._key, value, lease=s.lease_id)
+        try:
+            if junk is not None:
+                log.warning("claiming the lead over a value that is no leader's at %s", self._key)
+                revision = self.client.put_if(self._key, value, junk.mod_revision, lease=s.lease_id)
+                existing = None
+            else:
+                revision, existing = self.client.create(self._key, value, lease=s.lease_id)
+        except LeaseNotFoundError as e:
+            # etcd dropped this node's lease (an outage past its TTL) after the view was
+            # read: the session finds it (fenced, or lapsed) and the node registers again
+            # (chaos seed 27: a standby's claim ended its agent with exit 1)
+            log.info("not claiming the lead: %s", e)
+            return
         if revision:
             log.debug("leading job %s", s.options.run_id)
             created = junk.create_revision if junk is not None else revision

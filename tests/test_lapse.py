@@ -6,6 +6,7 @@ lost meanwhile. A node the job did move on without is fenced as before."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -579,3 +580,22 @@ def test_a_newcomer_that_registers_as_etcd_answers_again_waits_for_the_members_i
             )
         finally:
             stop([c])
+
+
+def test_a_claim_of_the_lead_on_a_lease_etcd_dropped_is_no_error(
+    pair: list[Rendezvous], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node whose lease etcd dropped after its view was read (an outage past the TTL)
+    may try to claim a vacant lead with it: etcd refuses ("requested lease not found").
+    That ended a standby's agent with exit 1 (chaos seed 27); now the claim is given up,
+    and the session finds its lease gone as before."""
+    a, _ = pair
+    lead = a.client.get(a.lead._key)
+    assert lead is not None
+    assert a.client.delete_if(lead.key, lead.mod_revision)  # the post is vacant
+    a.client.revoke(a.session.lease_id)
+    with caplog.at_level(logging.INFO, logger="rendezvous"):
+        a.lead._claim(None)  # raised LeaseNotFoundError
+    assert "not claiming the lead" in caplog.text
+    assert a.client.get(a.lead._key) is None
+    wait_until(lambda: check(a) in (RoundEnd.LAPSED, RoundEnd.FENCED), 10, "a to see it")
