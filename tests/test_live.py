@@ -422,6 +422,55 @@ def test_a_newcomer_cut_off_as_the_round_with_it_forms(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
+@pytest.mark.slow(seconds=40)
+def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
+    run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """A fault during the recovery from another: c (the leader, rank 0, the store host,
+    in a network namespace), a and b train; b is SIGKILLed and, 0.1 s later, as a and c
+    re-form without it, c's cable is pulled. a, cut off from both, leaves the dead
+    re-formation within the lease TTL, takes the lead and trains alone in its own
+    process; c, back, finds its lease gone and joins again. Nothing is lost."""
+    epochs = 20
+    with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
+
+        def node(name: str, inside: bool) -> Proc:
+            return start_agent(
+                procs,
+                etcd.endpoint,
+                run_id,
+                name,
+                SCRIPT,
+                "--epochs",
+                str(epochs),
+                nnodes="1:3",
+                extra=("--max-restarts", "2"),
+                **net.agent(inside, {"RESULT_DIR": str(tmp_path)}),
+            )
+
+        c = node("c", True)
+        c.wait_output("registered as c", timeout=60)  # first: it leads
+        a, b = node("a", False), node("b", False)
+        wait_world(tmp_path, 3, timeout=90)
+        kept = set(worker_pids(a))
+        b.kill_tree()
+        time.sleep(0.1)
+        cut = time.time()
+        net.cut()
+        alone = wait_world(tmp_path, 1, after=cut, timeout=TTL + 10)
+        print(f"a trains alone {alone - cut:.2f}s after the leader's cut")
+        assert alone - cut < TTL + 3, a.transcript()
+        assert "c refuses its probe port" not in a.transcript()  # cut off is not dead
+        survivors_kept(tmp_path, kept, after_world=1)
+        restored = time.time()
+        net.restore()
+        c.wait_output("lease is gone", timeout=30)
+        wait_world(tmp_path, 2, after=restored, timeout=60)
+        for n in (a, c):
+            assert n.wait(120) == 0, n.transcript()
+    check_run(tmp_path, changes=3, epochs=epochs)
+
+
 def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newcomer_first(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
