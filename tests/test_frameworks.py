@@ -56,6 +56,53 @@ def at_once(fn: Callable[[str], T], names: Iterable[str]) -> dict[str, T]:
         return dict(zip(names, pool.map(fn, names), strict=True))
 
 
+def start_pair(
+    procs: list[Proc],
+    endpoint: str,
+    run_id: str,
+    result: Path,
+    job: tuple[str | Path, ...],
+    kill: tuple[str, ...],
+    nproc: int,
+) -> tuple[Proc, Proc]:
+    """The same job twice, each on a run id of its own: as written ("plain") and with
+    ``kill`` (the adapter, and a rank that kills itself once), which may restart once."""
+    for kind in ("plain", "kill"):
+        (result / kind).mkdir(parents=True)
+    plain = start_agent(
+        procs, endpoint, f"{run_id}-plain", "a", *job, nproc=nproc,
+        env={"RESULT_DIR": str(result / "plain")}, extra=FORK,
+    )  # fmt: skip
+    killed = start_agent(
+        procs, endpoint, f"{run_id}-kill", "b", *job, *kill, nproc=nproc,
+        env={"RESULT_DIR": str(result / "kill")},
+        extra=("--snapshot-every", "3", "--max-restarts", "1", *FORK),
+    )  # fmt: skip
+    return plain, killed
+
+
+def same_as_plain(result: Path, name: str, last_step: int) -> None:
+    """The killed run trained the plain run's samples to its losses (the redone step
+    included) and ended, at ``last_step``, with exactly its weights and optimizer state."""
+
+    def key(r: dict) -> tuple[int, int, int]:  # Lightning logs each batch, the others a step
+        return r["epoch"], r.get("batch", r["step"]), r["rank"]
+
+    ref = {key(r): r for r in steps(result / "plain")}
+    for r in steps(result / "kill"):
+        same = ref[key(r)]
+        assert (r["step"], r["indices"], r["loss"]) == (
+            same["step"], same["indices"], same["loss"]
+        ), (name, r, same)  # fmt: skip
+    want, got = (torch.load(result / d / "final.pt", map_location="cpu") for d in ("plain", "kill"))
+    assert want["step"] == got["step"] == last_step, name
+    for k, v in want["model"].items():
+        assert torch.equal(v, got["model"][k]), (name, k)
+    for p, s in want["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, got["optimizer"]["state"][p][k]), (name, p, k)
+
+
 @pytest.mark.slow(seconds=75)
 def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
@@ -66,58 +113,19 @@ def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
     optimizer state of the same script without the adapter and without a fault."""
     args = ("--samples", "192", "--accumulate", "2")  # 12 optimizer steps an epoch
     kill = ("--adapter", "--kill-rank", "1", "--kill-step", "7")
-    agents: dict[str, tuple[Proc, Proc]] = {}
     # accelerate's same-world resume is its order replayed (test_accelerate) and State's
     # own (test_state_e2e): CI's time goes to the two whose adapters resume their loops
+    agents = {}
     for name in ("lightning", "transformers"):
         job = (SCRIPTS / JOBS[name][0], *args)
-        for kind in ("plain", "kill"):
-            (tmp_path / name / kind).mkdir(parents=True)
-        out = {kind: {"RESULT_DIR": str(tmp_path / name / kind)} for kind in ("plain", "kill")}
-        plain = start_agent(
-            procs,
-            etcd.endpoint,
-            f"{run_id}-{name}-plain",
-            "a",
-            *job,
-            nproc=2,
-            env=out["plain"],
-            extra=FORK,
-        )
-        killed = start_agent(
-            procs,
-            etcd.endpoint,
-            f"{run_id}-{name}-kill",
-            "b",
-            *job,
-            *kill,
-            nproc=2,
-            env=out["kill"],
-            extra=("--snapshot-every", "3", "--max-restarts", "1", *FORK),
-        )
-        agents[name] = (plain, killed)
+        result = tmp_path / name
+        agents[name] = start_pair(procs, etcd.endpoint, f"{run_id}-{name}", result, job, kill, 2)
     for name, (plain, killed) in agents.items():
         for agent in (plain, killed):
             assert agent.wait(300) == 0, f"{name}: {agent.transcript()}"
         assert any("signal SIGKILL" in line for line in killed.err), name
         assert any("resumes from step 6" in line for line in killed.err), killed.transcript()
-
-        def key(r: dict) -> tuple[int, int, int]:  # Lightning logs each batch, the others a step
-            return r["epoch"], r.get("batch", r["step"]), r["rank"]
-
-        ref = {key(r): r for r in steps(tmp_path / name / "plain")}
-        for r in steps(tmp_path / name / "kill"):  # the redone step 7 included
-            same = ref[key(r)]
-            assert (r["step"], r["indices"], r["loss"]) == (
-                same["step"], same["indices"], same["loss"]
-            ), (name, r, same)  # fmt: skip
-        want, got = (torch.load(tmp_path / name / d / "final.pt") for d in ("plain", "kill"))
-        assert want["step"] == got["step"] == 24, name
-        for k, v in want["model"].items():
-            assert torch.equal(v, got["model"][k]), (name, k)
-        for p, s in want["optimizer"]["state"].items():
-            for k, v in s.items():
-                assert torch.equal(v, got["optimizer"]["state"][p][k]), (name, p, k)
+        same_as_plain(tmp_path / name, name, last_step=24)
 
 
 @pytest.mark.slow(seconds=75)

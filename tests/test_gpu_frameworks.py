@@ -19,7 +19,7 @@ import pytest
 import torch
 from agents import samples_once, start_agent, steps, wait_world, worker_pids
 from harness import ROOT, Proc
-from test_frameworks import FORK, JOBS, SCRIPTS, at_once
+from test_frameworks import FORK, JOBS, SCRIPTS, at_once, same_as_plain, start_pair
 
 from elastic.agent.etcd_server import EtcdServer
 
@@ -47,52 +47,17 @@ def test_a_killed_cuda_worker_resumes_bitwise(
     optimizer state of the script without the adapter and without a fault."""
     args = ("--samples", "96", "--accumulate", "2", *CUDA)  # 12 optimizer steps an epoch
     kill = ("--adapter", "--kill-rank", "0", "--kill-step", "7")
-    agents: dict[str, tuple[Proc, Proc]] = {}
+    agents = {}
     for name in ("lightning", "transformers"):
         job = (SCRIPTS / JOBS[name][0], *args)
-        out = {}
-        for kind in ("plain", "kill"):
-            (tmp_path / name / kind).mkdir(parents=True)
-            out[kind] = {"RESULT_DIR": str(tmp_path / name / kind)}
-        plain = start_agent(
-            procs, etcd.endpoint, f"{run_id}-{name}-plain", "a", *job, env=out["plain"], extra=FORK
-        )
-        killed = start_agent(
-            procs,
-            etcd.endpoint,
-            f"{run_id}-{name}-kill",
-            "b",
-            *job,
-            *kill,
-            env=out["kill"],
-            extra=("--snapshot-every", "3", "--max-restarts", "1", *FORK),
-        )
-        agents[name] = (plain, killed)
+        result = tmp_path / name
+        agents[name] = start_pair(procs, etcd.endpoint, f"{run_id}-{name}", result, job, kill, 1)
     for name, (plain, killed) in agents.items():
         for agent in (plain, killed):
             assert agent.wait(300) == 0, f"{name}: {agent.transcript()}"
         assert any("signal SIGKILL" in line for line in killed.err), name
         assert "restored step 6 (from rank 0)" in killed.transcript(), killed.transcript()
-
-        def key(r: dict) -> tuple[int, int, int]:
-            return r["epoch"], r.get("batch", r["step"]), r["rank"]
-
-        ref = {key(r): r for r in steps(tmp_path / name / "plain")}
-        for r in steps(tmp_path / name / "kill"):
-            same = ref[key(r)]
-            assert (r["step"], r["indices"], r["loss"]) == (
-                same["step"], same["indices"], same["loss"]
-            ), (name, r, same)  # fmt: skip
-        want, got = (
-            torch.load(tmp_path / name / d / "final.pt", map_location="cpu")
-            for d in ("plain", "kill")
-        )
-        assert want["step"] == got["step"] == 24, name
-        for k, v in want["model"].items():
-            assert torch.equal(v, got["model"][k]), (name, k)
-        for p, s in want["optimizer"]["state"].items():
-            for k, v in s.items():
-                assert torch.equal(v, got["optimizer"]["state"][p][k]), (name, p, k)
+        same_as_plain(tmp_path / name, name, last_step=24)
 
 
 def test_a_node_lost_keeps_the_survivors_cuda_worker(

@@ -25,7 +25,7 @@ import torch
 from agents import TTL, gone, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from etcd_servers import EtcdCluster
-from faults import isolated_node
+from faults import NetNode, isolated_node
 from harness import ROOT, Proc, echo_server, until_send_blocked, wait_until
 
 from elastic.agent.core import COMING_LIVE_S
@@ -52,8 +52,13 @@ def start_on(
     *args: str,
     extra: tuple[str, ...] = (),
     nnodes: str = "2:3",
+    net: NetNode | None = None,
+    inside: bool = False,
 ) -> Proc:
+    """``net``: placed by that network namespace's link, ``inside`` it or on this side."""
     out.mkdir(exist_ok=True)
+    env = {"RESULT_DIR": str(out)}
+    where = net.agent(inside, env) if net is not None else {"env": env}
     return start_agent(
         procs,
         endpoint,
@@ -63,7 +68,7 @@ def start_on(
         *args,
         nnodes=nnodes,
         extra=("--max-restarts", "2", *extra),
-        env={"RESULT_DIR": str(out)},
+        **where,
     )
 
 
@@ -386,18 +391,11 @@ def test_a_newcomer_cut_off_as_the_round_with_it_forms(
     with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
 
         def node(name: str, inside: bool) -> Proc:
-            return start_agent(
-                procs,
-                etcd.endpoint,
-                run_id,
-                name,
-                SCRIPT,
-                "--epochs",
-                str(epochs),
-                nnodes="2:3",
-                extra=("--max-restarts", "2"),
-                **net.agent(inside, {"RESULT_DIR": str(tmp_path)}),
-            )
+            args = ("--epochs", str(epochs))
+            return start_on(
+                procs, etcd.endpoint, run_id, tmp_path, name, *args, nnodes="2:3", net=net,
+                inside=inside,
+            )  # fmt: skip
 
         a, b = node("a", False), node("b", False)
         wait_world(tmp_path, 2, timeout=90)
@@ -435,18 +433,11 @@ def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
     with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
 
         def node(name: str, inside: bool) -> Proc:
-            return start_agent(
-                procs,
-                etcd.endpoint,
-                run_id,
-                name,
-                SCRIPT,
-                "--epochs",
-                str(epochs),
-                nnodes="1:3",
-                extra=("--max-restarts", "2"),
-                **net.agent(inside, {"RESULT_DIR": str(tmp_path)}),
-            )
+            args = ("--epochs", str(epochs))
+            return start_on(
+                procs, etcd.endpoint, run_id, tmp_path, name, *args, nnodes="1:3", net=net,
+                inside=inside,
+            )  # fmt: skip
 
         c = node("c", True)
         c.wait_output("registered as c", timeout=60)  # first: it leads
