@@ -3,6 +3,8 @@ when nothing happens, and the rest of the epoch, once, over any new world size."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import need
 from torch.utils.data import DistributedSampler
@@ -85,7 +87,8 @@ def test_a_new_epoch_starts_from_its_beginning() -> None:
 
 def test_only_strategies_whose_checkpoint_every_rank_holds_whole_are_snapshotted() -> None:
     """FSDP, ModelParallel and DeepSpeed checkpoints are rank 0's alone or each rank's
-    shard: the adapter stands aside there (Lightning's own checkpoints resume them)."""
+    shard: no snapshot of the whole checkpoint there (ModelParallel's shards have their
+    own: test_model_parallels_shards_are_snapshotted_to_the_checkpoint_dir)."""
     from lightning.pytorch.strategies import (
         DDPStrategy,
         FSDPStrategy,
@@ -99,3 +102,47 @@ def test_only_strategies_whose_checkpoint_every_rank_holds_whole_are_snapshotted
     assert sharded(SingleDeviceStrategy("cpu")) is None
     assert sharded(FSDPStrategy()) == "FSDPStrategy"
     assert sharded(ModelParallelStrategy()) == "ModelParallelStrategy"
+
+
+def test_model_parallels_shards_are_snapshotted_to_the_checkpoint_dir() -> None:
+    """FSDP2's DTensors are what DCP saves and re-shards: ModelParallel's shards go to
+    --checkpoint-dir where it is given; FSDP's and DeepSpeed's formats are their own."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from elastic.integrations.lightning import shards_dir
+
+    assert shards_dir(ModelParallelStrategy(), "/ckpt") == "/ckpt"
+    assert shards_dir(ModelParallelStrategy(), None) is None
+    assert shards_dir(ModelParallelStrategy(), "") is None
+    assert shards_dir(FSDPStrategy(), "/ckpt") is None
+    assert shards_dir(DDPStrategy(), "/ckpt") is None
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "file", "resumes"),
+    [(-1, -1, False), (8, -1, True), (8, 5, True), (8, 8, False), (8, 12, False), (-1, 5, False)],
+)
+def test_a_snapshot_of_the_shards_is_resumed_only_where_newer_than_the_file(
+    snapshot: int, file: int, resumes: bool
+) -> None:
+    from elastic.integrations.lightning import from_snapshot
+
+    assert from_snapshot(snapshot, file) is resumes
+
+
+def test_the_step_of_the_scripts_checkpoint_file_or_sharded_directory(tmp_path: Path) -> None:
+    """Read without loading its tensors; a missing or foreign file is -1 (Lightning then
+    says what is wrong with it)."""
+    import torch
+
+    from elastic.integrations.lightning import _file_step
+
+    torch.save({"global_step": 12, "state_dict": {"w": torch.ones(3)}}, tmp_path / "last.ckpt")
+    (tmp_path / "sharded.ckpt").mkdir()  # ModelParallel's own: shards, and meta.pt beside
+    torch.save({"global_step": 20}, tmp_path / "sharded.ckpt" / "meta.pt")
+    (tmp_path / "junk.ckpt").write_text("not a checkpoint")
+    assert _file_step(tmp_path / "last.ckpt") == 12
+    assert _file_step(tmp_path / "sharded.ckpt") == 20
+    assert _file_step(tmp_path / "junk.ckpt") == -1
+    assert _file_step(tmp_path / "absent.ckpt") == -1
+    assert _file_step(None) == -1

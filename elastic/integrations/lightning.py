@@ -24,11 +24,20 @@ Lightning's DDP holds the process group, so a Trainer serves one round: with ``t
 (``fit`` makes a Trainer and fits) the process group re-forms in the same process and
 ``fit`` runs again from the newest committed state: the last fit's own, kept in memory,
 where no rank holds a newer one (``State.run``).
+
+``ModelParallelStrategy`` (FSDP2) shards the model and optimizer state, so no rank holds
+a checkpoint another could load. Given ``--checkpoint-dir`` (a directory every node
+reads), its snapshots are ``State``'s sharded ones: DCP checkpoints of the shards, with
+the rest of Lightning's checkpoint beside them (``_Rest``), at the interval the cost
+policy chooses; a restart loads the newest, re-sharded over the new world size by DCP.
+A change gives new workers. FSDP (``FSDPStrategy``) and DeepSpeed keep their own formats:
+the callback stands aside and Lightning resumes from its own checkpoints.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -38,7 +47,12 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
@@ -46,6 +60,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampl
 from elastic.contract import SnapshotPolicy
 from elastic.integrations._group import ensure_group
 from elastic.worker import group, rng
+from elastic.worker.sharded import complete_steps, is_sharded
 from elastic.worker.state import State
 
 log = logging.getLogger("elastic.lightning")
@@ -182,16 +197,54 @@ class _Checkpoint:
 
     def _dump(self) -> dict[str, Any]:
         assert self.trainer is not None, "no Trainer is fitting"
-        connector = self.trainer._checkpoint_connector
-        ckpt: dict[str, Any] = connector.dump_checkpoint(weights_only=False)
-        # what a restart reads back is loaded without running code (weights_only): the
-        # hyperparameters serve load_from_checkpoint, not a resume, and may be any object
-        for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters"):
-            ckpt.pop(key, None)
-        return ckpt
+        return _restorable(self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         self.loaded = ckpt
+
+
+def _restorable(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What a restart reads back is loaded without running code (weights_only): the
+    hyperparameters serve load_from_checkpoint, not a resume, and may be any object."""
+    for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters"):
+        ckpt.pop(key, None)
+    return ckpt
+
+
+class _Rest:
+    """Lightning's checkpoint but the shards, beside them in a sharded snapshot (``State``
+    saves the model's and optimizers' shards with DCP, which re-shards them on load): the
+    loops' progress (the loader's position among them), callbacks, schedulers, precision
+    and what the hooks add. One opaque value to DCP (its bytes), so that the restore's
+    template need not have the saved structure (loops grow keys as they run). Until
+    ``ready`` (training started) it is that template."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.ready = False
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.ready:
+            return {"checkpoint": b""}
+        strategy = self.trainer.strategy
+        # the shards are State's to save: Lightning's own state dicts of them would copy
+        # every shard to the CPU (its cpu_offload) only to be thrown away here
+        strategy.lightning_module_state_dict = dict
+        strategy.optimizer_state = lambda _optimizer: {}
+        try:
+            ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            del strategy.lightning_module_state_dict, strategy.optimizer_state
+        ckpt.pop("state_dict", None)
+        ckpt.pop("optimizer_states", None)
+        buf = io.BytesIO()
+        torch.save(_restorable(ckpt), buf)
+        return {"checkpoint": buf.getvalue()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        raw = saved.get("checkpoint", b"")
+        self.loaded = torch.load(io.BytesIO(raw), weights_only=True) if raw else None
 
 
 def sharded(strategy: object) -> str | None:
@@ -204,6 +257,40 @@ def sharded(strategy: object) -> str | None:
     if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
         return None
     return type(strategy).__name__
+
+
+def shards_dir(strategy: object, checkpoint_dir: str | None) -> str | None:
+    """Where a sharded strategy's snapshots go: ModelParallel's shards (FSDP2's DTensors,
+    which DCP saves and re-shards) to ``checkpoint_dir`` (``--checkpoint-dir``), where
+    given; None: no snapshots (FSDP and DeepSpeed keep formats of their own)."""
+    if not isinstance(strategy, ModelParallelStrategy):
+        return None
+    return checkpoint_dir or None
+
+
+def from_snapshot(snapshot: int, file: int) -> bool:
+    """Resume from the newest snapshot of the shards (its step; -1: none) rather than the
+    checkpoint file the script passes (its step; -1: none): only where it is newer."""
+    return snapshot >= 0 and snapshot > file
+
+
+def _file_step(path: str | Path | None) -> int:
+    """The global step of the checkpoint a script resumes from (a Lightning sharded one is
+    a directory with its metadata in ``meta.pt``); -1: none, or unreadable (Lightning
+    then says what is wrong with it)."""
+    if not path:
+        return -1
+    p = Path(path)
+    f = p / "meta.pt" if p.is_dir() else p
+    try:
+        try:  # the step alone: the tensors stay on disk
+            meta = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+        except RuntimeError:  # a file in torch's legacy format cannot be mapped
+            meta = torch.load(f, map_location="cpu", weights_only=False)
+        return int(meta.get("global_step", -1))
+    except Exception as e:  # whatever a file may hold: Lightning reads it itself
+        log.debug("could not read the step of %s: %s", path, e)
+        return -1
 
 
 def _loader_state(ckpt: dict[str, Any]) -> dict[str, int] | None:
@@ -228,7 +315,9 @@ class ElasticLightning(Callback):
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until training
         self._unwrap: list[Callable[[], None]] = []  # puts the strategy's methods back
         self._live = False  # inside run(): the State outlives each fit
-        self._aside = False  # a sharded strategy: Lightning's own checkpoints only
+        self._aside = False  # a sharded strategy: no snapshot of the whole checkpoint
+        self._shards: State | None = None  # ModelParallel's: DCP snapshots of the shards
+        self._rest: _Rest | None = None  # beside them, the rest of the checkpoint
 
     # -- start: restore --------------------------------------------------------------------
     def run(self, fit: Callable[[], T], backend: str | None = None) -> T:
@@ -246,6 +335,9 @@ class ElasticLightning(Callback):
         self._state = State(self._policy, lightning=self._checkpoint)
         self._live = True
         try:
+            # the step resumed from is said once the fit knows it (``on_train_start``):
+            # Lightning may resume from a newer file, or a sharded strategy from its own
+            self._state.restore(tell=False)
             return self._state.run(fit)
         finally:
             self._live = False
@@ -257,7 +349,10 @@ class ElasticLightning(Callback):
             return
         strategy = sharded(trainer.strategy)
         if strategy is not None:
-            self._stand_aside(trainer, strategy)
+            directory = self._shards_dir(trainer)
+            self._stand_aside(trainer, strategy, directory)
+            if directory is not None:
+                self._snapshot_shards(trainer, directory)
             return
         if self._live:  # run(): restored already, or again after a re-formation
             cp = self._checkpoint
@@ -279,22 +374,90 @@ class ElasticLightning(Callback):
             # seed): the restored states go back right before it, as they were saved
             self._rng = rng.capture()
 
-    def _stand_aside(self, trainer: pl.Trainer, strategy: str) -> None:
+    def _shards_dir(self, trainer: pl.Trainer) -> str | None:
+        policy = self._policy or SnapshotPolicy.from_env()
+        return shards_dir(trainer.strategy, policy.checkpoint_dir)
+
+    def _stand_aside(self, trainer: pl.Trainer, strategy: str, directory: str | None) -> None:
         """A sharded strategy's checkpoint is not each rank's whole state, so no rank could
-        send it to another: no snapshots, Lightning resumes from its own checkpoints, and
-        under ``run()`` a change gives new workers (a sharded model cannot be wrapped again
-        over a new group by a new Trainer). The sampler still resumes at the exact sample."""
+        send it to another: no snapshot of the whole, and under ``run()`` a change gives
+        new workers (a sharded model cannot be wrapped again over a new group by a new
+        Trainer). ModelParallel's shards are snapshotted to ``directory``, where given;
+        else Lightning resumes from its own checkpoints. The sampler still resumes at the
+        exact sample."""
         if not self._aside:
-            log.warning(
-                "%s keeps sharded checkpoints of its own: elastic-run's snapshots stand "
-                "aside, Lightning resumes from its own checkpoints%s",
-                strategy,
-                ", and a membership change gives new workers" if self._live else "",
-            )
+            new = ", and a membership change gives new workers" if self._live else ""
+            if directory is not None:  # said louder where live was asked for
+                (log.warning if self._live else log.info)(
+                    "%s shards the model: its snapshots are DCP checkpoints of the shards in %s%s",
+                    strategy,
+                    directory,
+                    new,
+                )
+            else:
+                more = (
+                    " (give --checkpoint-dir, a directory every node reads, for snapshots "
+                    "of its shards)"
+                    if strategy == ModelParallelStrategy.__name__
+                    else ""
+                )
+                log.warning(
+                    "%s keeps sharded checkpoints of its own: elastic-run's snapshots stand "
+                    "aside, Lightning resumes from its own checkpoints%s%s",
+                    strategy,
+                    more,
+                    new,
+                )
         self._aside = True
         if self._live:
             group.detach()  # the agent no longer re-forms these workers in place
         self._wrap_loaders(trainer)
+
+    def _snapshot_shards(self, trainer: pl.Trainer, directory: str) -> None:
+        """Make the shards' State once the strategy sharded the model and made the
+        optimizers: Lightning then resumes (``resume_start``), and the newer of the
+        snapshots and the script's ``ckpt_path`` is restored."""
+        connector = trainer._checkpoint_connector
+        resume = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            connector.resume_start = resume
+            if not self._restore_shards(trainer, directory, checkpoint_path):
+                resume(checkpoint_path, weights_only)
+
+        connector.resume_start = resume_start
+        self._unwrap.append(lambda: setattr(connector, "resume_start", resume))
+
+    def _restore_shards(self, trainer: pl.Trainer, directory: str, path: Any) -> bool:
+        """Restore the newest snapshot of the shards, re-sharded over this world, and give
+        Lightning the rest as the checkpoint it resumes from; False: Lightning reads
+        ``path`` (newer, or no snapshot) or nothing."""
+        module = trainer.lightning_module
+        if not is_sharded({"model": module}):
+            log.warning(
+                "ModelParallelStrategy left the model unsharded (no DTensor parameters "
+                "after configure_model): no snapshots; Lightning resumes from its own "
+                "checkpoints"
+            )
+            return False
+        self._rest = _Rest(trainer)
+        optimizers = {f"optimizer_{i}": o for i, o in enumerate(trainer.optimizers)}
+        self._shards = State(self._policy, model=module, **optimizers, lightning=self._rest)
+        steps = complete_steps(Path(directory))
+        # rank 0's view for all: every rank takes the same branch of what follows
+        newest, file = trainer.strategy.broadcast((steps[0] if steps else -1, _file_step(path)))
+        if not from_snapshot(newest, file):
+            if path and newest >= 0:
+                log.info("%s (step %d) is as new as the snapshots: resuming from it", path, file)
+            return False
+        if not self._shards.restore(tell=False):
+            return False
+        if path:
+            log.info("resuming from the snapshot of step %d, not %s", newest, path)
+        connector = trainer._checkpoint_connector
+        connector._loaded_checkpoint = self._rest.loaded or {}
+        self._rng = rng.capture()  # as restored: back right before the first step
+        return True
 
     def _resume_from(self, trainer: pl.Trainer, ckpt: dict[str, Any]) -> None:
         """Hand the snapshot to Lightning as the checkpoint to resume from: it restores
@@ -371,12 +534,22 @@ class ElasticLightning(Callback):
         loader.load_state_dict = sampler.load
 
     # -- training: commit ------------------------------------------------------------------
+    def _committing(self) -> State | None:
+        """The State each optimizer step is committed to: the shards', else the whole
+        checkpoint's unless it stands aside."""
+        if self._shards is not None:
+            return self._shards
+        return None if self._aside else self._state
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._rng is not None:
             rng.apply(self._rng)
             self._rng = None
-        if self._state is not None and not self._aside:  # from the snapshot, a file, or the start
-            self._state.resumed_from(trainer.global_step or -1)
+        if self._rest is not None:
+            self._rest.ready = True  # its snapshots hold the checkpoint from now on
+        state = self._committing()
+        if state is not None:  # from the snapshot, a file, or the start
+            state.resumed_from(trainer.global_step or -1)
             self._committed = trainer.global_step
 
     def on_train_batch_end(
@@ -387,12 +560,13 @@ class ElasticLightning(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._state is None or self._aside or trainer.global_step == self._committed:
+        state = self._committing()
+        if state is None or trainer.global_step == self._committed:
             return  # no optimizer step (gradient accumulation)
-        self._state.step = trainer.global_step - 1
+        state.step = trainer.global_step - 1
         self._committed = trainer.global_step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self._state.commit(float(loss) if isinstance(loss, torch.Tensor) else None)
+        state.commit(float(loss) if isinstance(loss, torch.Tensor) else None)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -403,6 +577,9 @@ class ElasticLightning(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         while self._unwrap:  # a later fit() starts as the first did
             self._unwrap.pop()()
+        if self._shards is not None:  # each fit shards its model anew
+            self._shards.close()  # the checkpoint in flight, if any, completes
+            self._shards = self._rest = None
         if self._state is not None and not self._live:  # run() closes its own
             self._state.close()  # the snapshot copy in flight, if any, completes
             self._state = None
