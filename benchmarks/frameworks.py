@@ -9,7 +9,10 @@ from. Each runs under stock torchrun (c10d, --max-restarts 3), under elastic-run
 the adapter, and under elastic-run with it (``ElasticLightning()``,
 ``ElasticCallback.attach(trainer)``, ``ElasticLoader``), and with it live, keeping the
 workers (``ElasticLightning.run(fit)``, ``ElasticCallback.run(make)``: a new Trainer in
-them; ``State.run`` with ``round_accelerator``: a new Accelerator). Once
+them; ``State.run`` with ``round_accelerator``: a new Accelerator). Lightning's
+ModelParallelStrategy (FSDP2, ``--framework lightning-fsdp2``) runs the same script
+sharded: its own checkpoints are DCP directories, the adapter's snapshots DCP checkpoints
+of the shards in ``--checkpoint-dir``, and a change gives new workers (no live form). Once
 both nodes train, node b (not torchrun's store host) is SIGKILLed,
 launcher and worker together, and a trains on alone. Printed per launcher: the seconds
 from the kill to the first step at world size 1 (and the ratio to torchrun's), and the
@@ -39,32 +42,46 @@ from elastic.agent.etcd_server import EtcdServer
 from rendezvous.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter)
-    "lightning": ("Lightning DDP", "lightning_train.py", "ElasticLightning"),
-    "transformers": ("HF Trainer", "hf_train.py", "ElasticCallback"),
-    "accelerate": ("accelerate", "accelerate_train.py", "ElasticLoader"),
-}
+FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter, its arguments)
+    "lightning": ("Lightning DDP", "lightning_train.py", "ElasticLightning", ()),
+    "transformers": ("HF Trainer", "hf_train.py", "ElasticCallback", ()),
+    "accelerate": ("accelerate", "accelerate_train.py", "ElasticLoader", ()),
+    "lightning-fsdp2": (
+        "Lightning FSDP2", "lightning_train.py", "ElasticLightning",
+        ("--strategy", "model_parallel"),
+    ),
+}  # fmt: skip
+SHARDED = {"lightning-fsdp2"}  # snapshots to --checkpoint-dir; a change gives new workers
 ARGS = ["--samples", "8000", "--epochs", "1", "--step-time", "0.03", "--checkpoint-every", "20"]
 COMMON = ["--nnodes", "1:2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]
 
 
-def torchrun_cmd(script: str, endpoint: str, run_id: str) -> list[str]:
+def torchrun_cmd(script: list[str], endpoint: str, run_id: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *COMMON, "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "3",
-            script, *ARGS]  # fmt: skip
+            *script, *ARGS]  # fmt: skip
 
 
-def elastic_cmd(script: str, endpoint: str, run_id: str, *script_args: str) -> list[str]:
+def elastic_cmd(
+    script: list[str], endpoint: str, run_id: str, *script_args: str, flags: tuple[str, ...] = ()
+) -> list[str]:
     return [sys.executable, "-m", "elastic", *COMMON, "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "--max-restarts", "3", script, *ARGS, *script_args]  # fmt: skip
+            "--rdzv-id", run_id, "--max-restarts", "3", *flags, *script, *ARGS,
+            *script_args]  # fmt: skip
 
 
-def adapter_cmd(script: str, endpoint: str, run_id: str) -> list[str]:
+def adapter_cmd(script: list[str], endpoint: str, run_id: str) -> list[str]:
     return elastic_cmd(script, endpoint, run_id, "--adapter")
 
 
-def live_cmd(script: str, endpoint: str, run_id: str) -> list[str]:
+def live_cmd(script: list[str], endpoint: str, run_id: str) -> list[str]:
     return elastic_cmd(script, endpoint, run_id, "--adapter", "--live")
+
+
+def sharded_cmd(script: list[str], endpoint: str, run_id: str, snapshots: Path) -> list[str]:
+    """The adapter's shard snapshots go to a directory both nodes read."""
+    flags = ("--checkpoint-dir", str(snapshots / run_id))
+    return elastic_cmd(script, endpoint, run_id, "--adapter", flags=flags)
 
 
 # the scripts log elastic.state's choices with their time
@@ -112,14 +129,17 @@ def measure(
 
 
 def bench(framework: str, repeat: int, timeout: float, etcd: EtcdServer, tmp: Path) -> None:
-    title, script_name, adapter = FRAMEWORKS[framework]
-    script = str(ROOT / "tests" / "scripts" / script_name)
-    kinds = {
+    title, script_name, adapter, args = FRAMEWORKS[framework]
+    script = [str(ROOT / "tests" / "scripts" / script_name), *args]
+    kinds: dict[str, Callable[[list[str], str, str], list[str]]] = {
         "torchrun, own ckpt": torchrun_cmd,
         "elastic-run, own ckpt": elastic_cmd,
         f"elastic-run + {adapter}": adapter_cmd,
         f"elastic-run + {adapter}, live": live_cmd,
     }
+    if framework in SHARDED:
+        del kinds[f"elastic-run + {adapter}, live"]
+        kinds[f"elastic-run + {adapter}"] = functools.partial(sharded_cmd, snapshots=tmp)
     seconds: dict[str, list[float | None]] = {k: [] for k in kinds}
     redone: dict[str, list[int | None]] = {k: [] for k in kinds}
     for r in range(repeat):

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from etcd3.utils import prefix_range_end
 
@@ -181,7 +182,10 @@ class Rendezvous:
         return self.session.fenced(view, self.mirror.connected)
 
     def next_round(
-        self, cancel: threading.Event | None = None, timeout: float | None = None
+        self,
+        cancel: threading.Event | None = None,
+        timeout: float | None = None,
+        wake: Callable[[], bool] | None = None,
     ) -> RoundRecord:
         """Block until a new round that includes this node has formed; return it.
 
@@ -189,7 +193,8 @@ class Rendezvous:
         forming the round when this node is the writer. Raises RendezvousClosedError
         when the job is over, RendezvousTimeoutError when fewer than MIN nodes are
         present for ``timeout`` (join_timeout) seconds, RendezvousCancelled once ``cancel``
-        is set (wake the wait with ``mirror.poke()``).
+        is set (wake the wait with ``mirror.poke()``) or ``wake`` (asked at each look at
+        the job, at least once a second) says so.
         """
         if not self._fenced(self.mirror.view()):
             with contextlib.suppress(LeaseLostError):  # then it registers again below
@@ -203,6 +208,8 @@ class Rendezvous:
             self.alive_at = time.monotonic()
             if cancel is not None and cancel.is_set():
                 raise RendezvousCancelled("cancelled while waiting for the next round")
+            if wake is not None and wake():
+                raise RendezvousCancelled("woken while waiting for the next round")
             if self.session.closed:  # never join again once shut down (lease revoked)
                 raise RendezvousCancelled("this node has left the job")
             if time.monotonic() >= deadline and self.session.outage() is not None:

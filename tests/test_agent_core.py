@@ -37,6 +37,7 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (J, L.ROUND_FORMED, False): (Stop.NONE, R, None, None, Start.NEW),
     (J, L.SIGNALLED, False): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED, N),
     (J, L.JOIN_TIMED_OUT, False): (Stop.NONE, AgentState.FAILED, None, Exit.FAILED, N),
+    (J, L.WARM, False): (Stop.NONE, J, None, None, N),  # a standby steps back to warm up
     (J, RoundEnd.JOB_SUCCEEDED, False): (
         Stop.NONE,
         AgentState.SUCCEEDED,
@@ -142,10 +143,12 @@ def test_the_table_covers_every_event_each_state_can_see() -> None:
     for s, e, _ in TABLE:
         seen.setdefault(s, set()).add(e)
     outcomes = {L.WORKERS_STOPPED, L.WORKERS_HELD, L.HOLD_FAILED}
-    local = set(L) - outcomes - {L.WENT_ON}
+    local = set(L) - outcomes - {L.WENT_ON, L.WARM}
     assert seen[R] == {*local, *RoundEnd} - {L.ROUND_FORMED, L.JOIN_TIMED_OUT}
     waiting_events = {L.ROUND_FORMED, L.SIGNALLED, L.JOIN_TIMED_OUT}
-    assert seen[J] == seen[H] == waiting_events | {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
+    ends = {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
+    assert seen[H] == waiting_events | ends
+    assert seen[J] == waiting_events | ends | {L.WARM}  # without workers: it may warm up
     assert seen[RZ] == seen[RS] == outcomes | {L.WORKERS_SUCCEEDED}
     assert seen[P] == {L.WORKERS_HELD, L.HOLD_FAILED, L.SIGNALLED}
     assert seen[OUT] == {L.WENT_ON, L.SIGNALLED}
@@ -188,6 +191,9 @@ def test_side_effects_of_the_rows() -> None:
         decide(R, L.WORKERS_HUNG, True).leave and decide(R, L.WORKERS_FAILED, True).report_failure
     )
     assert decide(OUT, L.WENT_ON).rejoin and not decide(OUT, L.SIGNALLED).rejoin
+    # a standby warming up leaves for good (in no round: nothing to report) and rejoins
+    assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).withdraw] == [(J, L.WARM, False)]
+    assert decide(J, L.WARM).rejoin and not decide(J, L.WARM).leave
     # only a lapse resumes, whatever the workers can do
     assert [(s, e, i) for s, e, i in TABLE if decide(s, e, i).resume] == [
         (R, RoundEnd.LAPSED, False)

@@ -12,13 +12,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastic.agent import lobby
+from elastic.agent import lobby, loop
 from elastic.agent.core import AgentState
 from elastic.agent.failures import FailureReport, WorkerFailure
 from elastic.agent.loop import Agent
@@ -26,7 +27,11 @@ from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, round_env
 from elastic.agent.storehost import StoreError
 from elastic.agent.workers import Drained, GroupState, Held
-from rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
+from rendezvous.errors import (
+    RendezvousCancelled,
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+)
 from rendezvous.records import (
     ClosedRecord,
     JobOutcome,
@@ -109,8 +114,15 @@ class FakeJob:
     def progress(self) -> ProgressRecord | None:
         return self.recorded
 
-    def next_round(self, cancel: threading.Event | None = None) -> RoundRecord:
+    def next_round(
+        self,
+        cancel: threading.Event | None = None,
+        timeout: float | None = None,
+        wake: Callable[[], bool] | None = None,
+    ) -> RoundRecord:
         self.calls.append("next_round")
+        if wake is not None and wake():
+            raise RendezvousCancelled("woken while waiting for the next round")
         step = self.rounds.popleft()
         if isinstance(step, Exception):
             raise step
@@ -1088,6 +1100,53 @@ def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started
     assert [(p.rank, p.group_rank, p.restart_count) for p in ahead] == [(4, 2, 1), (5, 2, 1)]
     assert [p.master_port for p in workers.reformed[0]] == [29503, 29503]  # round 3's store
     assert "leaving the job for now: the other 2 node(s) re-form in place" in caplog.text
+
+
+def test_a_standby_registered_without_workers_steps_back_to_start_them_ahead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """c came as the job started, before its leader said that its workers re-form in
+    place: it registered without workers. Once the leader says so (the round full: c is
+    a standby), c steps back (a departure: it was in no round) and joins again with its
+    workers started ahead for a lost member's place; round 2, z lost, places them as
+    they were started: they re-form in place, no new process."""
+    monkeypatch.setattr(loop, "WARM_CHECK_S", 0.0)
+    full = round_of(1, "w", "x", "y", "z")  # _ahead's max_nodes is 4
+    leader = NodeRecord("w", "10.0.0.1", 2)
+    old = FakeJob([])  # a round from it would mean c never warmed up
+    old.node_id = "c"
+    old.glances.append(Glance(full, leader=leader))  # as it arrives: not in place yet
+    old.glance_view = Glance(full, leader=replace(leader, in_place=True))
+    new = FakeJob([round_of(2, "w", "x", "y", "c", cause=RoundCause.LOST)])
+    new.node_id = "c"
+    new.glance_view = old.glance_view
+    workers = FakeWorkers([RUNNING, SUCCEEDED])
+    workers.live = True
+    with caplog.at_level(logging.INFO):
+        assert ahead_agent(old, workers, rejoin=lambda: new).run() == 0
+    assert old.calls == ["glance", "start", "next_round", "glance", "shutdown"]
+    assert not old.left_for_now  # a plain departure: it holds nothing
+    assert new.calls[:3] == ["glance", "announce_arrival", "start"]
+    [ahead] = workers.started
+    assert [(p.rank, p.group_rank, p.world_size) for p in ahead] == [(6, 3, 8), (7, 3, 8)]
+    assert [p.rank for p in workers.reformed[0]] == [6, 7]
+    assert "stepping back to start workers ahead: registered without workers" in caplog.text
+
+
+def test_a_standby_whose_workers_failed_ahead_before_never_warms_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its workers started ahead failed once (their script goes past init_process_group
+    before it imports elastic, say): it would fail them again. It waits as it is."""
+    monkeypatch.setattr(loop, "WARM_CHECK_S", 0.0)
+    full = Glance(round_of(1, "w", "x", "y", "z"), leader=NodeRecord("w", "x", 2, in_place=True))
+    job = FakeJob([round_of(2, "w", "x", "y", "a", cause=RoundCause.LOST)])
+    job.glance_view = full
+    workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
+    workers.lobby.extend([False] * 1000)
+    assert ahead_agent(job, workers, tripped=True, rejoin=lambda: FakeJob([])).run() == 0
+    assert job.calls.count("shutdown") == 1 and job.calls[-1] == "shutdown"  # at the end
+    assert len(workers.started) == 2 and workers.reformed == []  # new ones in round 2
 
 
 @pytest.mark.parametrize("joined", [(), ("c",)], ids=["veterans", "c-new"])

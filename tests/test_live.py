@@ -274,18 +274,27 @@ def test_sigterm_leave_then_two_joins_at_once(
 def test_a_standby_takes_a_lost_members_place_with_its_workers_started_ahead(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
-    """--nnodes 1:2 and a third node c: c waits as a standby, its worker started and
-    waiting in the lobby for the place of a member lost. b is SIGKILLed: a keeps its
-    process, and c's waiting worker, not a new one, takes b's place (before, c's worker
-    started only once c was admitted: a waited 2.5 s for it, benchmarks/faults.py)."""
-    epochs, args = 10, ("--epochs", "10", "--step-time", "0.2")
+    """--nnodes 1:2 and a third node c, come as the job starts: c registers without
+    workers (the job's workers are not in State.run yet: their model builds), then, once
+    they are, steps back and waits as a standby, its worker started and waiting in the
+    lobby for the place of a member lost. b is SIGKILLed: a keeps its process, and c's
+    waiting worker, not a new one, takes b's place (before, c's worker started only once
+    c was admitted: a waited 2.5 s for it, benchmarks/faults.py)."""
+    epochs, args = 10, ("--epochs", "10", "--step-time", "0.2", "--slow-build")
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "building").touch()  # the workers wait before State.run while it is there
     a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:2") for n in "ab")
+    b.wait_output("node b: group rank", timeout=60)  # round 1: its workers start
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:2")
+    c.wait_output("registered as c", timeout=60)
+    assert "starting workers before joining" not in c.transcript(), c.transcript()
+    (tmp_path / "building").unlink()
     wait_world(tmp_path, 2, timeout=90)
     kept = set(worker_pids(a))
-    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:2")
     c.wait_output("joining the job with them", timeout=60)  # its worker waits, ready
     ahead = set(worker_pids(c))
-    assert "waits as a standby" in c.transcript(), c.transcript()
+    said = c.transcript()
+    assert "stepping back to start workers ahead" in said and "waits as a standby" in said, said
     killed = time.time()
     b.kill_tree()
     wait_until(lambda: ahead <= pids_at(tmp_path, 2), 60, "c's waiting worker to train")

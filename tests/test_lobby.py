@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT
 
-from elastic.agent.lobby import ahead, back_now, fits, site_path, step_out
+from elastic.agent.lobby import ahead, back_now, fits, site_path, step_out, warm_up
 from elastic.contract import LOBBY_ENV
 from rendezvous.records import Member, NodeRecord, RoundRecord
 from rendezvous.view import Glance
@@ -210,3 +210,24 @@ def test_a_node_out_of_the_job_is_back_at_once_when_the_others_are_too_few(
             f"the others are {present} node(s), below the minimum of 2: "
             "they cannot re-form without this node"
         )
+
+
+def test_a_standby_registered_without_workers_warms_up_once_it_can() -> None:
+    """It steps back to start them ahead only as a standby (a newcomer with room is
+    taken by the next round at once), never as the leader, nor with workers, nor after
+    workers started ahead failed; and only once the job's workers re-form in place."""
+    kw = {"nproc": 2, "static": False, "in_place": True, "store": WIRE}
+    standby = ahead(FULL, 0, False, max_nodes=4, **kw)  # type: ignore[arg-type]
+    assert standby.standby and standby.placements
+    why = warm_up(standby, workers=False, leads=False, lobby_failed=False)
+    assert why is not None and why.startswith("registered without workers; now round 3 is full")
+    assert warm_up(standby, workers=True, leads=False, lobby_failed=False) is None
+    assert warm_up(standby, workers=False, leads=True, lobby_failed=False) is None
+    assert warm_up(standby, workers=False, leads=False, lobby_failed=True) is None
+    room = ahead(RUNNING, 0, False, max_nodes=4, **kw)  # type: ignore[arg-type]
+    assert room.placements and not room.standby
+    assert warm_up(room, workers=False, leads=False, lobby_failed=False) is None
+    early = Glance(FULL.round, leader=replace(LEADER, in_place=False))
+    cold = ahead(early, 0, False, max_nodes=4, **kw)  # type: ignore[arg-type]
+    assert not cold.placements
+    assert warm_up(cold, workers=False, leads=False, lobby_failed=False) is None

@@ -18,6 +18,7 @@ without it (``lobby.step_out``).
 | JOINING    | JOB_SUCCEEDED     |          | -              | SUCCEEDED      |             |
 | JOINING    | JOB_FAILED        |          | -              | FAILED         |             |
 | JOINING    | JOIN_TIMED_OUT    |          | -              | FAILED         |             |
+| JOINING    | WARM              |          | -              | JOINING        |             |
 | HOLDING    | ROUND_FORMED      | yes      | -              | RUNNING        |             |
 | HOLDING    | ROUND_FORMED      | no       | kill           | RUNNING        |             |
 | HOLDING    | SIGNALLED         |          | drain          | LEFT           |             |
@@ -61,9 +62,11 @@ the held ones in place; WORKERS_FAILED and WORKERS_HUNG report the failure to th
 newcomer (its workers started ahead where they can be); RUNNING | SIGNALLED announces
 that this node leaves (the loop holds a signal back while the node hands the job's
 newest state, which it alone holds, to a node joining: ``handover``);
-WORKERS_SUCCEEDED closes the job; RUNNING | LAPSED (etcd dropped this node's lease in an
-outage, but no round formed without it) resumes the node as it was, on a new lease, and
-its workers train on. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
+WORKERS_SUCCEEDED closes the job; JOINING | WARM (a standby that registered without
+workers, before the job's workers re-formed in place) steps back and joins again with
+its workers started ahead (``lobby.warm_up``); RUNNING | LAPSED (etcd dropped this
+node's lease in an outage, but no round formed without it) resumes the node as it was,
+on a new lease, and its workers train on. The ends exit: SUCCEEDED 0, FAILED 1, LEFT 128 + the
 signal.
 
 OUT: this node's own worker failed or hung (or, as a change re-forms the round, could
@@ -156,6 +159,7 @@ class LocalEvent(enum.Enum):
     WORKERS_HELD = "workers held"  # they let go of their group and wait for a placement
     HOLD_FAILED = "hold failed"  # one did not let go in time, or exited
     WENT_ON = "went on"  # OUT: the others re-formed without this node (or did not in time)
+    WARM = "warm"  # JOINING: a standby without workers can start them ahead (lobby.warm_up)
 
 
 Event = LocalEvent | RoundEnd  # RoundEnd: what the job did (rendezvous.rules.round_end)
@@ -235,6 +239,7 @@ class Reaction:
     register: bool = False  # join the job now (a newcomer whose workers started ahead)
     leave: bool = False  # leave the job for now, reported (OUT: it joins again later)
     rejoin: bool = False  # join again as a newcomer, its workers started ahead if they can
+    withdraw: bool = False  # leave the job for good (not a member: nothing changes), to rejoin
     resume: bool = False  # carry on this node's incarnation on a new lease (see LAPSED)
     # after the stop: the workers' newest step goes on the job's record where it says less
     # (fenced: the job went on without them, and their step may be in no record)
@@ -368,6 +373,15 @@ def _joining(event: Event) -> Reaction:
         case LocalEvent.JOIN_TIMED_OUT:
             return Reaction(
                 "too few nodes within join_timeout", AgentState.FAILED, exit=Exit.FAILED
+            )
+        case LocalEvent.WARM:
+            return Reaction(
+                "a standby without workers, in a job whose workers re-form in place: it "
+                "steps back, starts them ahead and joins again with them, so that taking a "
+                "lost member's place costs the others no start-up",
+                AgentState.JOINING,
+                withdraw=True,
+                rejoin=True,
             )
         case RoundEnd.JOB_SUCCEEDED | RoundEnd.JOB_FAILED:
             next_state, end = _END[event]

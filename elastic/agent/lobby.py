@@ -17,6 +17,10 @@ place of a member lost: the last group rank, the members' world size (a member o
 own number of workers lost). A loss then costs the survivors the forming of the group,
 not the standby's start-up; while nothing is lost its workers wait, as a hot spare's do.
 
+A standby that registered without workers (it came before the job's workers re-formed
+in place) steps back once they do, and joins again with its workers started
+(``warm_up``).
+
 A round that places the newcomer otherwise (another node joined or was lost meanwhile)
 gets new workers: the ones started ahead may have read their ranks already.
 
@@ -42,10 +46,12 @@ LOBBY_MAX = 120.0  # seconds a newcomer waits for its workers before it joins wi
 
 @dataclass(frozen=True)
 class Ahead:
-    """The workers to start before joining (none: join first), and why."""
+    """The workers to start before joining (none: join first), and why; ``standby``: for
+    the place of a member lost (the round is full)."""
 
     placements: tuple[Placement, ...]
     reason: str
+    standby: bool = False
 
 
 def ahead(
@@ -105,7 +111,21 @@ def ahead(
         placements,
         f"{how}: its workers start now and wait for the place of {what} (group rank "
         f"{group_rank}, world size {before + nproc})",
+        standby=r.size >= max_nodes,
     )
+
+
+def warm_up(choice: Ahead, *, workers: bool, leads: bool, lobby_failed: bool) -> str | None:
+    """Why a node registered without workers, and in no round yet, steps back to start
+    them ahead (``choice``: ``ahead`` for it now); None: it waits as it is. A standby
+    registers without them when it came before the job's workers re-formed in place (the
+    job's first seconds: nodes started together, past ``--nnodes`` MAX), and a loss would
+    then cost the others its whole start-up. Not a newcomer with room (the next round
+    takes it at once), nor the leader (stepping back would move the lead), nor a node
+    whose workers started ahead failed before (a script that would fail them again)."""
+    if not choice.standby or workers or leads or lobby_failed:
+        return None
+    return f"registered without workers; now {choice.reason}"
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from elastic.agent.core import (
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.handover import Holding, hands_over, holds_alone
-from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut
+from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut, warm_up
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
 from elastic.agent.resumed import redone
@@ -58,6 +58,7 @@ from rendezvous.view import Glance
 log = logging.getLogger("elastic.agent")
 
 FINISHED = "job finished: all workers succeeded"
+WARM_CHECK_S = 1.0  # a standby without workers looks this often whether it can start them
 URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
 OUT_MAX = 10.0  # seconds a node that stepped out waits for the others to re-form without it
 VACANT_MAX = 1.0  # seconds of a vacant lead after which no one is left to re-form (all out)
@@ -82,7 +83,12 @@ class Membership(Protocol):
     def announce_arrival(self) -> None: ...  # on its way: workers start before it registers
     def others(self) -> int: ...  # nodes but this one registered or on their way
     def start(self, cancel: threading.Event | None = None) -> None: ...  # register
-    def next_round(self, cancel: threading.Event | None = None) -> RoundRecord: ...
+    def next_round(
+        self,
+        cancel: threading.Event | None = None,
+        timeout: float | None = None,
+        wake: Callable[[], bool] | None = None,  # asked at each look: True ends the wait
+    ) -> RoundRecord: ...
     def upkeep(self) -> None: ...  # the lead's writes: claim, notice
     def check(self) -> Change | None: ...  # read-only
     def probe_members(self, broken: bool = False) -> None: ...
@@ -222,6 +228,9 @@ class Agent:
         self._cause: RestartCause | None = None  # charged once the workers stop or are held
         self._accounted: set[int] = set()  # pids whose end the metrics have seen
         self._hold_failed = ""  # why the workers could not be held
+        self._lobby_failed = False  # workers started ahead failed once: never again warm up
+        self._warming = ""  # why a standby without workers steps back to start them
+        self._warm_checked = time.monotonic()  # when it last looked whether it can
         self._asked = time.monotonic()  # when this node asked for the round it joins
         self._failures: tuple[WorkerFailure, ...] = ()
         self._consequences: tuple[WorkerFailure, ...] = ()
@@ -469,8 +478,10 @@ class Agent:
             if state is not GroupState.RUNNING:
                 how = failures[0].how if failures else "exited"
                 self._hold_failed = f"a worker started ahead {how}"
+                self._lobby_failed = True
                 return LocalEvent.HOLD_FAILED
             if self.tripwire is not None and self.tripwire.tripped():
+                self._lobby_failed = True
                 self._hold_failed = (
                     "a worker started ahead reached init_process_group before its script "
                     "imported elastic, so it cannot wait for its place (import elastic "
@@ -479,6 +490,7 @@ class Agent:
                 return LocalEvent.HOLD_FAILED
             if time.monotonic() > deadline:
                 self._hold_failed = f"the workers started ahead were not ready in {LOBBY_MAX:g}s"
+                self._lobby_failed = True
                 return LocalEvent.HOLD_FAILED
             time.sleep(0.01)
 
@@ -494,9 +506,14 @@ class Agent:
                 if self.signal is not None:  # one came meanwhile (the handover's bound)
                     self._cancel.set()
             self._asked = time.monotonic()
+            self._warming = ""
+            # a standby without workers looks now and then whether it can start them ahead
+            wake = self._warms_up if self._cold() else None
             try:
-                self.round = self.rdzv.next_round(cancel=self._cancel)
+                self.round = self.rdzv.next_round(cancel=self._cancel, wake=wake)
             except RendezvousCancelled:
+                if self._warming:
+                    return LocalEvent.WARM
                 continue  # a signal: the top says whether it ends the wait
             except RendezvousClosedError as e:
                 self._closed = e.record
@@ -506,6 +523,44 @@ class Agent:
                 self._change_why = str(e)
                 return LocalEvent.JOIN_TIMED_OUT
             return LocalEvent.ROUND_FORMED
+
+    def _cold(self) -> bool:
+        """Joining, in no round yet, and able to start workers ahead and join again: a
+        standby that came too early to start them may warm up (``_warms_up``)."""
+        return (
+            self.prepare is not None
+            and self.tripwire is not None
+            and self.rejoin is not None
+            and self.state is AgentState.JOINING
+            and self.round is None
+        )
+
+    def _warms_up(self) -> bool:
+        """Whether this node steps back to start its workers ahead now (``lobby.warm_up``,
+        given its ``ahead`` for the job as it is now); looked at every ``WARM_CHECK_S``."""
+        now = time.monotonic()
+        if self.prepare is None or now - self._warm_checked < WARM_CHECK_S:
+            return False
+        self._warm_checked = now
+        workers, failed = bool(self.workers.pids), self._lobby_failed
+        if workers or failed:  # what warm_up refuses, without reading the job
+            return False
+        try:
+            choice = self.prepare(self.rdzv.glance(), self._restart_count, False)
+        except RendezvousError as e:
+            log.debug("could not read the job for a warm-up: %s", e)
+            return False
+        why = warm_up(choice, workers=workers, leads=self.rdzv.leads, lobby_failed=failed)
+        self._warming = why or ""
+        return why is not None
+
+    def _withdraw(self) -> None:
+        """Leave the job for good, not a member of any round (nothing changes for the
+        others), to join again as a newcomer with a rendezvous of its own."""
+        assert self.rejoin is not None
+        log.info("stepping back to start workers ahead: %s", self._warming)
+        self.rdzv.shutdown(leave=True)
+        self.rdzv = self.rejoin()
 
     def _watch(self) -> Event:
         """Wait for the first thing that ends this node's part in the round."""
@@ -765,6 +820,8 @@ class Agent:
             self._report(done=not r.leave)  # leaving: no round may form with it meanwhile
         if r.leave:
             self._leave_for_now()
+        if r.withdraw:
+            self._withdraw()
         outcome = self._stop(r.stop, leaving=r.announce_leaving)
         if r.record_step:
             self.rdzv.raise_progress(self.workers.last_step())
