@@ -22,6 +22,8 @@ job's budget, with the nodes whose own failure they were.
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
     kill standby  --nnodes 1:2: a and b train, c waits as a standby; b is SIGKILLed and
                   c takes its place (to the first step of a and c)
+    kill early standby  the same, c started with a and b (it registers before their
+                  workers re-form in place: live, it steps back to start its workers ahead)
     kill re-forming  c (rank 1) SIGKILLed; as b's agent re-forms for it, a (the leader,
                   rank 0, the store host) too: b, rank 0 moments after rank 1, trains alone
     kill resized  c joins; two steps at three, then a is SIGKILLed
@@ -51,6 +53,7 @@ device, a respawned worker initialises CUDA, builds the model and restores it ag
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import re
 import signal
@@ -223,13 +226,22 @@ def kill_receiving(job: Job) -> Outcome:
     return job.outcome(at, job.since(2, at))
 
 
-def kill_standby(job: Job) -> Outcome:
+def kill_standby(job: Job, early: bool = False) -> Outcome:
     """--nnodes 1:2: c waits as a standby beside a and b; b is SIGKILLed: to the first
-    step of a and c (world size 2 again: told from a's and b's by c's worker's pid)."""
+    step of a and c (world size 2 again: told from a's and b's by c's worker's pid).
+    ``early``: c starts with a and b, registered before their workers re-form in place."""
     job.nnodes = "1:2"
-    start_training(job, "ab")
-    job.start("c")
-    job.wait_log("c", "registered as c")
+    if early:
+        for name in "abc":
+            job.start(name)
+            job.wait_log(name, f"registered as {name}")
+        job.steps_at(2, job.training(2), 5)
+        if job.mode == "live":  # it steps back once they re-form in place
+            job.wait_log("c", "joining the job with them")
+    else:
+        start_training(job, "ab")
+        job.start("c")
+        job.wait_log("c", "registered as c")
     time.sleep(1.0)  # c settled as a standby
     old = {s["pid"] for s in steps(job.results)}
     at = time.time()
@@ -423,6 +435,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill resyncing": kill_resyncing,
     "kill receiving": kill_receiving,
     "kill standby": kill_standby,
+    "kill early standby": functools.partial(kill_standby, early=True),
     "two kills": two_kills,
     "kill re-forming": kill_re_forming,
     "kill resized": kill_resized,
