@@ -336,7 +336,9 @@ def holders_away(
     trained (``_holds_its_rounds``), the job committed a step, and they are not known to
     be gone for good (proven dead, or registered again as a new incarnation, whose
     workers find the old one's snapshots on its host, and which ``_newcomers`` puts
-    first). A node frozen past its lease's end comes back to its round
+    first; a member that stepped out is proven nothing by its old incarnation's probe
+    port, which it closed as it left: chaos seed 35). A node frozen past its lease's end
+    comes back to its round
     (``RoundEnd.LAPSED``) if none formed without it, one that stepped out once its new
     workers wait; a round formed at once would lose every step since the newest state
     another node holds (chaos seed 24: the only two members' workers hung at once, each
@@ -349,7 +351,12 @@ def holders_away(
     if any(_holds_its_rounds(view, current, m) for m in (*staying, *back)):
         return ()
     members = current.members
-    return tuple(m.id for m in members if m.id in lost and not _gone_for_good(view, m, proven))
+    # one that stepped out shut its old incarnation's probe port with it: proof of nothing
+    return tuple(
+        m.id
+        for m in members
+        if m.id in lost and not _gone_for_good(view, m, None if _comes_back(view, m) else proven)
+    )
 
 
 def _comes_back(view: JobView, m: Member) -> bool:

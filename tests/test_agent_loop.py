@@ -1202,6 +1202,26 @@ def test_a_node_that_alone_holds_what_it_trained_stays_in_when_its_workers_canno
     assert len(workers.started) == 2 and "no live re-formation (rank 0 is stuck" in caplog.text
 
 
+def test_a_node_whose_workers_cannot_be_held_as_the_only_other_member_leaves_stays_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """b, the only other member, leaves (it goes with what it holds), and a's workers
+    cannot be held as the round re-forms for it: a does not step out for b to go on, but
+    takes new workers in the next round (chaos seed 35: b stepped out as e left, and a
+    standby formed a round alone from step 0)."""
+    leaving = Change(RoundEnd.LEAVING, "b leaving", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a")], [None, leaving])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.held = (Held.FAILED, "rank 0 is stuck in a collective ...")
+    rejoined: list[FakeJob] = []
+    with caplog.at_level(logging.INFO):
+        a = agent(job, workers, step_out=_step_out, rejoin=lambda: rejoined.append(job) or job)
+        assert a.run() == 0
+    assert rejoined == [] and len(workers.started) == 2, job.calls
+    assert "leaving the job for now" not in caplog.text
+
+
 def test_a_node_whose_worker_fails_as_the_only_other_member_leaves_stays_in(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

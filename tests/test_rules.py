@@ -414,6 +414,11 @@ def test_a_round_waits_for_members_that_stepped_out_holding_the_jobs_newest_stat
     assert plan(held, 1, 2, 0.1, 0, now=16.0, lease_ttl=3).form  # the hold is over
     for_good = {k: replace(g, back=False) for k, g in gone.items()}
     assert plan(replace(held, gone=for_good), 1, 2, 0.1, 0, now=11.0, lease_ttl=3).form
+    # their old incarnations' probe ports refuse (closed as they stepped out): no proof
+    # that they are gone (chaos seed 35: f formed a round alone from step 0)
+    refused = {"c": 3, "d": 4}
+    p = plan(held, 1, 2, 0.1, 0, now=11.0, lease_ttl=3, proven=refused)
+    assert not p.form and p.lapsed == ("c", "d"), p
     # c back (d not yet): it holds what round 4 trained, as d does; no wait for d
     c2, d2 = node("c", 20), node("d", 21)
     p = plan(replace(held, nodes={"f": f, "c": c2}), 1, 2, 0.1, 0, now=11.0, lease_ttl=3)

@@ -379,7 +379,10 @@ class Agent:
             return self._steps_out(self._going())
         if event is LocalEvent.HOLD_FAILED and self.state is not AgentState.PREPARING:
             self._stepping = ""  # said as the hold's failure is (none without step_out)
-            return self._steps_out(self._gone(), were_live=True)  # they were to re-form
+            # those the change took, and those etcd shows going since (it may have broken
+            # meanwhile: a member leaving, then lost)
+            gone = self._gone() | self._going()
+            return self._steps_out(gone, were_live=True)  # they were to re-form
         if self.state is AgentState.HOLDING:
             r = self.round
             return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
@@ -404,10 +407,11 @@ class Agent:
         return choice.out
 
     def _gone(self) -> frozenset[str]:
-        """Members of this node's round that the change it re-forms for took away: lost,
-        left, or failed (it may step out too)."""
+        """Members of this node's round that the change it re-forms for takes away: lost,
+        left, failed (it may step out too) or leaving (it goes with what it holds: chaos
+        seed 35, where b stepped out for e to go on as e left)."""
         change, r = self._change, self.round
-        taken = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED)
+        taken = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED, RoundEnd.LEAVING)
         if change is None or r is None or change.end not in taken:
             return frozenset()
         return frozenset(n for n in change.nodes if r.member(n) is not None)
