@@ -272,6 +272,7 @@ class Rendezvous:
                 lease_ttl=self.options.lease_ttl,
             )
             note.say(p.reason)
+            self._say_awaited(p)
             if p.writer is not None and p.writer != self.me.id:
                 self.lead.hand_over(view, p.writer)  # the next round's rank 0 writes it
                 continue
@@ -297,6 +298,19 @@ class Rendezvous:
             if not p.enough_nodes:
                 wait = min(wait, max(deadline - now, 0.01))
             self.mirror.wait(version, wait)
+
+    def _say_awaited(self, p: Plan) -> None:
+        """Leading, say in this node's record whom the next round waits for: a member out
+        of the job for now reads it, and comes back at once rather than wait for the
+        others to go on without it (two members out at once: each waits for the other).
+        Not while etcd's watch is down (tried again at the next look)."""
+        if not self.mirror.connected:
+            return
+        awaited = p.lapsed if not p.form else ()
+        try:
+            self.session.mark_awaits(tuple(sorted(awaited)))
+        except RendezvousError as e:
+            log.debug("could not say whom the next round waits for: %s", e)
 
     def _write_round(self, view: JobView, p: Plan) -> bool:
         current = view.round

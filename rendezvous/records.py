@@ -291,9 +291,14 @@ class NodeRecord:
     # the incarnation it carries on (0: none): etcd dropped its lease in an outage while no
     # round formed without it, so it came back as it was (``Session.resume``)
     resumes: int = 0
+    # leading, the nodes the next round waits for (``rules.holders_away``): one out of the
+    # job for now (``lobby.step_out``) comes back at once when it reads its name here
+    awaits: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        return dumps(_shallow(self))
+        obj = _shallow(self)
+        obj["awaits"] = list(self.awaits[:NAMES])
+        return dumps(obj)
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> NodeRecord:
@@ -314,6 +319,7 @@ class NodeRecord:
             rank=_int(obj, "rank", -1),
             in_place=obj.get("in_place") is True,
             resumes=_int(obj, "resumes"),
+            awaits=_names(obj.get("awaits")),
         )
         if rec.nproc < 1:
             raise _bad(key, "nproc must be >= 1")

@@ -404,6 +404,12 @@ class Session:
         if self.record is not None and self.record.in_place != in_place:
             self._put(replace(self.record, in_place=in_place), RETRIED_TIMEOUT)
 
+    def mark_awaits(self, names: tuple[str, ...]) -> None:
+        """Say, leading, which nodes the next round waits for (``NodeRecord.awaits``); the
+        caller says it again at its next look if this fails."""
+        if self.record is not None and self.record.awaits != names:
+            self._put(replace(self.record, awaits=names), RETRIED_TIMEOUT)
+
     def mark_leaving(self, reachable: bool = True) -> bool:
         """Say this node is about to leave; False if it said so already, or could not."""
         if self.leaving or self.record is None or self.record.state is NodeState.LEAVING:

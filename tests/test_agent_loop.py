@@ -1060,8 +1060,8 @@ def _step_out(were_live: bool, size: int, alone: bool) -> lobby.StepOut:
     return lobby.step_out(were_live, size, alone, in_place=True, min_nodes=1, static=False)
 
 
-def _back(present: int) -> str | None:
-    return lobby.back_now(present, min_nodes=2)
+def _back(present: int, awaited: bool) -> str | None:
+    return lobby.back_now(present, awaited, min_nodes=2)
 
 
 def test_a_node_whose_worker_hangs_steps_out_and_comes_back_with_workers_started_ahead(
@@ -1274,6 +1274,32 @@ def test_a_node_out_of_the_job_joins_again_when_the_others_are_too_few(
         assert a.run() == 0
     assert time.monotonic() - started < 5.0
     assert "below the minimum of 2: they cannot re-form without this node" in caplog.text
+
+
+def test_a_node_out_of_the_job_joins_again_at_once_when_the_leader_waits_for_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """c's worker hung and c stepped out; so did a (both at once, each for the other to
+    go on). The leader, x, holds the next round for them (its record says so): c joins
+    again at once, registered before its new workers start (the round waits on it,
+    nobody trains meanwhile), not once a round formed without it (that one would begin
+    from older state)."""
+    old = FakeJob([round_of(1, "a", "c")])
+    old.node_id = "c"
+    new = FakeJob([round_of(2, "c", "x", restarts=1)])
+    new.node_id = "c"
+    leader = NodeRecord(id="x", addr="10.0.0.1", nproc=1, awaits=("a", "c"))
+    new.glance_view = Glance(round_of(1, "a", "c"), leader=leader, present=3)
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new, back=_back)
+        assert a.run() == 0
+    assert time.monotonic() - started < 5.0
+    assert "the leader waits for this node" in caplog.text
+    assert new.calls[:2] == ["glance", "start"]  # no workers started ahead: in at once
+    assert len(workers.started) == 2 and workers.reformed == []
 
 
 def test_a_node_out_of_the_job_joins_again_when_no_one_is_left_to_re_form(

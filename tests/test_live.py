@@ -306,6 +306,41 @@ def test_a_standby_takes_a_lost_members_place_with_its_workers_started_ahead(
     check_run(tmp_path, changes=1, epochs=epochs)
 
 
+def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """--nnodes 1:2: a and b train, c waits as a standby. a's and b's workers freeze at
+    once (SIGSTOP, their agents alive): each node finds its own hung, reports it and
+    steps out for the other to go on. The round that forms next waits for one of them to
+    come back with its snapshots (their tombstones say they do) rather than let c begin
+    again alone (its leader's record says whom it waits for: they come back at once), so
+    the job goes on from their newest step: every sample once, at most the steps in
+    flight trained again, the model as undisturbed (chaos seed 24: a fresh node formed a
+    round alone from step 0, 284 steps trained again). Each hang is found by its own
+    node's agent (where one is found first, the other node's worker fails to let go of
+    its group, and that node, alone holding the state, restarts in the round instead)."""
+    epochs, args = 10, ("--epochs", "10", "--step-time", "0.2")
+    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:2") for n in "ab")
+    wait_world(tmp_path, 2, timeout=90)
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:2")
+    c.wait_output("joining the job with them", timeout=60)  # a standby, its worker waiting
+    frozen = [*worker_pids(a), *worker_pids(b)]
+    stopped = time.time()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    for agent in (a, b):
+        agent.wait_output("hung:", timeout=30)
+    wait_world(tmp_path, 2, after=stopped + 1, timeout=90)
+    for agent in (a, b, c):
+        assert agent.wait(180) == 0, agent.transcript()
+    assert not {r["pid"] for r in rows(tmp_path) if r["t"] > stopped + 1} & set(frozen)
+    for agent in (a, b):  # found by its own agent: as its failure, or as the hold's
+        assert "hung: no progress" in agent.transcript(), agent.transcript()
+    assert "workers failed" not in c.transcript(), c.transcript()
+    assert "training starts over" not in a.transcript() + b.transcript() + c.transcript()
+    check_run(tmp_path, changes=2, epochs=epochs)
+
+
 @pytest.mark.slow(seconds=75)
 @pytest.mark.parametrize("then", ["builds", "b-killed"])
 def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(

@@ -203,13 +203,25 @@ def test_a_node_out_of_the_job_is_back_at_once_when_the_others_are_too_few(
     """Its own worker hung and it stepped out for the others (min 2) to go on; one of
     them was lost meanwhile: waiting for them to re-form would wait for a round that
     cannot form (it waited OUT_MAX, 10 s, in ci28)."""
-    why = back_now(present, min_nodes=2)
+    why = back_now(present, False, min_nodes=2)
     assert (why is not None) is back
     if why:
         assert why == (
             f"the others are {present} node(s), below the minimum of 2: "
             "they cannot re-form without this node"
         )
+
+
+@pytest.mark.parametrize("present", [-1, 0, 1, 5])
+def test_a_node_out_of_the_job_is_back_at_once_when_the_leader_waits_for_it(
+    present: int,
+) -> None:
+    """The only two members stepped out at once, each for the other to go on: the leader
+    holds the next round for them (their snapshots may be the job's newest state), and
+    they would wait for a round that waits for them (its hold's end, then from older
+    state: chaos seed 24)."""
+    why = back_now(present, True, min_nodes=2)
+    assert why is not None and why.startswith("the leader waits for this node")
 
 
 def test_a_standby_registered_without_workers_warms_up_once_it_can() -> None:

@@ -256,3 +256,17 @@ def test_a_tombstone_says_whether_its_node_comes_back() -> None:
     assert GoneRecord.decode("/j/gone/a", back.encode()) == back
     assert not GoneRecord.decode("/j/gone/a", b'{"rev": 7, "host": "h", "at": 1}').back
     assert not GoneRecord.decode("/j/gone/a", b'{"rev": 7, "back": "yes"}').back
+
+
+def test_the_leaders_record_says_whom_the_next_round_waits_for() -> None:
+    """``awaits``: names, in order; what is not a list of them reads as none (an older
+    agent's record has no such field)."""
+    rec = NodeRecord(id="a", addr="h", nproc=1, awaits=("c", "d"))
+    assert NodeRecord.decode("/j/nodes/a", rec.encode()).awaits == ("c", "d")
+    assert NodeRecord.decode("/j/nodes/a", NodeRecord(id="a", addr="h", nproc=1).encode()) == (
+        NodeRecord(id="a", addr="h", nproc=1)
+    )
+    older = b'{"id": "a", "addr": "h", "nproc": 1, "done": 0}'
+    assert NodeRecord.decode("/j/nodes/a", older).awaits == ()
+    odd = b'{"id": "a", "addr": "h", "nproc": 1, "done": 0, "awaits": "c"}'
+    assert NodeRecord.decode("/j/nodes/a", odd).awaits == ()

@@ -168,10 +168,18 @@ def step_out(
     )
 
 
-def back_now(present: int, *, min_nodes: int) -> str | None:
+def back_now(present: int, awaited: bool, *, min_nodes: int) -> str | None:
     """Why a node out of the job (``step_out``) joins again before the others re-formed
-    without it: the ``present`` others (-1: not known) are below ``min_nodes`` (one of
-    them was lost meanwhile), so no round forms until it is back. None: it waits."""
+    without it: the leader's record says the next round waits for it (``awaited``: no
+    member left holds what the round trained, say the only two stepped out at once, each
+    for the other to go on), or the ``present`` others (-1: not known) are below
+    ``min_nodes`` (one of them was lost meanwhile), so no round forms until it is back.
+    None: it waits."""
+    if awaited:
+        return (
+            "the leader waits for this node: no other member holds what the round "
+            "trained (what this node holds may be the job's newest state)"
+        )
     if 0 <= present < min_nodes:
         return (
             f"the others are {present} node(s), below the minimum of {min_nodes}: "

@@ -182,7 +182,7 @@ class Agent:
         tripwire: Wire | None = None,
         step_out: Callable[[bool, int, bool], StepOut] | None = None,
         rejoin: Callable[[], Membership] | None = None,
-        back: Callable[[int], str | None] | None = None,
+        back: Callable[[int, bool], str | None] | None = None,
     ) -> None:
         """``prepare``: this node's ``lobby.ahead`` (whether its workers start before it
         joins, and where); None: they never do; ``tripwire``: the store address they get
@@ -230,6 +230,7 @@ class Agent:
         self._hold_failed = ""  # why the workers could not be held
         self._lobby_failed = False  # workers started ahead failed once: never again warm up
         self._warming = ""  # why a standby without workers steps back to start them
+        self._awaited = False  # out of the job, the leader said the next round waits for it
         self._warm_checked = time.monotonic()  # when it last looked whether it can
         self._asked = time.monotonic()  # when this node asked for the round it joins
         self._failures: tuple[WorkerFailure, ...] = ()
@@ -452,9 +453,12 @@ class Agent:
                 r = glance.round
                 if glance.closed or (r is not None and r.number > left):
                     return LocalEvent.WENT_ON
-                why = self.back(glance.present) if self.back is not None else None
+                leader = glance.leader
+                awaited = leader is not None and self.node_id in leader.awaits
+                why = self.back(glance.present, awaited) if self.back is not None else None
                 if why is not None:
                     log.info("%s: joining again", why)
+                    self._awaited = awaited
                     return LocalEvent.WENT_ON
                 if glance.leader is not None:
                     led = now
@@ -846,6 +850,9 @@ class Agent:
         elif ended:
             self._stopped(pids)
         if r.rejoin:  # it stepped out of a round whose workers re-formed in place
+            if self._awaited:  # the round waits on it, nobody trains: in at once, before
+                self._awaited = False  # the leader's hold ends; new workers in the round
+                return self._register()
             self._prepare(live=True)  # PREPARING where its new workers can start ahead
             if self.state is not AgentState.PREPARING:
                 return self._register()
