@@ -350,24 +350,24 @@ class JobMirror:
                 self._stopped.wait(1.0)
 
 
-def glance(client: EtcdClient, prefix: str) -> Glance:
+def glance(client: EtcdClient, prefix: str, timeout: float | None = None) -> Glance:
     """The job's own keys, its leader's record and how many nodes are registered, read
-    once (three small reads, whatever the job's size); whatever is malformed reads as
-    absent."""
+    once (three small reads, whatever the job's size, each within ``timeout``: default
+    the client's connect timeout); whatever is malformed reads as absent."""
     decoded = Decoded()
-    _, kvs = client.read([], [prefix + records.JOB])
+    _, kvs = client.read([], [prefix + records.JOB], timeout=timeout)
     for kv in kvs:
         decoded.put(kv.key[len(prefix) :], kv)
     leader = decoded.leader_record()
     node = None
     if leader is not None:
-        _, found = client.read([prefix + records.NODES + leader.id], [])
+        _, found = client.read([prefix + records.NODES + leader.id], [], timeout=timeout)
         for kv in found:
             decoded.put(kv.key[len(prefix) :], kv)
         present = decoded.nodes.get(leader.id)
         node = present.record if present is not None and present.rev == leader.rev else None
     closed = decoded.closed is not None
-    count = client.count(prefix + records.NODES)
+    count = client.count(prefix + records.NODES, timeout=timeout)
     return Glance(decoded.round, closed, node, decoded.progress, count)
 
 

@@ -126,9 +126,11 @@ class Rendezvous:
         return self.options.job_prefix + rel
 
     # -- lifecycle ------------------------------------------------------------------------
-    def glance(self) -> Glance:
-        """The job as a node sees it before registering (``mirror.glance``)."""
-        return glance(self.client, self.options.job_prefix)
+    def glance(self, timeout: float | None = None) -> Glance:
+        """The job as a node sees it before registering (``mirror.glance``); ``timeout``
+        bounds each of its reads (a loop that looks again soon passes a short one: etcd
+        frozen would hold it for the connect timeout, three times)."""
+        return glance(self.client, self.options.job_prefix, timeout)
 
     def announce_arrival(self) -> None:
         """Say in etcd that this node is on its way (its workers start before it

@@ -81,7 +81,7 @@ class FakeJob:
     glance_view = Glance()  # what the job looks like before registering
     in_place_said: list[bool] = []
 
-    def glance(self) -> Glance:
+    def glance(self, timeout: float | None = None) -> Glance:
         self.calls.append("glance")
         return self.glances.popleft() if self.glances else self.glance_view
 

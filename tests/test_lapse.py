@@ -608,3 +608,28 @@ def test_a_claim_of_the_lead_on_a_lease_etcd_dropped_is_no_error(
     assert "not claiming the lead" in caplog.text
     assert a.client.get(a.lead._key) is None
     wait_until(lambda: check(a) in (RoundEnd.LAPSED, RoundEnd.FENCED), 10, "a to see it")
+
+
+def test_a_look_at_the_job_with_a_short_timeout_is_short_while_etcd_is_frozen(
+    fresh_etcd: EtcdServer, run_id: str
+) -> None:
+    """A node out of the job (``lobby.step_out``) and a standby's warm-up look at the job
+    again and again: etcd frozen must not hold each look for the connect timeout, three
+    reads long (chaos seed 36: two nodes out of the job came back 14 s after stepping
+    out, past OUT_MAX), but only for the timeout they pass."""
+    conf = RdzvConf(connect_timeout=6, lease_ttl=TTL, last_call_timeout=0.1)
+    [node] = unstarted(fresh_etcd.endpoint, run_id, "a", conf)
+    node.glance()  # etcd answers this process
+    took: list[float] = []
+
+    def look() -> None:
+        began = time.monotonic()
+        with pytest.raises(RendezvousError):
+            node.glance(timeout=0.5)
+        took.append(time.monotonic() - began)
+
+    try:
+        freeze(fresh_etcd, 0.0, look)
+    finally:
+        stop([node])
+    assert took and took[0] < 3.0, took  # the connect timeout would be 6 s, three times

@@ -58,6 +58,9 @@ from rendezvous.view import Glance
 log = logging.getLogger("elastic.agent")
 
 FINISHED = "job finished: all workers succeeded"
+# a look at the job that is taken again soon (out of the job, a standby's warm-up): etcd
+# away must not hold the loop for the client's connect timeout, three reads long
+LOOK_TIMEOUT = 1.0
 WARM_CHECK_S = 1.0  # a standby without workers looks this often whether it can start them
 URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
 OUT_MAX = 10.0  # seconds a node that stepped out waits for the others to re-form without it
@@ -79,7 +82,7 @@ class Membership(Protocol):
     def alive_at(self) -> float: ...  # monotonic time next_round last turned
     @property
     def leads(self) -> bool: ...  # this node writes the rounds (and holds the first's rank 0)
-    def glance(self) -> Glance: ...  # the job, read once before registering
+    def glance(self, timeout: float | None = None) -> Glance: ...  # the job, read once
     def announce_arrival(self) -> None: ...  # on its way: workers start before it registers
     def others(self) -> int: ...  # nodes but this one registered or on their way
     def start(self, cancel: threading.Event | None = None) -> None: ...  # register
@@ -446,7 +449,7 @@ class Agent:
             if self.signal is not None:
                 return LocalEvent.SIGNALLED
             try:
-                glance = self.rdzv.glance()
+                glance = self.rdzv.glance(timeout=LOOK_TIMEOUT)
             except RendezvousError as e:
                 log.debug("could not read the job while out of it: %s", e)
             else:
@@ -554,7 +557,9 @@ class Agent:
         if workers or failed:  # what warm_up refuses, without reading the job
             return False
         try:
-            choice = self.prepare(self.rdzv.glance(), self._restart_count, False)
+            choice = self.prepare(
+                self.rdzv.glance(timeout=LOOK_TIMEOUT), self._restart_count, False
+            )
         except RendezvousError as e:
             log.debug("could not read the job for a warm-up: %s", e)
             return False
