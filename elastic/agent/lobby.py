@@ -115,6 +115,12 @@ def ahead(
     )
 
 
+def can_warm(*, workers: bool, lobby_failed: bool) -> bool:
+    """Whether a node could warm up at all, whatever the job shows (``warm_up``): it has
+    no workers, and none it started ahead failed before."""
+    return not workers and not lobby_failed
+
+
 def warm_up(choice: Ahead, *, workers: bool, leads: bool, lobby_failed: bool) -> str | None:
     """Why a node registered without workers, and in no round yet, steps back to start
     them ahead (``choice``: ``ahead`` for it now); None: it waits as it is. A standby
@@ -123,7 +129,7 @@ def warm_up(choice: Ahead, *, workers: bool, leads: bool, lobby_failed: bool) ->
     then cost the others its whole start-up. Not a newcomer with room (the next round
     takes it at once), nor the leader (stepping back would move the lead), nor a node
     whose workers started ahead failed before (a script that would fail them again)."""
-    if not choice.standby or workers or leads or lobby_failed:
+    if not can_warm(workers=workers, lobby_failed=lobby_failed) or not choice.standby or leads:
         return None
     return f"registered without workers; now {choice.reason}"
 

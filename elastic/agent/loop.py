@@ -32,7 +32,7 @@ from elastic.agent.core import (
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.handover import Holding, hands_over, holds_alone
-from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut, warm_up
+from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut, can_warm, warm_up
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
 from elastic.agent.resumed import redone
@@ -554,7 +554,7 @@ class Agent:
             return False
         self._warm_checked = now
         workers, failed = bool(self.workers.pids), self._lobby_failed
-        if workers or failed:  # what warm_up refuses, without reading the job
+        if not can_warm(workers=workers, lobby_failed=failed):  # no need to read the job
             return False
         try:
             choice = self.prepare(
