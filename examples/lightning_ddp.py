@@ -15,6 +15,13 @@ function, ``fit()``, that ``ElasticLightning.run`` calls again in the same proce
 each change (Lightning's DDP holds the process group, so each round needs a Trainer of
 its own); the new one resumes from the newest snapshot, with no new python and no
 ``import lightning``.
+
+``--fsdp2`` shards the model instead (Lightning's ``ModelParallelStrategy``, which runs
+on CPU too): give elastic-run a ``--checkpoint-dir`` every node reads, and the callback
+snapshots the shards there (DCP checkpoints, at the interval the policy picks) and a
+restart resumes from the newest, re-sharded over the new world size::
+
+    elastic-run --nproc-per-node 2 --checkpoint-dir /tmp/ckpt examples/lightning_ddp.py --fsdp2
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import lightning as L
 import torch
 from _common import synthetic
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 from elastic.integrations.lightning import ElasticLightning
@@ -38,6 +47,10 @@ class Regression(L.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
         self.lr, self.step_time = lr, step_time
+
+    def configure_model(self) -> None:  # --fsdp2 (ModelParallelStrategy) only
+        if self.device_mesh is not None:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -65,6 +78,7 @@ def main() -> None:
     ap.add_argument("--dir", default="lightning_ckpt", help="Lightning's own checkpoints")
     ap.add_argument("--no-elastic", action="store_true", help="leave the callback out")
     ap.add_argument("--live", action="store_true", help="keep the workers through changes")
+    ap.add_argument("--fsdp2", action="store_true", help="shard the model (FSDP2)")
     a = ap.parse_args()
     L.seed_everything(0, verbose=False)
     loader = DataLoader(synthetic(1024), batch_size=a.batch_size, shuffle=True)
@@ -77,7 +91,7 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         trainer = L.Trainer(
             accelerator="auto",
-            strategy="ddp",
+            strategy=ModelParallelStrategy() if a.fsdp2 else "ddp",
             devices=local,
             num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local,  # this round's
             max_epochs=a.epochs,

@@ -222,9 +222,12 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
 
 @pytest.mark.slow(seconds=75)
 def test_the_examples_run(tmp_path: Path) -> None:
-    """Each framework's example, as the README's examples table runs it, to the end."""
+    """Each framework's example, as the README's examples table runs it, to the end (and
+    Lightning's with FSDP2, its shards snapshotted to --checkpoint-dir)."""
+    fsdp2 = ("--checkpoint-dir", str(tmp_path / "snap"), "examples/lightning_ddp.py", "--fsdp2")
     runs = {
         "lightning": ("examples/lightning_ddp.py", "--epochs", "1", "--dir", str(tmp_path / "l")),
+        "lightning-fsdp2": (*fsdp2, "--epochs", "1", "--dir", str(tmp_path / "f")),
         "transformers": ("examples/hf_trainer.py", "--epochs", "1", "--dir", str(tmp_path / "h")),
         "accelerate": ("examples/accelerate_ddp.py", "--epochs", "1"),
     }
@@ -244,6 +247,8 @@ def test_the_examples_run(tmp_path: Path) -> None:
     for name, d in done.items():
         assert d.returncode == 0, f"{name}: {d.stderr[-3000:]}"
     assert "step 16 epoch 0" in done["lightning"].stdout, done["lightning"].stdout
+    assert "step 16 epoch 0" in done["lightning-fsdp2"].stdout, done["lightning-fsdp2"].stdout
+    assert any(p.name.startswith("dcp-step-") for p in (tmp_path / "snap").iterdir())
     assert (tmp_path / "l" / "last.ckpt").exists()  # Lightning's own checkpoints go on
     hf = done["transformers"]
     assert "'epoch': '1'" in hf.stdout and "step 16," in hf.stderr.split("summary:")[1]
