@@ -224,9 +224,12 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
 def test_the_examples_run(tmp_path: Path) -> None:
     """Each framework's example, as the README's examples table runs it, to the end (and
     Lightning's with FSDP2, its shards snapshotted to --checkpoint-dir)."""
-    fsdp2 = ("--checkpoint-dir", str(tmp_path / "snap"), "examples/lightning_ddp.py", "--fsdp2")
+    fsdp2 = ("--checkpoint-dir", str(tmp_path / "snap"), "examples/lightning_ddp.py", "--fsdp2",
+             "--step-time", "0.02")  # fmt: skip
     runs = {
         "lightning": ("examples/lightning_ddp.py", "--epochs", "1", "--dir", str(tmp_path / "l")),
+        # steps of 20 ms: the ranks agree every few steps, so the first (probe) snapshot
+        # lands well inside the epoch's 16 steps
         "lightning-fsdp2": (*fsdp2, "--epochs", "1", "--dir", str(tmp_path / "f")),
         "transformers": ("examples/hf_trainer.py", "--epochs", "1", "--dir", str(tmp_path / "h")),
         "accelerate": ("examples/accelerate_ddp.py", "--epochs", "1"),
