@@ -115,4 +115,6 @@ def test_the_cut_spares_a_connection_the_script_opened_while_its_group_formed(
         assert said["failed"] and said["echoed"], said
         # the group's: one connection to the peer, and the store's (rank 0 hosts it: both ends)
         assert said["kept"] < said["candidates"], said
-        assert said["cut"] == said["kept"], said
+        # every connection the settling kept and still open is cut (CI once saw one of
+        # the six kept close by itself between the settling and the cut)
+        assert said["cut"] == said["alive"] and said["alive"] >= said["kept"] - 1, said

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic.worker.group import GroupSockets
+from elastic.worker.group import GroupSockets, _connections
 
 
 def main() -> None:
@@ -36,6 +36,9 @@ def main() -> None:
         time.sleep(0.01)
     kept = len(sockets.formed)
     dist.barrier()  # both settled: now cut
+    # what the cut can reach: a kept connection may have closed by itself meanwhile
+    # (torch's own, under load), and a closed one is not there to cut
+    alive = len(sockets.formed & _connections())
     cut = sockets.cut()
     try:
         dist.all_reduce(torch.ones(4))
@@ -45,7 +48,8 @@ def main() -> None:
     own.settimeout(5.0)
     own.sendall(b"x")
     echoed = own.recv(1) == b"x"
-    print(json.dumps(dict(candidates=candidates, kept=kept, cut=cut, failed=failed, echoed=echoed)))
+    said = dict(candidates=candidates, kept=kept, alive=alive, cut=cut, failed=failed)
+    print(json.dumps({**said, "echoed": echoed}))
     sockets.close()
     os._exit(0)  # the group is broken: no orderly destroy
 
