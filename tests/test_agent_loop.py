@@ -1255,19 +1255,33 @@ def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_i
     assert rejoined == [] and len(workers.started) == 2 and "shutdown" not in job.calls[:-1]
 
 
+def _c_steps_out(
+    first: RoundRecord, then: RoundRecord, seen: Glance
+) -> tuple[FakeJob, FakeJob, FakeWorkers]:
+    """c, a member of ``first``, whose worker fails, and which steps out: its rendezvous
+    (``old``), the one it joins again with (``new``: ``then`` is its next round, ``seen``
+    what it reads of the job while out) and its workers."""
+    old = FakeJob([first])
+    old.node_id = "c"
+    new = FakeJob([then])
+    new.node_id = "c"
+    new.glance_view = seen
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
+    workers.live = True
+    return old, new, workers
+
+
 def test_a_node_out_of_the_job_joins_again_when_the_others_are_too_few(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """c's worker hung; c stepped out for a and b to go on (min 2), and b was lost
     meanwhile: a alone cannot re-form, so c joins again at once (it waited OUT_MAX)."""
-    old = FakeJob([round_of(1, "a", "b", "c")])
-    old.node_id = "c"
-    new = FakeJob([round_of(2, "a", "c", restarts=1)])
-    new.node_id = "c"
     leader = NodeRecord(id="a", addr="10.0.0.1", nproc=1)
-    new.glance_view = Glance(round_of(1, "a", "b", "c"), leader=leader, present=1)
-    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
-    workers.live = True
+    old, new, workers = _c_steps_out(
+        round_of(1, "a", "b", "c"),
+        round_of(2, "a", "c", restarts=1),
+        Glance(round_of(1, "a", "b", "c"), leader=leader, present=1),
+    )
     started = time.monotonic()
     with caplog.at_level(logging.INFO):
         a = agent(old, workers, step_out=_step_out, rejoin=lambda: new, back=_back)
@@ -1284,14 +1298,12 @@ def test_a_node_out_of_the_job_joins_again_at_once_when_the_leader_waits_for_it(
     again at once, registered before its new workers start (the round waits on it,
     nobody trains meanwhile), not once a round formed without it (that one would begin
     from older state)."""
-    old = FakeJob([round_of(1, "a", "c")])
-    old.node_id = "c"
-    new = FakeJob([round_of(2, "c", "x", restarts=1)])
-    new.node_id = "c"
     leader = NodeRecord(id="x", addr="10.0.0.1", nproc=1, awaits=("a", "c"))
-    new.glance_view = Glance(round_of(1, "a", "c"), leader=leader, present=3)
-    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
-    workers.live = True
+    old, new, workers = _c_steps_out(
+        round_of(1, "a", "c"),
+        round_of(2, "c", "x", restarts=1),
+        Glance(round_of(1, "a", "c"), leader=leader, present=3),
+    )
     started = time.monotonic()
     with caplog.at_level(logging.INFO):
         a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new, back=_back)
@@ -1308,13 +1320,11 @@ def test_a_node_out_of_the_job_joins_again_when_no_one_is_left_to_re_form(
     """Every node's worker failed at once (a bug in the script): all stepped out, the lead
     is vacant and no round will form without them; c joins again within a second, not
     after OUT_MAX."""
-    old = FakeJob([round_of(1, "a", "c")])
-    old.node_id = "c"
-    new = FakeJob([round_of(2, "a", "c", restarts=1)])
-    new.node_id = "c"
-    new.glance_view = Glance(round_of(1, "a", "c"))  # no newer round, no leader
-    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
-    workers.live = True
+    old, new, workers = _c_steps_out(
+        round_of(1, "a", "c"),
+        round_of(2, "a", "c", restarts=1),
+        Glance(round_of(1, "a", "c")),  # no newer round, no leader
+    )
     started = time.monotonic()
     with caplog.at_level(logging.INFO):
         a = agent(old, workers, step_out=_step_out, rejoin=lambda: new)

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -70,6 +71,26 @@ def start_on(
         extra=("--max-restarts", "2", *extra),
         **where,
     )
+
+
+def on_net(
+    procs: list[Proc],
+    endpoint: str,
+    run_id: str,
+    out: Path,
+    net: NetNode,
+    nnodes: str,
+    *args: str,
+) -> Callable[[str, bool], Proc]:
+    """``node(name, inside)``: an agent of the job placed by ``net``'s link, inside the
+    namespace or on this side (``start_on``)."""
+
+    def node(name: str, inside: bool) -> Proc:
+        return start_on(
+            procs, endpoint, run_id, out, name, *args, nnodes=nnodes, net=net, inside=inside
+        )
+
+    return node
 
 
 def reference(epochs: int = EPOCHS) -> dict[str, torch.Tensor]:
@@ -433,13 +454,7 @@ def test_a_newcomer_cut_off_as_the_round_with_it_forms(
     said while away that it may be cut off (it said "is etcd running?")."""
     epochs = 20
     with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
-
-        def node(name: str, inside: bool) -> Proc:
-            args = ("--epochs", str(epochs))
-            return start_on(
-                procs, etcd.endpoint, run_id, tmp_path, name, *args, nnodes="2:3", net=net,
-                inside=inside,
-            )  # fmt: skip
+        node = on_net(procs, etcd.endpoint, run_id, tmp_path, net, "2:3", "--epochs", str(epochs))
 
         a, b = node("a", False), node("b", False)
         wait_world(tmp_path, 2, timeout=90)
@@ -475,13 +490,7 @@ def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
     process; c, back, finds its lease gone and joins again. Nothing is lost."""
     epochs = 20
     with isolated_node() as net, EtcdServer(host=net.host_ip) as etcd:
-
-        def node(name: str, inside: bool) -> Proc:
-            args = ("--epochs", str(epochs))
-            return start_on(
-                procs, etcd.endpoint, run_id, tmp_path, name, *args, nnodes="1:3", net=net,
-                inside=inside,
-            )  # fmt: skip
+        node = on_net(procs, etcd.endpoint, run_id, tmp_path, net, "1:3", "--epochs", str(epochs))
 
         c = node("c", True)
         c.wait_output("registered as c", timeout=60)  # first: it leads
