@@ -62,6 +62,8 @@ FINISHED = "job finished: all workers succeeded"
 # away must not hold the loop for the client's connect timeout, three reads long
 LOOK_TIMEOUT = 1.0
 WARM_CHECK_S = 1.0  # a standby without workers looks this often whether it can start them
+# changes that take members away with what they hold (``Agent._taken``)
+_TAKEN = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED, RoundEnd.LEAVING)
 URGENT_GRACE = 1.0  # seconds a worker gets to die quietly when its round is already broken
 OUT_MAX = 10.0  # seconds a node that stepped out waits for the others to re-form without it
 VACANT_MAX = 1.0  # seconds of a vacant lead after which no one is left to re-form (all out)
@@ -411,28 +413,27 @@ class Agent:
         return choice.out
 
     def _gone(self) -> frozenset[str]:
-        """Members of this node's round that the change it re-forms for takes away: lost,
-        left, failed (it may step out too) or leaving (it goes with what it holds: chaos
-        seed 35, where b stepped out for e to go on as e left)."""
-        change, r = self._change, self.round
-        taken = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED, RoundEnd.LEAVING)
-        if change is None or r is None or change.end not in taken:
-            return frozenset()
-        return frozenset(n for n in change.nodes if r.member(n) is not None)
+        """Members of this node's round that the change it re-forms for takes away
+        (``_taken``; chaos seed 35: b stepped out for e to go on as e left)."""
+        return self._taken(self._change)
 
     def _going(self) -> frozenset[str]:
-        """Members of this node's round that etcd already shows going as its own workers
-        fail (lost, failed, leaving or left): they hold nothing it could step out to
-        leave with them (chaos seed 27: b's worker hung as a, the only other member, was
+        """Members of this node's round that etcd already shows going (``_taken``) as its
+        own workers fail (chaos seed 27: b's worker hung as a, the only other member, was
         told to leave; b stepped out for a to go on, and the job's state went with both)."""
-        r = self.round
         try:
             change = self.rdzv.check()
         except RendezvousError as e:
             log.debug("could not read whether other members are going: %s", e)
             return frozenset()
-        going = (RoundEnd.LOST, RoundEnd.LEFT, RoundEnd.PEER_FAILED, RoundEnd.LEAVING)
-        if change is None or r is None or change.end not in going:
+        return self._taken(change)
+
+    def _taken(self, change: Change | None) -> frozenset[str]:
+        """The other members of this node's round that ``change`` takes away: lost, left,
+        failed or leaving. They hold nothing this node could step out to leave with them:
+        each goes with what it holds."""
+        r = self.round
+        if change is None or r is None or change.end not in _TAKEN:
             return frozenset()
         return frozenset(n for n in change.nodes if n != self.node_id and r.member(n))
 
