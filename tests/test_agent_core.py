@@ -114,6 +114,11 @@ TABLE: dict[tuple[AgentState, L | RoundEnd, bool], Row] = {
     (RS, L.WORKERS_HELD, False): (Stop.NONE, H, None, None, N),
     (RS, L.HOLD_FAILED, False): (Stop.URGENT, J, None, None, N),
     (RS, L.HOLD_FAILED, True): (Stop.URGENT, OUT, None, None, N),
+    # a worker hung as it was to let go: this node's own fault, charged as a hang
+    (RZ, L.WORKERS_HUNG, False): (Stop.URGENT, J, C.HANG, None, N),
+    (RZ, L.WORKERS_HUNG, True): (Stop.URGENT, OUT, C.HANG, None, N),
+    (RS, L.WORKERS_HUNG, False): (Stop.URGENT, J, C.HANG, None, N),
+    (RS, L.WORKERS_HUNG, True): (Stop.URGENT, OUT, C.HANG, None, N),
     (OUT, L.WENT_ON, False): (Stop.NONE, J, None, None, N),
     (OUT, L.SIGNALLED, False): (Stop.NONE, AgentState.LEFT, None, Exit.SIGNALLED, N),
 }
@@ -144,6 +149,7 @@ def test_the_table_covers_every_event_each_state_can_see() -> None:
         seen.setdefault(s, set()).add(e)
     outcomes = {L.WORKERS_STOPPED, L.WORKERS_HELD, L.HOLD_FAILED}
     local = set(L) - outcomes - {L.WENT_ON, L.WARM}
+    outcomes.add(L.WORKERS_HUNG)  # seen by a hold, and while running
     assert seen[R] == {*local, *RoundEnd} - {L.ROUND_FORMED, L.JOIN_TIMED_OUT}
     waiting_events = {L.ROUND_FORMED, L.SIGNALLED, L.JOIN_TIMED_OUT}
     ends = {RoundEnd.JOB_SUCCEEDED, RoundEnd.JOB_FAILED}
@@ -208,9 +214,14 @@ def test_side_effects_of_the_rows() -> None:
         (R, L.WORKERS_HUNG, True),
         (RZ, L.HOLD_FAILED, True),
         (RS, L.HOLD_FAILED, True),
+        (RZ, L.WORKERS_HUNG, True),
+        (RS, L.WORKERS_HUNG, True),
     ]
-    # ... reported only where the failure was its own: not holding them
-    assert not any(decide(s, L.HOLD_FAILED, True).report_failure for s in (RZ, RS))
+    # ... reported only where the failure was its own: not holding them, unless one hung
+    for s in (RZ, RS):
+        for in_place in (False, True):
+            assert not decide(s, L.HOLD_FAILED, in_place).report_failure
+            assert decide(s, L.WORKERS_HUNG, in_place).report_failure
     plain = Reaction("x", R)
     assert not (plain.report_failure or plain.announce_leaving or plain.close_job)
     assert plain.start is Start.NONE

@@ -191,6 +191,7 @@ class FakeWorkers:
         self.coming = False  # ... or are on their way there, from the lobby's group
         self.held_for: list[float] = []  # hold()'s timeouts
         self.drain_frozen: list[WorkerFailure] = []
+        self.hold_frozen: list[WorkerFailure] = []
         self.holds_state = False  # save_held(): State users out of their group
         self.strand: deque[list[WorkerFailure]] = deque()  # successive stranded() results
         self.held: tuple[Held, str] = (Held.HELD, "")  # what hold() answers
@@ -1200,6 +1201,46 @@ def test_a_node_that_alone_holds_what_it_trained_stays_in_when_its_workers_canno
         assert a.run() == 0
     assert rejoined == [] and workers.actions == ["abandon", "stop 1"]
     assert len(workers.started) == 2 and "no live re-formation (rank 0 is stuck" in caplog.text
+
+
+FROZEN = WorkerFailure(0, 0, 9, -19, 1.0, "hung: no progress for 4s (process stopped)")
+
+
+@pytest.mark.parametrize("others", [("b", "c"), ("c",)], ids=["steps-out", "stays-in"])
+def test_a_worker_that_hangs_as_it_is_asked_to_let_go_is_this_nodes_own_failure(
+    others: tuple[str, ...], caplog: pytest.LogCaptureFixture
+) -> None:
+    """c is lost, and a's worker freezes as it is asked to let go for the re-formation:
+    the hold ends by the learned allowance. Unlike a worker stuck in a send to c, that is
+    a's own fault: it is reported (the hung rank, its process state) and a's restart is
+    charged as a hang, whether a steps out for b to go on or stays in (c was its only
+    peer) and takes new workers (the item left in stop 48: uncharged)."""
+    lost = Change(RoundEnd.LOST, "lost c", ("c",))
+    old = FakeJob([round_of(1, "a", *others)], [None, lost])
+    if "b" in others:
+        new = FakeJob([round_of(3, "b", "a", cause=RoundCause.RESIZE)])
+        two = round_of(2, "b", cause=RoundCause.LOST)
+        new.glances.append(Glance(two))
+        new.glance_view = Glance(two, leader=NodeRecord("b", "10.0.0.1", 2, in_place=True))
+    else:
+        old.rounds.append(round_of(2, "a", cause=RoundCause.LOST))
+        new = old
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    workers.held = (Held.HUNG, f"rank 0 did not let go: {FROZEN.message}")
+    workers.hold_frozen = [FROZEN]
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    with caplog.at_level(logging.INFO):
+        a = ahead_agent(old, workers, step_out=_step_out, rejoin=lambda: new, metrics=metrics)
+        assert a.run() == 0
+    [report] = old.reported
+    assert report.summary.startswith("rank 0 (local_rank 0) on a: ") and "stopped" in report.summary
+    assert workers.actions[:2] == ["abandon", "stop 1"] and len(workers.started) == 2
+    assert _sample(metrics.registry, "elastic_run_restarts_total", cause="hang") == 1
+    assert _sample(metrics.registry, "elastic_run_restarts_total", cause="member_lost") == 0
+    assert "a hang of this node's own, reported" in caplog.text
+    stepped = "leaving the job for now" in caplog.text
+    assert stepped == ("b" in others), caplog.text
 
 
 def test_a_node_whose_workers_cannot_be_held_as_the_only_other_member_leaves_stays_in(

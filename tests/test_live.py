@@ -337,9 +337,10 @@ def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
     again alone (its leader's record says whom it waits for: they come back at once), so
     the job goes on from their newest step: every sample once, at most the steps in
     flight trained again, the model as undisturbed (chaos seed 24: a fresh node formed a
-    round alone from step 0, 284 steps trained again). Each hang is found by its own
-    node's agent (where one is found first, the other node's worker fails to let go of
-    its group, and that node, alone holding the state, restarts in the round instead)."""
+    round alone from step 0, 284 steps trained again). Each hang is found, and reported,
+    by its own node's agent (where one is found first, the other node's worker fails to
+    let go of its group: a hang of its own all the same, and that node, alone holding
+    the state, restarts in the round instead)."""
     epochs, args = 10, ("--epochs", "10", "--step-time", "0.2")
     a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:2") for n in "ab")
     wait_world(tmp_path, 2, timeout=90)
@@ -356,7 +357,8 @@ def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
         assert agent.wait(180) == 0, agent.transcript()
     assert not {r["pid"] for r in rows(tmp_path) if r["t"] > stopped + 1} & set(frozen)
     for agent in (a, b):  # found by its own agent: as its failure, or as the hold's
-        assert "hung: no progress" in agent.transcript(), agent.transcript()
+        said = agent.transcript()
+        assert "hung: no progress" in said and "workers failed: rank" in said, said
     assert "workers failed" not in c.transcript(), c.transcript()
     assert "training starts over" not in a.transcript() + b.transcript() + c.transcript()
     check_run(tmp_path, changes=2, epochs=epochs)

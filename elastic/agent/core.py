@@ -47,11 +47,13 @@ without it (``lobby.step_out``).
 | RESIZING   | WORKERS_HELD      |          | -              | HOLDING        |             |
 | RESIZING   | HOLD_FAILED       | no       | urgent         | JOINING        |             |
 | RESIZING   | HOLD_FAILED       | yes      | urgent         | OUT            |             |
+| RESIZING   | WORKERS_HUNG      | no/yes   | urgent         | JOINING/OUT    | hang        |
 | RESTARTING | WORKERS_STOPPED   |          | -              | JOINING        |             |
 | RESTARTING | WORKERS_SUCCEEDED |          | -              | SUCCEEDED      |             |
 | RESTARTING | WORKERS_HELD      |          | -              | HOLDING        |             |
 | RESTARTING | HOLD_FAILED       | no       | urgent         | JOINING        |             |
 | RESTARTING | HOLD_FAILED       | yes      | urgent         | OUT            |             |
+| RESTARTING | WORKERS_HUNG      | no/yes   | urgent         | JOINING/OUT    | hang        |
 | OUT        | WENT_ON           |          | -              | JOINING        |             |
 | OUT        | SIGNALLED         |          | -              | LEFT           |             |
 
@@ -71,7 +73,8 @@ signal.
 
 OUT: this node's own worker failed or hung (or, as a change re-forms the round, could
 not be held), and the others go on in place without it (``lobby.step_out``): it reported
-the failure (not one of holding: that one was not its own), left the job, and waits
+the failure (not a failed hold, which was not its own, unless a worker hung in it),
+left the job, and waits
 until they have re-formed (WENT_ON; or too few of them are left to, or a bound passed,
 or the job ended), then joins again as a newcomer, its new workers started ahead
 (PREPARING) where they can be.
@@ -95,6 +98,9 @@ again from their last snapshot. HOLD_FAILED: a worker did not let go within
 exited otherwise; new workers follow. Where the others can go on in place without this
 node, it steps out (OUT) rather than have them wait for its new workers' start: nothing
 is reported (the failure was not its own), and it joins again with them started ahead.
+WORKERS_HUNG while stopping: a worker hung (by the rule learned from its steps) as it was
+asked to let go; that is this node's own fault, whatever the change that asked, so it is
+reported and charged as a hang in RUNNING is, and otherwise handled as HOLD_FAILED.
 
 Stops: *drain* asks ``elastic.State`` users to save at their next step and exit
 ``EXIT_RESIZE`` (other scripts get SIGTERM, or the signal the agent got), SIGKILL after
@@ -452,6 +458,20 @@ def _stopping(state: AgentState, event: Event, in_place: bool) -> Reaction:
                 "the workers could not be held: stop them, new workers follow",
                 AgentState.JOINING,
                 stop=Stop.URGENT,
+            )
+        case LocalEvent.WORKERS_HUNG:
+            return Reaction(
+                "a worker hung as the workers were to let go: it is this node's own fault "
+                + (
+                    "(reported): this node steps out while the others go on"
+                    if in_place
+                    else "(reported): stop them, new workers follow"
+                ),
+                AgentState.OUT if in_place else AgentState.JOINING,
+                stop=Stop.URGENT,
+                cause=RestartCause.HANG,
+                report_failure=True,
+                leave=in_place,
             )
         case LocalEvent.WORKERS_SUCCEEDED:
             return Reaction(

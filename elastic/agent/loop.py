@@ -117,6 +117,7 @@ class Workers(Protocol):
     """What the agent needs of its worker processes (``workers.WorkerGroup``)."""
 
     drain_frozen: list[WorkerFailure]  # the hung workers that ended the last drain
+    hold_frozen: list[WorkerFailure]  # ... and those that ended the last hold (Held.HUNG)
 
     @property
     def pids(self) -> list[int]: ...
@@ -381,9 +382,14 @@ class Agent:
         new ones would cost everyone a worker start); held, as the round places them. For
         this node's own failure, and workers that could not be held as the round re-forms:
         the others go on in place without it (``lobby.step_out``)."""
-        if event in (LocalEvent.WORKERS_FAILED, LocalEvent.WORKERS_HUNG):
+        stopping = self.state in (AgentState.RESTARTING, AgentState.RESIZING)
+        if event is LocalEvent.WORKERS_FAILED or (
+            event is LocalEvent.WORKERS_HUNG and not stopping
+        ):
             return self._steps_out(self._going())
-        if event is LocalEvent.HOLD_FAILED and self.state is not AgentState.PREPARING:
+        if (event is LocalEvent.HOLD_FAILED and self.state is not AgentState.PREPARING) or (
+            event is LocalEvent.WORKERS_HUNG and stopping  # hung in the hold: as a failed one
+        ):
             self._stepping = ""  # said as the hold's failure is (none without step_out)
             # those the change took, and those etcd shows going since (it may have broken
             # meanwhile: a member leaving, then lost)
@@ -823,6 +829,8 @@ class Agent:
             self._change_at = time.monotonic()
             if r.cause is not None:
                 self._cause, self._lost_cause = r.cause, r.cause.lost_as
+        elif r.cause is not None:  # a worker hung in the hold: the restart is this node's
+            self._cause = r.cause  # (the pause stays the change's)
         self._explain(r, event)
         pids = self.workers.pids
         if r.announce_leaving:
@@ -839,7 +847,8 @@ class Agent:
         outcome = self._stop(r.stop, leaving=r.announce_leaving)
         if r.record_step:
             self.rdzv.raise_progress(self.workers.last_step())
-        ended = outcome not in (LocalEvent.WORKERS_HELD, LocalEvent.HOLD_FAILED) and (
+        held = (LocalEvent.WORKERS_HELD, LocalEvent.HOLD_FAILED, LocalEvent.WORKERS_HUNG)
+        ended = outcome not in held and (  # a hold's end: still running, or to be stopped
             r.stop is not Stop.NONE or running  # stopped now, or ended by themselves
         )
         if ended:
@@ -1023,6 +1032,12 @@ class Agent:
             case LocalEvent.WORKERS_SAVED:
                 log.info("workers saved their state and stopped for a resize")
                 self._change_why = "workers stopped for a resize"
+            case LocalEvent.WORKERS_HUNG if self.state is not AgentState.RUNNING:
+                log.warning(
+                    "no live re-formation (%s): a hang of this node's own, reported; %s",
+                    self._hold_failed,
+                    "it steps out while the others go on" if r.leave else "new workers follow",
+                )
             case LocalEvent.WORKERS_FAILED | LocalEvent.WORKERS_HUNG:
                 self._change_why = f"workers failed on {self.node_id}"
             case LocalEvent.HOLD_FAILED if self.state is AgentState.PREPARING:
@@ -1090,6 +1105,10 @@ class Agent:
                 return LocalEvent.WORKERS_HELD
             if held is Held.FINISHED:
                 return LocalEvent.WORKERS_SUCCEEDED
+            if held is Held.HUNG:  # this node's own worker, whatever the change
+                self._hold_failed = why
+                self._failures = tuple(self.workers.hold_frozen)
+                return LocalEvent.WORKERS_HUNG
             self._hold_failed = why
             return LocalEvent.HOLD_FAILED
         if how in (Stop.URGENT, Stop.KILL):

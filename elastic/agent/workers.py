@@ -64,6 +64,7 @@ class Held(enum.Enum):
     HELD = "held"  # every worker let go of its group and waits for a placement
     FINISHED = "finished"  # all exited 0: training was over before they could pause
     FAILED = "failed"  # one exited otherwise, did not let go, or was late
+    HUNG = "hung"  # one hung by the learned rule (``frozen``): this node's own fault
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class WorkerGroup:
         self._looked = 0.0  # when the agent last looked at the workers' silence
         self._since = 0.0  # ... and since when it has looked without a gap
         self.drain_frozen: list[WorkerFailure] = []  # the hung ones that ended the last drain
+        self.hold_frozen: list[WorkerFailure] = []  # ... and those that ended the last hold
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.workers = lambda: self.pids
@@ -342,7 +344,9 @@ class WorkerGroup:
     ) -> tuple[Held, str]:
         """Ask the workers to let go of their group (``urgent``: now, out of a blocked
         collective too; else at their next step) and wait until every one waits for a
-        placement: HELD, or FAILED and why not (then stop them). FINISHED: they all
+        placement: HELD, or FAILED and why not (then stop them); HUNG: one of them hung
+        (``frozen``, kept in ``hold_frozen``), this node's own fault, not the change's
+        that asked for the hold (a worker stopped as its peer failed). FINISHED: they all
         exited 0, having left their training loop before the ask (the ask came in the
         last step), so the job is done; a new round would train again from a snapshot.
         A worker still forming its group has no step to pause at, and its round has
@@ -381,7 +385,8 @@ class WorkerGroup:
                 return Held.FAILED, f"rank {gone[0].placement.rank} exited (0) as the others let go"
             frozen = self.frozen()  # it would never let go
             if frozen:
-                return Held.FAILED, f"rank {frozen[0].rank} did not let go: {frozen[0].message}"
+                self.hold_frozen = frozen
+                return Held.HUNG, f"rank {frozen[0].rank} did not let go: {frozen[0].message}"
             stuck = self._stuck()  # nor would it, before its group's timeout
             if stuck:
                 return Held.FAILED, f"rank {stuck[0].rank} {stuck[0].message}"
