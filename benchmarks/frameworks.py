@@ -12,7 +12,8 @@ workers (``ElasticLightning.run(fit)``, ``ElasticCallback.run(make)``: a new Tra
 them; ``State.run`` with ``round_accelerator``: a new Accelerator). Lightning's
 ModelParallelStrategy (FSDP2, ``--framework lightning-fsdp2``) runs the same script
 sharded: its own checkpoints are DCP directories, the adapter's snapshots DCP checkpoints
-of the shards in ``--checkpoint-dir``, and a change gives new workers (no live form). Once
+of the shards in ``--checkpoint-dir`` (live, copies in memory too: the survivor's next
+Trainer re-shards the newest step memory holds whole). Once
 both nodes train, node b (not torchrun's store host) is SIGKILLed,
 launcher and worker together, and a trains on alone. Printed per launcher: the seconds
 from the kill to the first step at world size 1 (and the ratio to torchrun's), and the
@@ -51,7 +52,7 @@ FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter, its a
         ("--strategy", "model_parallel"),
     ),
 }  # fmt: skip
-SHARDED = {"lightning-fsdp2"}  # snapshots to --checkpoint-dir; a change gives new workers
+SHARDED = {"lightning-fsdp2"}  # snapshots to --checkpoint-dir (and memory, live)
 ARGS = ["--samples", "8000", "--epochs", "1", "--step-time", "0.03", "--checkpoint-every", "20"]
 COMMON = ["--nnodes", "1:2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]
 
@@ -78,10 +79,13 @@ def live_cmd(script: list[str], endpoint: str, run_id: str) -> list[str]:
     return elastic_cmd(script, endpoint, run_id, "--adapter", "--live")
 
 
-def sharded_cmd(script: list[str], endpoint: str, run_id: str, snapshots: Path) -> list[str]:
+def sharded_cmd(
+    script: list[str], endpoint: str, run_id: str, snapshots: Path, live: bool = False
+) -> list[str]:
     """The adapter's shard snapshots go to a directory both nodes read."""
     flags = ("--checkpoint-dir", str(snapshots / run_id))
-    return elastic_cmd(script, endpoint, run_id, "--adapter", flags=flags)
+    more = ("--live",) if live else ()
+    return elastic_cmd(script, endpoint, run_id, "--adapter", *more, flags=flags)
 
 
 # the scripts log elastic.state's choices with their time
@@ -138,8 +142,10 @@ def bench(framework: str, repeat: int, timeout: float, etcd: EtcdServer, tmp: Pa
         f"elastic-run + {adapter}, live": live_cmd,
     }
     if framework in SHARDED:
-        del kinds[f"elastic-run + {adapter}, live"]
         kinds[f"elastic-run + {adapter}"] = functools.partial(sharded_cmd, snapshots=tmp)
+        kinds[f"elastic-run + {adapter}, live"] = functools.partial(
+            sharded_cmd, snapshots=tmp, live=True
+        )
     seconds: dict[str, list[float | None]] = {k: [] for k in kinds}
     redone: dict[str, list[int | None]] = {k: [] for k in kinds}
     for r in range(repeat):

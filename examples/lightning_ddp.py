@@ -22,6 +22,12 @@ snapshots the shards there (DCP checkpoints, at the interval the policy picks) a
 restart resumes from the newest, re-sharded over the new world size::
 
     elastic-run --nproc-per-node 2 --checkpoint-dir /tmp/ckpt examples/lightning_ddp.py --fsdp2
+
+With ``--live`` too, the workers are kept through changes as with DDP: each snapshot also
+copies the shards to host memory and to the next node, and the next Trainer re-shards
+the newest step memory holds whole over the new group (the disk is read only where it
+does not). A sharded model is cut over each round's group, so ``fit()`` makes the
+LightningModule as well as the Trainer.
 """
 
 from __future__ import annotations
@@ -84,11 +90,13 @@ def main() -> None:
     loader = DataLoader(synthetic(1024), batch_size=a.batch_size, shuffle=True)
     saver = ModelCheckpoint(dirpath=a.dir, every_n_train_steps=a.checkpoint_every, save_last=True)
     elastic = ElasticLightning()
-    model = Regression(a.lr, a.step_time)
+    model = None if a.fsdp2 else Regression(a.lr, a.step_time)
     last = os.path.join(a.dir, "last.ckpt")
 
     def fit() -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        # sharded, the module is cut over this round's group: a new one for each fit
+        module = model if model is not None else Regression(a.lr, a.step_time)
         trainer = L.Trainer(
             accelerator="auto",
             strategy=ModelParallelStrategy() if a.fsdp2 else "ddp",
@@ -100,7 +108,7 @@ def main() -> None:
             enable_model_summary=False,
             logger=False,
         )
-        trainer.fit(model, loader, ckpt_path=last if os.path.exists(last) else None)
+        trainer.fit(module, loader, ckpt_path=last if os.path.exists(last) else None)
 
     if a.live and not a.no_elastic:
         elastic.run(fit)  # a new Trainer in the same process after each change

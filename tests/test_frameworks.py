@@ -25,6 +25,7 @@ import torch
 from agents import samples_once, start_agent, steps, wait_world, worker_pids
 from conftest import need
 from harness import ROOT, Proc
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from elastic.agent.etcd_server import EtcdServer
 
@@ -191,7 +192,7 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     out = tmp_path / "out"
     out.mkdir()
     job = (
-        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--live",
+        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--adapter",
         "--samples", "192", "--epochs", "2", "--step-time", "0.05",
     )  # fmt: skip
     kw = {
@@ -209,7 +210,6 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     wait_world(out, 1, after=killed, timeout=90)
     assert a.wait(240) == 0, a.transcript()
     said = a.transcript()
-    assert said.count("ModelParallelStrategy shards the model: its snapshots are DCP") >= 1, said
     history = steps(out)
     samples_once(history, 192, 2)
     before = max(r["step"] for r in history if r["world"] == 2)
@@ -221,11 +221,84 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
 
 
 @pytest.mark.slow(seconds=75)
+def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The same job through ``ElasticLightning.run(fit)`` (fit makes the module and the
+    Trainer): b is SIGKILLed mid-epoch, then c joins. a keeps its worker throughout: its
+    next Trainer re-shards the newest step memory holds whole (its own rows and the copy
+    of b's it kept at the last snapshot, every 4 steps) over world 1, at the exact
+    sample; c gets its shard from a, live, with no disk read. Every sample of the epochs
+    once, at most the interval and the step in flight trained again, the agent names the
+    right step (was: a change gave new workers, which read the DCP checkpoint)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = (
+        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--live",
+        "--samples", "192", "--epochs", "4", "--step-time", "0.05", "--dump-start",
+    )  # fmt: skip
+    kw = {
+        "nnodes": "1:2",
+        "env": {"RESULT_DIR": str(out)},
+        "extra": (
+            "--checkpoint-dir",
+            str(tmp_path / "snap"),
+            "--snapshot-every",
+            "4",
+            "--checkpoint-keep",
+            "100",
+        ),  # the one resumed from, to compare
+    }
+    a = start_agent(procs, etcd.endpoint, run_id, "a", *job, **kw)  # type: ignore[arg-type]
+    a.wait_output("registered as a", timeout=60)
+    b = start_agent(procs, etcd.endpoint, run_id, "b", *job, **kw)  # type: ignore[arg-type]
+    wait_world(out, 2, timeout=180)
+    kept = set(worker_pids(a))
+    time.sleep(1.0)  # a few snapshots into the epoch
+    killed = time.time()
+    b.signal(signal.SIGKILL)
+    wait_world(out, 1, after=killed, timeout=90)
+    c = start_agent(procs, etcd.endpoint, run_id, "c", *job, **kw)  # type: ignore[arg-type]
+    joined = time.time()
+    wait_world(out, 2, after=joined, timeout=120)
+    assert a.wait(240) == 0, a.transcript()
+    assert c.wait(60) == 0, c.transcript()
+    said = a.transcript()
+    history = steps(out)
+    assert {r["pid"] for r in history if r["rank"] == 0 or r["t"] < killed} & kept
+    assert {r["pid"] for r in history if r["t"] > killed and r["world"] == 1} == kept, said
+    samples_once(history, 192, 4)
+    before = max(r["step"] for r in history if r["world"] == 2 and r["t"] < killed)
+    after = min(r["step"] for r in history if r["world"] == 1)
+    assert (after - 1) % 4 == 0 and 0 <= before + 1 - after <= 4 + 1, (before, after)
+    assert f"resumes from step {after - 1}, " in said, said  # the agent says so, truly
+    assert "new workers follow" not in said and "re-sharded step" in said, said
+    rejoined = min(r["step"] for r in history if r["world"] == 2 and r["t"] > joined)
+    last = max(r["step"] for r in history if r["world"] == 1)
+    assert 0 <= last + 1 - rejoined <= 1, (last, rejoined)  # a pause: at most one again
+    # what each next Trainer started from (a's after the kill, a's and c's after the join)
+    # is the snapshot of that step, model and Adam's moments alike (DCP kept it too): the
+    # re-shards in memory moved the right rows
+    for step in (after - 1, rejoined - 1):
+        started = torch.load(out / f"start-{step}.pt", weights_only=False)
+        saved = tmp_path / f"saved-{step}.pt"
+        dcp_to_torch_save(tmp_path / "snap" / f"dcp-step-{step:012d}", saved)
+        snap = torch.load(saved, weights_only=False)
+        assert started["model"].keys() == snap["model/model"].keys()
+        for k, v in started["model"].items():
+            assert torch.equal(v, snap["model/model"][k]), (step, k)
+        for p, moments in started["optim"]["state"].items():
+            for k, v in moments.items():
+                kept = snap["optim/model"]["state"][p][k]
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(kept)), (step, p, k)
+
+
+@pytest.mark.slow(seconds=75)
 def test_the_examples_run(tmp_path: Path) -> None:
     """Each framework's example, as the README's examples table runs it, to the end (and
-    Lightning's with FSDP2, its shards snapshotted to --checkpoint-dir)."""
+    Lightning's with FSDP2 through run(), its shards snapshotted to --checkpoint-dir)."""
     fsdp2 = ("--checkpoint-dir", str(tmp_path / "snap"), "examples/lightning_ddp.py", "--fsdp2",
-             "--step-time", "0.02")  # fmt: skip
+             "--live", "--step-time", "0.02")  # fmt: skip
     runs = {
         "lightning": ("examples/lightning_ddp.py", "--epochs", "1", "--dir", str(tmp_path / "l")),
         # steps of 20 ms: the ranks agree every few steps, so the first (probe) snapshot

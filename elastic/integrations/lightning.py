@@ -30,8 +30,14 @@ a checkpoint another could load. Given ``--checkpoint-dir`` (a directory every n
 reads), its snapshots are ``State``'s sharded ones: DCP checkpoints of the shards, with
 the rest of Lightning's checkpoint beside them (``_Rest``), at the interval the cost
 policy chooses; a restart loads the newest, re-sharded over the new world size by DCP.
-A change gives new workers. FSDP (``FSDPStrategy``) and DeepSpeed keep their own formats:
-the callback stands aside and Lightning resumes from its own checkpoints.
+Under ``run()`` the workers are kept here too, where ``fit`` makes the LightningModule
+(a sharded one is cut over each round's group): each snapshot also copies the shards to
+host memory and to the next node; a fault keeps the shards and the rest as of the last
+commit (``State.held_shards``), and the next Trainer's ``State`` re-shards the newest
+step the ranks' memory holds whole over the new group (``State.follow``,
+``restore(held=...)``), reading the disk only where memory holds none. FSDP
+(``FSDPStrategy``) and DeepSpeed keep their own formats: the callback stands aside and
+Lightning resumes from its own checkpoints.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampl
 
 from elastic.contract import SnapshotPolicy
 from elastic.integrations._group import ensure_group
-from elastic.worker import group, rng
+from elastic.worker import comm, group, rng
+from elastic.worker.reshard import Held, forget_old_meshes
 from elastic.worker.sharded import complete_steps, is_sharded
 from elastic.worker.state import State
 
@@ -169,18 +176,8 @@ class _Checkpoint:
     def on_commit(self) -> None:
         """Live, note the moving parts of the checkpoint as of this step (``State`` calls
         this at each commit; small: counters, scheduler and callback states)."""
-        t = self.trainer
-        if not self.live or t is None:
-            return
-        self.committed = copy.deepcopy(
-            {
-                "epoch": t.current_epoch,
-                "global_step": t.global_step,
-                "loops": t._checkpoint_connector._get_loops_state_dict(),
-                "callbacks": call._call_callbacks_state_dict(t),
-                "lr_schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs],
-            }
-        )
+        if self.live and self.trainer is not None:
+            self.committed = _moving_parts(self.trainer)
 
     def keep(self) -> None:
         """A fault ends the fit: keep the checkpoint of the last commit, while the Trainer
@@ -203,6 +200,22 @@ class _Checkpoint:
         self.loaded = ckpt
 
 
+def _moving_parts(t: pl.Trainer) -> dict[str, Any]:
+    """What of a Lightning checkpoint moves on after an optimizer step, before the next
+    step's first collective: noted at each commit, so that a fault in that step leaves
+    the checkpoint of the step committed (with the model and optimizers, which the cut
+    step did not reach)."""
+    return copy.deepcopy(
+        {
+            "epoch": t.current_epoch,
+            "global_step": t.global_step,
+            "loops": t._checkpoint_connector._get_loops_state_dict(),
+            "callbacks": call._call_callbacks_state_dict(t),
+            "lr_schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs],
+        }
+    )
+
+
 def _restorable(ckpt: dict[str, Any]) -> dict[str, Any]:
     """What a restart reads back is loaded without running code (weights_only): the
     hyperparameters serve load_from_checkpoint, not a resume, and may be any object."""
@@ -217,30 +230,59 @@ class _Rest:
     loops' progress (the loader's position among them), callbacks, schedulers, precision
     and what the hooks add. One opaque value to DCP (its bytes), so that the restore's
     template need not have the saved structure (loops grow keys as they run). Until
-    ``ready`` (training started) it is that template."""
+    ``ready`` (training started) it is that template. ``live`` (``run()``): as
+    ``_Checkpoint``, a fault keeps it as of the last commit (``keep``), beside the shards
+    the next Trainer's State re-shards from memory."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, live: bool = False) -> None:
         self.trainer = trainer
+        self.live = live
         self.ready = False
         self.loaded: dict[str, Any] | None = None
+        self.committed: dict[str, Any] | None = None
+        self.kept: bytes | None = None
+
+    def on_commit(self) -> None:
+        if self.live and self.ready:
+            self.committed = _moving_parts(self.trainer)
+
+    def keep(self) -> None:
+        """A fault ends the fit: keep the rest as of the last commit (see ``_Checkpoint``)."""
+        if self.committed is None:
+            return
+        try:
+            self.kept = self._pack({**self._dump(), **copy.deepcopy(self.committed)})
+        except Exception as e:  # a hook that needs the broken group, say: snapshots instead
+            log.warning("could not keep the state of the last step in memory: %s", e)
 
     def state_dict(self) -> dict[str, Any]:
         if not self.ready:
             return {"checkpoint": b""}
+        if self.kept is not None:
+            return {"checkpoint": self.kept}
+        return {"checkpoint": self._pack(self._dump())}
+
+    def _dump(self) -> dict[str, Any]:
         strategy = self.trainer.strategy
         # the shards are State's to save: Lightning's own state dicts of them would copy
         # every shard to the CPU (its cpu_offload) only to be thrown away here
         strategy.lightning_module_state_dict = dict
         strategy.optimizer_state = lambda _optimizer: {}
         try:
-            ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            ckpt: dict[str, Any] = self.trainer._checkpoint_connector.dump_checkpoint(
+                weights_only=False
+            )
         finally:
             del strategy.lightning_module_state_dict, strategy.optimizer_state
         ckpt.pop("state_dict", None)
         ckpt.pop("optimizer_states", None)
+        return ckpt
+
+    @staticmethod
+    def _pack(ckpt: dict[str, Any]) -> bytes:
         buf = io.BytesIO()
         torch.save(_restorable(ckpt), buf)
-        return {"checkpoint": buf.getvalue()}
+        return buf.getvalue()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         raw = saved.get("checkpoint", b"")
@@ -318,6 +360,7 @@ class ElasticLightning(Callback):
         self._aside = False  # a sharded strategy: no snapshot of the whole checkpoint
         self._shards: State | None = None  # ModelParallel's: DCP snapshots of the shards
         self._rest: _Rest | None = None  # beside them, the rest of the checkpoint
+        self._held: Held | None = None  # run(): the shards a fault left, for the next fit
 
     # -- start: restore --------------------------------------------------------------------
     def run(self, fit: Callable[[], T], backend: str | None = None) -> T:
@@ -350,6 +393,14 @@ class ElasticLightning(Callback):
         strategy = sharded(trainer.strategy)
         if strategy is not None:
             directory = self._shards_dir(trainer)
+            if self._live and directory is not None:
+                if is_sharded({"model": pl_module}):
+                    raise RuntimeError(
+                        "ElasticLightning.run: fit() passed the LightningModule an earlier "
+                        f"fit sharded; {strategy} shards it over each round's group, so "
+                        "make the LightningModule inside fit(), as the Trainer is"
+                    )
+                forget_old_meshes()  # before configure_model shards over this round's
             self._stand_aside(trainer, strategy, directory)
             if directory is not None:
                 self._snapshot_shards(trainer, directory)
@@ -380,19 +431,21 @@ class ElasticLightning(Callback):
 
     def _stand_aside(self, trainer: pl.Trainer, strategy: str, directory: str | None) -> None:
         """A sharded strategy's checkpoint is not each rank's whole state, so no rank could
-        send it to another: no snapshot of the whole, and under ``run()`` a change gives
-        new workers (a sharded model cannot be wrapped again over a new group by a new
-        Trainer). ModelParallel's shards are snapshotted to ``directory``, where given;
-        else Lightning resumes from its own checkpoints. The sampler still resumes at the
+        send it to another: no snapshot of the whole. ModelParallel's shards are
+        snapshotted to ``directory``, where given (and under ``run()`` kept in memory for
+        the next fit: the workers stay); else Lightning resumes from its own checkpoints,
+        and under ``run()`` a change gives new workers. The sampler still resumes at the
         exact sample."""
         if not self._aside:
             new = ", and a membership change gives new workers" if self._live else ""
-            if directory is not None:  # said louder where live was asked for
-                (log.warning if self._live else log.info)(
+            if directory is not None:
+                log.info(
                     "%s shards the model: its snapshots are DCP checkpoints of the shards in %s%s",
                     strategy,
                     directory,
-                    new,
+                    ", and copies in memory: the workers are kept through membership changes"
+                    if self._live
+                    else "",
                 )
             else:
                 more = (
@@ -409,7 +462,7 @@ class ElasticLightning(Callback):
                     new,
                 )
         self._aside = True
-        if self._live:
+        if self._live and directory is None:
             group.detach()  # the agent no longer re-forms these workers in place
         self._wrap_loaders(trainer)
 
@@ -440,17 +493,30 @@ class ElasticLightning(Callback):
                 "checkpoints"
             )
             return False
-        self._rest = _Rest(trainer)
+        self._rest = _Rest(trainer, live=self._live)
         optimizers = {f"optimizer_{i}": o for i, o in enumerate(trainer.optimizers)}
         self._shards = State(self._policy, model=module, **optimizers, lightning=self._rest)
+        held = self._held
+        if self._live:
+            assert self._state is not None
+            why = self._shards.follow(self._state)
+            if why is not None:
+                log.warning("a membership change gives new workers: %s", why)
+                group.detach()
+                held = self._held = None
         steps = complete_steps(Path(directory))
         # rank 0's view for all: every rank takes the same branch of what follows
         newest, file = trainer.strategy.broadcast((steps[0] if steps else -1, _file_step(path)))
+        if self._live:  # and the newest step the ranks' memory holds
+            newest = max(newest, comm.control().all_reduce([held.step if held else -1], "MAX")[0])
         if not from_snapshot(newest, file):
             if path and newest >= 0:
                 log.info("%s (step %d) is as new as the snapshots: resuming from it", path, file)
+            self._held = None
             return False
-        if not self._shards.restore(tell=False):
+        restored = self._shards.restore(tell=False, held=held)
+        self._held = None  # re-sharded (a fault before this keeps it for the next fit)
+        if not restored:
             return False
         if path:
             log.info("resuming from the snapshot of step %d, not %s", newest, path)
@@ -571,8 +637,15 @@ class ElasticLightning(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._live and self._checkpoint is not None and not self._aside:
+        if not self._live:
+            return
+        if self._checkpoint is not None and not self._aside:
             self._checkpoint.keep()  # before the teardown: the next fit starts from it
+        if self._shards is not None and self._rest is not None:
+            self._rest.keep()  # the shards as of the last commit, and the rest beside them
+            held = self._shards.held_shards(live=self._rest.kept is not None)
+            if held is not None and held.step >= (self._held.step if self._held else -1):
+                self._held = held  # for the next fit's State (else an older fit's is kept)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         while self._unwrap:  # a later fit() starts as the first did

@@ -103,6 +103,9 @@ class _Core:
     group: Group | None = None  # while run() keeps this process through changes
     restored: bool = False
     rebuild: Callable[[], dict[str, Any]] | None = None  # run()'s reshard: sharded, live
+    tells: bool = True  # restores tell the agent the step (restore(tell=False): not)
+    follows: bool = False  # commits for another State's run() (``follow``)
+    delegated: bool = False  # ... and this is that run()'s: a follower holds the state
     held: reshard.Held | None = None  # the shards kept from a broken group until resync
     kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
     # the samplers and the objects told of each commit, while the objects stay the same
@@ -453,6 +456,39 @@ class State:
         core.group = g
         return g
 
+    def follow(self, run: State) -> str | None:
+        """Commit for ``run``, whose ``run()`` keeps this process through membership
+        changes while a framework makes this State's sharded objects anew in each call of
+        its function (Lightning's Trainer shards the model as it sets up): pauses become
+        re-formations of that run's group, and each snapshot also keeps the shards in host
+        memory and on the next node (``held_shards`` hands them to the next State).
+        Returns why it cannot (the state is not sharded, or not so that memory can
+        re-shard it, or ``run`` is not kept live): the process then ends with the group."""
+        core = self._core
+        why = reshard.unsupported(core.objects) if core.sharded else "the state is not sharded"
+        if why is None and run._core.group is None:
+            why = "the run is not kept live"
+        if why is None:
+            core.group, core.follows = run._core.group, True
+            run._core.delegated = True
+        return why
+
+    def held_shards(self, live: bool) -> reshard.Held | None:
+        """What this rank holds of the sharded state, for the State that replaces this
+        one after a re-formation (``restore(held=...)``); call it before the objects are
+        torn down. ``live`` (the caller kept the rest of its state as of the last commit):
+        the objects' rows as they are, at the step last committed, besides the last
+        snapshot's copies (this rank's and the previous node's); not where an optimizer
+        stepped after the commit (its rows are a step ahead of the rest). None: nothing
+        held."""
+        core = self._core
+        core.snapshotter.wait_copy()
+        if not core.sharded:
+            return None
+        if not live or core.stepped:
+            return core.kept
+        return reshard.capture(core.objects, core.values, core.values["step"]) + core.kept
+
     def _reform(self, g: Group, why: BaseException) -> None:
         """Leave the broken group, form the next one, agree on the state (see
         ``Group.reform``); save and exit instead if this node leaves meanwhile."""
@@ -467,14 +503,15 @@ class State:
             )
         step = g.reform(self._drop_step_in_flight, self._resync, self._core.stopping)
         if step is None:  # this node leaves meanwhile
-            if not self._core.sharded:  # sharded: a save is collective; its group is gone
+            # sharded (here or in a follower): a save is collective; its group is gone
+            if not (self._core.sharded or self._core.delegated):
                 self.snapshot(wait=True)
             self._leave_for_resize()
         log.info(
-            "re-formed live: rank %d of %d at step %d in %.2fs (re-formation %d)",
+            "re-formed live: rank %d of %d %s in %.2fs (re-formation %d)",
             comm.rank(),
             comm.world(),
-            step,
+            "(a follower restores its state)" if self._core.delegated else f"at step {step}",
             time.perf_counter() - started,
             g.reformations,
         )
@@ -517,7 +554,7 @@ class State:
         step, nbytes = self._restore_snapshot(mine)
         core.stats.restore_bytes = nbytes
         self._apply_batch_policy()
-        if core.ctl is not None:
+        if core.ctl is not None and core.tells:
             core.ctl.beat(step)
             core.ctl.restored(step)
         return step
@@ -538,7 +575,7 @@ class State:
         self._core.cadence.taken(step)
         rng.save(self._core.node_dir, comm.rank(), step)
         if self._core.sharded:
-            if self._core.rebuild is not None and self._core.group is not None:
+            if self._core.group is not None:  # kept live: by run(reshard=...), or follow()
                 self._keep_sharded(step)
             self._save_sharded(step)
             return
@@ -588,15 +625,19 @@ class State:
         self._core.stats.snapshot_seconds = self._core.stats.checkpoint_seconds = took
 
     # -- restore --------------------------------------------------------------------------
-    def restore(self, tell: bool = True) -> bool:
+    def restore(self, tell: bool = True, held: reshard.Held | None = None) -> bool:
         """Load the newest state in the job; False (nothing loaded) on a fresh start.
         Every rank must call it, at the same point of the script. ``tell=False``: the
         agent learns the step resumed from later, from ``resumed_from`` (a framework
-        that may resume from a file of its own instead)."""
+        that may resume from a file of its own instead), this time and after each live
+        re-formation. ``held``: sharded state kept from the objects this State's replace
+        (``held_shards`` of the State that held them), re-sharded from memory where the
+        ranks hold a whole step of it."""
         started = time.perf_counter()
         nbytes = 0
+        self._core.tells = tell
         if self._core.sharded:
-            step = self._restore_sharded()
+            step = self._restore_sharded(held)
         else:
             step, nbytes = self._restore_snapshot()
         took = time.perf_counter() - started
@@ -686,7 +727,7 @@ class State:
                 had - step,
                 had,
             )
-        if core.ctl is not None:
+        if core.ctl is not None and core.tells:
             core.ctl.beat(max(step, 0))
             core.ctl.restored(step)
         return step
@@ -765,7 +806,8 @@ class State:
         progress.flush()
         for h in self._core.hooks:
             h.remove()
-        alive.stop()  # training is over: what follows is not judged for hangs
+        if not self._core.follows:  # a follower's run() goes on: the next one follows it
+            alive.stop()  # training is over: what follows is not judged for hangs
 
 
 # names a value cannot take: what State itself answers to (its step counter included)

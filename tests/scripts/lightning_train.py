@@ -11,8 +11,9 @@ with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU), ``--strategy 
 with FSDP (Lightning's FSDPStrategy, GPUs only).
 ``--device cuda`` trains on the GPU (``--backend gloo``: two nodes on one GPU).
 ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end of that step, on the
-first attempt only. Lightning's own ModelCheckpoint writes every ``--checkpoint-every``
-steps to ``$RESULT_DIR/ckpt`` and the script resumes from it.
+first attempt only. ``--dump-start`` saves the whole state a resumed fit starts from.
+Lightning's own ModelCheckpoint writes every ``--checkpoint-every`` steps to
+``$RESULT_DIR/ckpt`` and the script resumes from it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ class Record(Callback):
     def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
         self.trainer = trainer
         module.record = self.write  # this Trainer's: a live round makes a new one
+        if self.a.dump_start and trainer.global_step > 0:
+            self.dump(trainer, module)
+
+    def dump(self, trainer: L.Trainer, module: Any) -> None:
+        """The whole state a resumed Trainer starts from, gathered to rank 0's file
+        ``start-<step>.pt`` (a test compares it with the snapshot of that step)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(module, trainer.optimizers, options=full)
+        if trainer.global_rank == 0:
+            name = f"start-{trainer.global_step}.pt"
+            torch.save({"model": msd, "optim": osd}, os.path.join(os.environ["RESULT_DIR"], name))
 
     def write(self, batch: int, indices: list[int], loss: float) -> None:
         trainer = self.trainer
@@ -109,6 +123,7 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
+    ap.add_argument("--dump-start", action="store_true", help="save a resumed fit's state")
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="the adapter's run(): workers kept")
     ap.add_argument("--strategy", choices=["ddp", "fsdp", "model_parallel"], default="ddp")
@@ -132,7 +147,8 @@ def main() -> None:
 
         elastic = ElasticLightning()
         callbacks.append(elastic)
-    module = Net()
+    # a sharded model is cut over each round's group: under run() it is made in fit()
+    module = Net() if a.strategy == "ddp" else None
     loader = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
     last = os.path.join(result, "ckpt", "last.ckpt")
 
@@ -145,6 +161,7 @@ def main() -> None:
 
     def fit() -> L.Trainer:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        model = module if module is not None else Net()
         trainer = L.Trainer(
             accelerator="gpu" if a.device == "cuda" else "cpu",
             strategy=strategy(),
@@ -157,11 +174,11 @@ def main() -> None:
             enable_model_summary=False,
             logger=False,
         )
-        trainer.fit(module, loader, ckpt_path=last if os.path.exists(last) else None)
+        trainer.fit(model, loader, ckpt_path=last if os.path.exists(last) else None)
         return trainer
 
     trainer = elastic.run(fit, backend=a.backend) if a.live else fit()
-    if trainer.global_rank == 0 and a.strategy == "ddp":  # a sharded model: its checkpoint
+    if trainer.global_rank == 0 and module is not None:  # a sharded model: its checkpoint
         opt = trainer.optimizers[0]
         final = {
             "model": module.state_dict(),
