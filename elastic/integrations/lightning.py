@@ -507,7 +507,7 @@ class ElasticLightning(Callback):
         steps = complete_steps(Path(directory))
         # rank 0's view for all: every rank takes the same branch of what follows
         newest, file = trainer.strategy.broadcast((steps[0] if steps else -1, _file_step(path)))
-        if self._live:  # and the newest step the ranks' memory holds
+        if self._live:  # and the newest step the ranks' memory holds a part of, at most
             newest = max(newest, comm.control().all_reduce([held.step if held else -1], "MAX")[0])
         if not from_snapshot(newest, file):
             if path and newest >= 0:
@@ -518,8 +518,14 @@ class ElasticLightning(Callback):
         self._held = None  # re-sharded (a fault before this keeps it for the next fit)
         if not restored:
             return False
+        step = self._shards.step  # memory may hold a newer step only in part: this one whole
+        if not from_snapshot(step, file):  # Lightning reads the file over it
+            log.info(
+                "%s (step %d) is newer than the snapshots (%d): resuming from it", path, file, step
+            )
+            return False
         if path:
-            log.info("resuming from the snapshot of step %d, not %s", newest, path)
+            log.info("resuming from the snapshot of step %d, not %s", step, path)
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = self._rest.loaded or {}
         self._rng = rng.capture()  # as restored: back right before the first step
