@@ -112,7 +112,7 @@ def test_the_examples_gpu_forms_run(tmp_path: Path) -> None:
         "accelerate": ("examples/accelerate_ddp.py", "--epochs", "1"),
         "fsdp": ("--checkpoint-dir", str(tmp_path / "f"), "examples/train_fsdp.py"),
         "lightning-fsdp2": ("--checkpoint-dir", str(tmp_path / "s"), "examples/lightning_ddp.py",
-                            "--fsdp2", "--epochs", "1", "--dir", str(tmp_path / "ls")),
+                            "--fsdp2", "--live", "--epochs", "1", "--dir", str(tmp_path / "ls")),
     }  # fmt: skip
 
     def run(name: str) -> subprocess.CompletedProcess:
