@@ -188,12 +188,14 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     SIGKILLed mid-epoch. a's new worker resumes from the newest DCP snapshot of the
     shards (every 4 steps), re-sharded from world 2 to 1, at the exact sample: every
     sample of both epochs once in the kept steps, at most the interval and the step in
-    flight trained again (was: the adapter stood aside, and a began again from step 0)."""
+    flight trained again (was: the adapter stood aside, and a began again from step 0).
+    Through ``run(fit)`` with the module made once, before it: a sharded module cannot
+    be cut again over a new group, so new workers follow, and the log says why."""
     out = tmp_path / "out"
     out.mkdir()
     job = (
-        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--adapter",
-        "--samples", "192", "--epochs", "2", "--step-time", "0.05",
+        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--live",
+        "--module-once", "--samples", "192", "--epochs", "2", "--step-time", "0.05",
     )  # fmt: skip
     kw = {
         "nnodes": "1:2",
@@ -210,6 +212,7 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     wait_world(out, 1, after=killed, timeout=90)
     assert a.wait(240) == 0, a.transcript()
     said = a.transcript()
+    assert "the LightningModule was made before run()" in said, said
     history = steps(out)
     samples_once(history, 192, 2)
     before = max(r["step"] for r in history if r["world"] == 2)

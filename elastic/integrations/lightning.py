@@ -31,7 +31,8 @@ reads), its snapshots are ``State``'s sharded ones: DCP checkpoints of the shard
 the rest of Lightning's checkpoint beside them (``_Rest``), at the interval the cost
 policy chooses; a restart loads the newest, re-sharded over the new world size by DCP.
 Under ``run()`` the workers are kept here too, where ``fit`` makes the LightningModule
-(a sharded one is cut over each round's group): each snapshot also copies the shards to
+(a sharded one is cut over each round's group; one made before ``run()`` gives new
+workers at each change, as before): each snapshot also copies the shards to
 host memory and to the next node; a fault keeps the shards and the rest as of the last
 commit (``State.held_shards``), and the next Trainer's ``State`` re-shards the newest
 step the ranks' memory holds whole over the new group (``State.follow``,
@@ -43,9 +44,11 @@ Lightning resumes from its own checkpoints.
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -357,6 +360,8 @@ class ElasticLightning(Callback):
         self._rng: dict[str, Any] | None = None  # the restored RNG states, until training
         self._unwrap: list[Callable[[], None]] = []  # puts the strategy's methods back
         self._live = False  # inside run(): the State outlives each fit
+        self._keeps = False  # ... and this fit's sharded model is kept live through changes
+        self._before: weakref.WeakSet[pl.LightningModule] = weakref.WeakSet()  # see run()
         self._aside = False  # a sharded strategy: no snapshot of the whole checkpoint
         self._shards: State | None = None  # ModelParallel's: DCP snapshots of the shards
         self._rest: _Rest | None = None  # beside them, the rest of the checkpoint
@@ -377,13 +382,19 @@ class ElasticLightning(Callback):
         self._checkpoint = _Checkpoint(None, live=True)
         self._state = State(self._policy, lightning=self._checkpoint)
         self._live = True
+        # a sharded model is cut over one group: one made before run() is passed to every
+        # fit, so its run keeps no workers (one made in fit() is made anew each time)
+        self._before = weakref.WeakSet(
+            o for o in gc.get_objects() if isinstance(o, pl.LightningModule)
+        )
         try:
             # the step resumed from is said once the fit knows it (``on_train_start``):
             # Lightning may resume from a newer file, or a sharded strategy from its own
             self._state.restore(tell=False)
             return self._state.run(fit)
         finally:
-            self._live = False
+            self._live = self._keeps = False
+            self._before = weakref.WeakSet()
             self._state.close()
             self._state = None
 
@@ -393,12 +404,13 @@ class ElasticLightning(Callback):
         strategy = sharded(trainer.strategy)
         if strategy is not None:
             directory = self._shards_dir(trainer)
-            if self._live and directory is not None:
-                if is_sharded({"model": pl_module}):
+            self._keeps = self._live and directory is not None and pl_module not in self._before
+            if self._keeps:
+                if is_sharded({"model": pl_module}):  # made in fit() once, and kept
                     raise RuntimeError(
                         "ElasticLightning.run: fit() passed the LightningModule an earlier "
                         f"fit sharded; {strategy} shards it over each round's group, so "
-                        "make the LightningModule inside fit(), as the Trainer is"
+                        "make a new LightningModule in each fit(), as the Trainer is"
                     )
                 forget_old_meshes()  # before configure_model shards over this round's
             self._stand_aside(trainer, strategy, directory)
@@ -438,12 +450,21 @@ class ElasticLightning(Callback):
         exact sample."""
         if not self._aside:
             new = ", and a membership change gives new workers" if self._live else ""
-            if directory is not None:
+            if directory is not None and self._keeps:
                 log.info(
+                    "%s shards the model: its snapshots are DCP checkpoints of the shards in "
+                    "%s, and copies in memory: the workers are kept through membership changes",
+                    strategy,
+                    directory,
+                )
+            elif directory is not None:
+                (log.warning if self._live else log.info)(
                     "%s shards the model: its snapshots are DCP checkpoints of the shards in %s%s",
                     strategy,
                     directory,
-                    ", and copies in memory: the workers are kept through membership changes"
+                    " (the LightningModule was made before run(): a sharded one is cut over one "
+                    "group, so a membership change gives new workers; make it in fit(), as "
+                    "the Trainer is, to keep them)"
                     if self._live
                     else "",
                 )
@@ -462,7 +483,7 @@ class ElasticLightning(Callback):
                     new,
                 )
         self._aside = True
-        if self._live and directory is None:
+        if self._live and not self._keeps:
             group.detach()  # the agent no longer re-forms these workers in place
         self._wrap_loaders(trainer)
 
@@ -492,12 +513,15 @@ class ElasticLightning(Callback):
                 "after configure_model): no snapshots; Lightning resumes from its own "
                 "checkpoints"
             )
+            if self._keeps:
+                group.detach()  # nothing kept: a change gives new workers
+                self._keeps = False
             return False
-        self._rest = _Rest(trainer, live=self._live)
+        self._rest = _Rest(trainer, live=self._keeps)
         optimizers = {f"optimizer_{i}": o for i, o in enumerate(trainer.optimizers)}
         self._shards = State(self._policy, model=module, **optimizers, lightning=self._rest)
         held = self._held
-        if self._live:
+        if self._keeps:
             assert self._state is not None
             why = self._shards.follow(self._state)
             if why is not None:
@@ -507,7 +531,7 @@ class ElasticLightning(Callback):
         steps = complete_steps(Path(directory))
         # rank 0's view for all: every rank takes the same branch of what follows
         newest, file = trainer.strategy.broadcast((steps[0] if steps else -1, _file_step(path)))
-        if self._live:  # and the newest step the ranks' memory holds a part of, at most
+        if self._keeps:  # and the newest step the ranks' memory holds a part of, at most
             newest = max(newest, comm.control().all_reduce([held.step if held else -1], "MAX")[0])
         if not from_snapshot(newest, file):
             if path and newest >= 0:
@@ -647,7 +671,7 @@ class ElasticLightning(Callback):
             return
         if self._checkpoint is not None and not self._aside:
             self._checkpoint.keep()  # before the teardown: the next fit starts from it
-        if self._shards is not None and self._rest is not None:
+        if self._keeps and self._shards is not None and self._rest is not None:
             self._rest.keep()  # the shards as of the last commit, and the rest beside them
             held = self._shards.held_shards(live=self._rest.kept is not None)
             if held is not None and held.step >= (self._held.step if self._held else -1):

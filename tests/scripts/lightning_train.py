@@ -11,7 +11,8 @@ with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU), ``--strategy 
 with FSDP (Lightning's FSDPStrategy, GPUs only).
 ``--device cuda`` trains on the GPU (``--backend gloo``: two nodes on one GPU).
 ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end of that step, on the
-first attempt only. ``--dump-start`` saves the whole state a resumed fit starts from.
+first attempt only. ``--dump-start`` saves the whole state a resumed fit starts from;
+``--module-once`` makes a sharded model's module once, before ``run()``.
 Lightning's own ModelCheckpoint writes every ``--checkpoint-every`` steps to
 ``$RESULT_DIR/ckpt`` and the script resumes from it.
 """
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     ap.add_argument("--dump-start", action="store_true", help="save a resumed fit's state")
+    ap.add_argument("--module-once", action="store_true", help="sharded: one module for all fits")
     ap.add_argument("--adapter", action="store_true")
     ap.add_argument("--live", action="store_true", help="the adapter's run(): workers kept")
     ap.add_argument("--strategy", choices=["ddp", "fsdp", "model_parallel"], default="ddp")
@@ -148,7 +150,8 @@ def main() -> None:
         elastic = ElasticLightning()
         callbacks.append(elastic)
     # a sharded model is cut over each round's group: under run() it is made in fit()
-    module = Net() if a.strategy == "ddp" else None
+    # (--module-once: before run(), as for DDP; a change then gives new workers)
+    module = Net() if a.strategy == "ddp" or a.module_once else None
     loader = DataLoader(Indexed(a.samples), batch_size=a.batch_size, shuffle=True)
     last = os.path.join(result, "ckpt", "last.ckpt")
 
