@@ -65,6 +65,22 @@ def test_first_snapshot_after_the_probe_then_the_budget_decides() -> None:
     assert c.step_s == pytest.approx(0.1)
 
 
+def test_the_disk_beside_memory_keeps_the_interval_its_own_cost_allows() -> None:
+    """Sharded state kept live snapshots to memory at the interval memory's cost allows,
+    and writes the disk only as often as the disk's cost alone allows (50 ms beside 100
+    ms steps: every 32 steps); before anything is measured, before its first write, or
+    at a fixed interval, every snapshot writes it."""
+    c = Cadence(0.02)
+    assert c.disk_due(10, last=-1, cost_s=0.05)  # nothing measured yet
+    run(c, 100, step_s=0.1, cost_s=0.001)  # memory: cheap, every step or so
+    assert c.interval <= 2
+    assert c.disk_due(50, last=-1, cost_s=0.05)  # never written
+    assert c.disk_due(50, last=40, cost_s=0.0)  # its cost not known
+    assert not c.disk_due(50, last=40, cost_s=0.05)
+    assert not c.disk_due(71, last=40, cost_s=0.05) and c.disk_due(72, last=40, cost_s=0.05)
+    assert Cadence(0.02, fixed=4).disk_due(8, last=4, cost_s=0.05)
+
+
 def test_a_slow_copy_stretches_the_interval_and_a_fast_one_shrinks_it() -> None:
     c = Cadence(0.02)
     run(c, 300, step_s=0.1, cost_s=0.02)

@@ -227,6 +227,17 @@ class Cadence:
             self._excess += seconds
             self._blocked += seconds
 
+    def disk_due(self, step: int, last: int, cost_s: float) -> bool:
+        """Whether a snapshot at ``step`` also writes the disk, where memory keeps every
+        one (sharded state kept live: the rows live on the next node too, and the disk
+        serves only a loss memory cannot cover): where the disk was written last at
+        ``last`` (-1: not by this rank yet) and it costs ``cost_s``, at the interval the
+        budget allows that cost alone. Fixed, or before steps are measured: every time."""
+        step_s = self.step_s
+        if self.fixed is not None or step_s is None or last < 0 or cost_s <= 0:
+            return True
+        return step - last >= choose(step_s, cost_s, self.budget).interval
+
     def agree(self, interval: int) -> bool:
         """The interval every rank uses from now on (the MAX of the proposals); True if
         it changed."""

@@ -106,6 +106,8 @@ class _Core:
     tells: bool = True  # restores tell the agent the step (restore(tell=False): not)
     follows: bool = False  # commits for another State's run() (``follow``)
     delegated: bool = False  # ... and this is that run()'s: a follower holds the state
+    disk_step: int = -1  # the step of the sharded checkpoint this State wrote last
+    disk_took: float = 0.0  # ... its time, where the snapshot in progress writes one
     held: reshard.Held | None = None  # the shards kept from a broken group until resync
     kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
     # the samplers and the objects told of each commit, while the objects stay the same
@@ -309,8 +311,17 @@ class State:
         door.consider(agreement.step_s())  # weighed here, settled in this agreement
         unready = not door.ready
         began = cadence.clock()
-        stop, due, interval, pause, least, unfolded, declined = core.comm.all_reduce(
-            [core.stopping(), core.due, cadence.proposal, asked, -gap, unready, door.declines],
+        stop, due, interval, pause, least, unfolded, declined, disk = core.comm.all_reduce(
+            [
+                core.stopping(),
+                core.due,
+                cadence.proposal,
+                asked,
+                -gap,
+                unready,
+                door.declines,
+                self._disk_due(step),
+            ],
             "MAX",
         )
         agreement.timed(cadence.clock() - began)
@@ -322,8 +333,8 @@ class State:
             self._tell_cadence()
         # the ranks stop together; a live one that was not asked to leave pauses instead
         leave = bool(stop or pause) if g is None else bool(stop) and core.stopping()
-        if due or stop or pause:
-            self._snapshot_due(step, wait=leave)  # pausing: the copy overlaps the re-formation
+        if due or stop or pause:  # pausing: the copy overlaps the re-formation
+            self._snapshot_due(step, wait=leave, disk=bool(disk))
         if leave:
             self._leave_for_resize()
         if stop or pause:
@@ -331,13 +342,17 @@ class State:
         core.disturbed = bool(due) or core.snapshotter.copying
         core.last_commit = cadence.clock()
 
-    def _snapshot_due(self, step: int, wait: bool = False) -> None:
+    def _snapshot_due(self, step: int, wait: bool = False, disk: bool = True) -> None:
         """The snapshot the ranks agreed on (or all asked for in the bell): its time in
         ``commit()`` is part of its cost."""
-        cadence = self._core.cadence
+        cadence, core = self._core.cadence, self._core
         began = cadence.clock()
-        self.snapshot(wait=wait)
-        cadence.blocked(cadence.clock() - began)
+        core.disk_took = 0.0
+        self.snapshot(wait=wait, disk=disk)
+        # a sharded checkpoint beside the snapshot in memory keeps its own interval
+        # (``_disk_due``): the snapshots' is what memory costs
+        apart = core.disk_took if core.group is not None else 0.0
+        cadence.blocked(cadence.clock() - began - apart)
         self._core.due = False
 
     def _tell_cadence(self) -> None:
@@ -568,16 +583,20 @@ class State:
             "objects": {k: o.state_dict() for k, o in self._core.objects.items()},
         }
 
-    def snapshot(self, wait: bool = False) -> None:
+    def snapshot(self, wait: bool = False, disk: bool = True) -> None:
         """Take a snapshot now (commit() does this by policy). Collective when sharded.
-        ``wait``: copy everything before returning (the process is about to stop)."""
+        ``wait``: copy everything before returning (the process is about to stop).
+        ``disk=False``: sharded state kept live goes to memory only (the ranks agreed so:
+        ``_disk_due``)."""
         step = self._core.values["step"]
         self._core.cadence.taken(step)
         rng.save(self._core.node_dir, comm.rank(), step)
         if self._core.sharded:
-            if self._core.group is not None:  # kept live: by run(reshard=...), or follow()
+            live = self._core.group is not None  # kept live: by run(reshard=...), or follow()
+            if live:
                 self._keep_sharded(step)
-            self._save_sharded(step)
+            if disk or not live:
+                self._save_sharded(step, counted=not live)
             return
         stable = set() if wait else stable_storage(self._core.optimizers())
         frozen = frozen_storage(
@@ -605,9 +624,25 @@ class State:
         core.stats.snapshot_bytes = sum(
             p.tensor.numel() * p.tensor.element_size() for p in core.kept.pieces
         )
-        log.debug("sharded snapshot of step %d in %.3fs", step, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        core.stats.snapshots += 1
+        core.stats.snapshot_seconds = took
+        log.debug("sharded snapshot of step %d in %.3fs", step, took)
 
-    def _save_sharded(self, step: int) -> None:
+    def _disk_due(self, step: int) -> bool:
+        """This rank's say on whether a snapshot at ``step`` also writes the sharded
+        checkpoint (the ranks take the MAX: any rank that wants it gets it, so all write
+        together, as DCP needs). Only sharded state kept live can skip it
+        (``Cadence.disk_due``: memory keeps every snapshot, the disk at the interval its
+        own cost allows); anything else is written every time."""
+        core = self._core
+        if not core.sharded or core.group is None:
+            return True
+        return core.cadence.disk_due(step, core.disk_step, core.stats.checkpoint_seconds)
+
+    def _save_sharded(self, step: int, counted: bool = True) -> None:
+        """The DCP checkpoint of the shards (``counted``: it is the snapshot too, where
+        memory keeps none)."""
         started = time.perf_counter()
         directory = Path(str(self._core.policy.checkpoint_dir))
         try:
@@ -619,10 +654,14 @@ class State:
             progress.checkpoint(False, 0.0, 0)
             log.error("sharded checkpoint of step %d failed; training goes on: %s", step, e)
             return
-        self._core.stats.checkpoints += 1
-        self._core.stats.snapshots += 1
+        stats = self._core.stats
         took = time.perf_counter() - started
-        self._core.stats.snapshot_seconds = self._core.stats.checkpoint_seconds = took
+        stats.checkpoints += 1
+        stats.checkpoint_seconds = self._core.disk_took = took
+        if counted:
+            stats.snapshots += 1
+            stats.snapshot_seconds = took
+        self._core.disk_step = step
 
     # -- restore --------------------------------------------------------------------------
     def restore(self, tell: bool = True, held: reshard.Held | None = None) -> bool:
