@@ -334,7 +334,9 @@ class State:
         # the ranks stop together; a live one that was not asked to leave pauses instead
         leave = bool(stop or pause) if g is None else bool(stop) and core.stopping()
         if due or stop or pause:  # pausing: the copy overlaps the re-formation
-            self._snapshot_due(step, wait=leave, disk=bool(disk))
+            # a node told to leave takes its memory with it: the disk too (the whole job
+            # may be stopping)
+            self._snapshot_due(step, wait=leave, disk=bool(disk or stop))
         if leave:
             self._leave_for_resize()
         if stop or pause:
