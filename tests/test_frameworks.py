@@ -274,15 +274,22 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     before = max(r["step"] for r in history if r["world"] == 2 and r["t"] < killed)
     after = min(r["step"] for r in history if r["world"] == 1)
     assert (after - 1) % 4 == 0 and 0 <= before + 1 - after <= 4 + 1, (before, after)
-    assert f"resumes from step {after - 1}, " in said, said  # the agent says so, truly
+    if before + 1 > after:  # the agent says what is trained again, truly (a kill in the
+        assert f"resumes from step {after - 1}, " in said, said  # snapshot: nothing)
     assert "new workers follow" not in said and "re-sharded step" in said, said
     rejoined = min(r["step"] for r in history if r["world"] == 2 and r["t"] > joined)
     last = max(r["step"] for r in history if r["world"] == 1)
     assert 0 <= last + 1 - rejoined <= 1, (last, rejoined)  # a pause: at most one again
     # what each next Trainer started from (a's after the kill, a's and c's after the join)
-    # is the snapshot of that step, model and Adam's moments alike (DCP kept it too): the
-    # re-shards in memory moved the right rows
-    for step in (after - 1, rejoined - 1):
+    # is the snapshot of that step, model and Adam's moments alike (DCP kept it too, but
+    # for a kill in the middle of its write): the re-shards in memory moved the right rows
+    compared = [
+        step
+        for step in (after - 1, rejoined - 1)
+        if (tmp_path / "snap" / f"dcp-step-{step:012d}" / ".metadata").exists()
+    ]
+    assert rejoined - 1 in compared, compared
+    for step in compared:
         started = torch.load(out / f"start-{step}.pt", weights_only=False)
         saved = tmp_path / f"saved-{step}.pt"
         dcp_to_torch_save(tmp_path / "snap" / f"dcp-step-{step:012d}", saved)

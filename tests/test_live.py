@@ -340,11 +340,14 @@ def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
     round alone from step 0, 284 steps trained again). Each hang is found, and reported,
     by its own node's agent (where one is found first, the other node's worker fails to
     let go of its group: a hang of its own all the same, and that node, alone holding
-    the state, restarts in the round instead)."""
+    the state, restarts in the round instead, from its last snapshot: taken every step,
+    so that the bound is the steps in flight early in the run too; CI saw the interval of
+    the cadence's first choice, 3 steps, trained again)."""
     epochs, args = 10, ("--epochs", "10", "--step-time", "0.2")
-    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:2") for n in "ab")
+    kw: dict = {"nnodes": "1:2", "extra": ("--snapshot-every", "1")}
+    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, **kw) for n in "ab")
     wait_world(tmp_path, 2, timeout=90)
-    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:2")
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, **kw)
     c.wait_output("joining the job with them", timeout=60)  # a standby, its worker waiting
     frozen = [*worker_pids(a), *worker_pids(b)]
     stopped = time.time()
