@@ -384,8 +384,10 @@ class ElasticLightning(Callback):
         self._live = True
         # a sharded model is cut over one group: one made before run() is passed to every
         # fit, so its run keeps no workers (one made in fit() is made anew each time)
-        self._before = weakref.WeakSet(
-            o for o in gc.get_objects() if isinstance(o, pl.LightningModule)
+        self._before = weakref.WeakSet(  # type(), not isinstance: that asks every object
+            o  # for its __class__, and some warn (torch.distributed.reduce_op)
+            for o in gc.get_objects()
+            if issubclass(type(o), pl.LightningModule)
         )
         try:
             # the step resumed from is said once the fit knows it (``on_train_start``):
