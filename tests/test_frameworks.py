@@ -219,7 +219,8 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     after = min(r["step"] for r in history if r["world"] == 1)
     assert after - 1 > 0 and (after - 1) % 4 == 0, (before, after)  # a snapshot's step
     assert 0 <= before + 1 - after <= 4 + 1, (before, after)
-    assert f"resumes from step {after - 1}, " in said, said  # the agent says so, truly
+    if before + 1 > after:  # the agent says what is trained again, truly (CI: a kill
+        assert f"resumes from step {after - 1}, " in said, said  # at a snapshot: nothing)
     assert sorted(p.name for p in (tmp_path / "snap").iterdir())[-1].startswith("dcp-step-")
 
 
