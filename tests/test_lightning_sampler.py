@@ -146,3 +146,46 @@ def test_the_step_of_the_scripts_checkpoint_file_or_sharded_directory(tmp_path: 
     assert _file_step(tmp_path / "junk.ckpt") == -1
     assert _file_step(tmp_path / "absent.ckpt") == -1
     assert _file_step(None) == -1
+
+
+class _Net:
+    """Stands for a LightningModule: ``made_anew`` asks only where fit() could find it."""
+
+
+_CACHED = _Net()  # a module-level one: fit() finds it again in its globals
+
+
+def test_a_module_is_kept_live_only_where_fit_makes_it_anew() -> None:
+    """A sharded module is cut over one group: the workers are kept through a change only
+    where each fit() makes its own, as far as can be told: not alive before run(), not in
+    fit's closure (cached there), globals, bound object or partial arguments."""
+    import functools
+    import weakref
+
+    from elastic.integrations.lightning import made_anew
+
+    fresh = _Net()
+
+    def makes() -> None:
+        _Net()
+
+    assert made_anew(fresh, weakref.WeakSet(), makes)
+    assert not made_anew(fresh, weakref.WeakSet([fresh]), makes)  # made before run()
+    cache: list[_Net] = []
+    kept = fresh
+
+    def closes_over() -> None:
+        cache.append(kept)
+
+    assert not made_anew(fresh, weakref.WeakSet(), closes_over)
+    assert not made_anew(_CACHED, weakref.WeakSet(), makes)  # in fit's globals
+
+    class Job:
+        def __init__(self) -> None:
+            self.model = fresh
+
+        def fit(self) -> None: ...
+
+    assert not made_anew(fresh, weakref.WeakSet(), Job().fit)
+    assert not made_anew(fresh, weakref.WeakSet(), functools.partial(lambda m: None, fresh))
+    assert made_anew(fresh, weakref.WeakSet(), functools.partial(lambda m: None, None))

@@ -31,8 +31,9 @@ reads), its snapshots are ``State``'s sharded ones: DCP checkpoints of the shard
 the rest of Lightning's checkpoint beside them (``_Rest``), at the interval the cost
 policy chooses; a restart loads the newest, re-sharded over the new world size by DCP.
 Under ``run()`` the workers are kept here too, where ``fit`` makes the LightningModule
-(a sharded one is cut over each round's group; one made before ``run()`` gives new
-workers at each change, as before): each snapshot also copies the shards to
+(a sharded one is cut over each round's group; one made before ``run()``, or kept by
+``fit``, gives new workers at each change, as before: ``made_anew``): each snapshot
+also copies the shards to
 host memory and to the next node; a fault keeps the shards and the rest as of the last
 commit (``State.held_shards``), and the next Trainer's ``State`` re-shards the newest
 step the ranks' memory holds whole over the new group (``State.follow``,
@@ -43,13 +44,15 @@ Lightning resumes from its own checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import gc
 import io
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -219,6 +222,29 @@ def _moving_parts(t: pl.Trainer) -> dict[str, Any]:
     )
 
 
+def made_anew(module: object, before: Collection[object], fit: Callable[..., Any]) -> bool:
+    """Whether ``fit`` makes ``module`` anew at each call, as far as can be told: it was
+    not alive before ``run()`` began, and ``fit`` cannot find it again (it is not in
+    fit's closure, globals, bound object or partial arguments, where a module made once
+    and cached is kept). A sharded module is cut over one group, so only then can the
+    workers be kept through a change."""
+    if module in before:
+        return False
+    places: list[Any] = []
+    f: Any = fit
+    while isinstance(f, functools.partial):
+        places += [*f.args, *f.keywords.values()]
+        f = f.func
+    for cell in getattr(f, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # a cell not filled yet
+            places.append(cell.cell_contents)
+    places += getattr(f, "__globals__", {}).values()
+    bound = getattr(f, "__self__", None)
+    if bound is not None:
+        places += [bound, *getattr(bound, "__dict__", {}).values()]
+    return not any(p is module for p in places)
+
+
 def _restorable(ckpt: dict[str, Any]) -> dict[str, Any]:
     """What a restart reads back is loaded without running code (weights_only): the
     hyperparameters serve load_from_checkpoint, not a resume, and may be any object."""
@@ -362,6 +388,7 @@ class ElasticLightning(Callback):
         self._live = False  # inside run(): the State outlives each fit
         self._keeps = False  # ... and this fit's sharded model is kept live through changes
         self._before: weakref.WeakSet[pl.LightningModule] = weakref.WeakSet()  # see run()
+        self._fit: Callable[..., Any] = lambda: None  # run()'s: where it may keep a module
         self._aside = False  # a sharded strategy: no snapshot of the whole checkpoint
         self._shards: State | None = None  # ModelParallel's: DCP snapshots of the shards
         self._rest: _Rest | None = None  # beside them, the rest of the checkpoint
@@ -379,6 +406,7 @@ class ElasticLightning(Callback):
         ``accelerator="auto"``: NCCL where this local rank has a GPU, else gloo; a CPU
         Trainer on a GPU machine passes "gloo"), and every Trainer finds it made."""
         ensure_group(backend)
+        self._fit = fit
         self._checkpoint = _Checkpoint(None, live=True)
         self._state = State(self._policy, lightning=self._checkpoint)
         self._live = True
@@ -406,7 +434,11 @@ class ElasticLightning(Callback):
         strategy = sharded(trainer.strategy)
         if strategy is not None:
             directory = self._shards_dir(trainer)
-            self._keeps = self._live and directory is not None and pl_module not in self._before
+            self._keeps = (
+                self._live
+                and directory is not None
+                and made_anew(pl_module, self._before, self._fit)
+            )
             if self._keeps:
                 if is_sharded({"model": pl_module}):  # made in fit() once, and kept
                     raise RuntimeError(
@@ -464,9 +496,9 @@ class ElasticLightning(Callback):
                     "%s shards the model: its snapshots are DCP checkpoints of the shards in %s%s",
                     strategy,
                     directory,
-                    " (the LightningModule was made before run(): a sharded one is cut over one "
-                    "group, so a membership change gives new workers; make it in fit(), as "
-                    "the Trainer is, to keep them)"
+                    " (the LightningModule was made before run(), or fit() keeps it: a sharded "
+                    "one is cut over one group, so a membership change gives new workers; make "
+                    "a new one in each fit(), as the Trainer is, to keep them)"
                     if self._live
                     else "",
                 )
