@@ -107,7 +107,6 @@ class _Core:
     follows: bool = False  # commits for another State's run() (``follow``)
     delegated: bool = False  # ... and this is that run()'s: a follower holds the state
     disk_step: int = -1  # the step of the sharded checkpoint this State wrote last
-    disk_took: float = 0.0  # ... its time, where the snapshot in progress writes one
     held: reshard.Held | None = None  # the shards kept from a broken group until resync
     kept: reshard.Held | None = None  # the last snapshot of the shards, and a buddy's
     # the samplers and the objects told of each commit, while the objects stay the same
@@ -347,13 +346,11 @@ class State:
     def _snapshot_due(self, step: int, wait: bool = False, disk: bool = True) -> None:
         """The snapshot the ranks agreed on (or all asked for in the bell): its time in
         ``commit()`` is part of its cost."""
-        cadence, core = self._core.cadence, self._core
+        cadence = self._core.cadence
         began = cadence.clock()
-        core.disk_took = 0.0
-        self.snapshot(wait=wait, disk=disk)
         # a sharded checkpoint beside the snapshot in memory keeps its own interval
         # (``_disk_due``): the snapshots' is what memory costs
-        apart = core.disk_took if core.group is not None else 0.0
+        apart = self._snapshot(wait, disk)
         cadence.blocked(cadence.clock() - began - apart)
         self._core.due = False
 
@@ -504,6 +501,12 @@ class State:
             return None
         if not live or core.stepped:
             return core.kept
+        return self._live_shards()
+
+    def _live_shards(self) -> reshard.Held:
+        """This rank's shards as they are, at the step committed (views, no copy), and the
+        last snapshot's copies beside them."""
+        core = self._core
         return reshard.capture(core.objects, core.values, core.values["step"]) + core.kept
 
     def _reform(self, g: Group, why: BaseException) -> None:
@@ -548,8 +551,7 @@ class State:
         for opt in core.optimizers():
             opt.zero_grad(set_to_none=True)
         if core.sharded and core.held is None and core.restored:  # kept until a resync
-            live = reshard.capture(core.objects, core.values, core.values["step"])
-            core.held = live + core.kept
+            core.held = self._live_shards()
 
     def _resync(self) -> int:
         """Every rank offers the state it holds; the newest goes to those behind. An object
@@ -585,11 +587,15 @@ class State:
             "objects": {k: o.state_dict() for k, o in self._core.objects.items()},
         }
 
-    def snapshot(self, wait: bool = False, disk: bool = True) -> None:
+    def snapshot(self, wait: bool = False) -> None:
         """Take a snapshot now (commit() does this by policy). Collective when sharded.
-        ``wait``: copy everything before returning (the process is about to stop).
-        ``disk=False``: sharded state kept live goes to memory only (the ranks agreed so:
-        ``_disk_due``)."""
+        ``wait``: copy everything before returning (the process is about to stop)."""
+        self._snapshot(wait, disk=True)
+
+    def _snapshot(self, wait: bool, disk: bool) -> float:
+        """``snapshot``; ``disk=False``: sharded state kept live goes to memory only (the
+        ranks agreed so: ``_disk_due``). Returns the seconds a sharded checkpoint written
+        beside the snapshot in memory took (0: none)."""
         step = self._core.values["step"]
         self._core.cadence.taken(step)
         rng.save(self._core.node_dir, comm.rank(), step)
@@ -597,9 +603,8 @@ class State:
             live = self._core.group is not None  # kept live: by run(reshard=...), or follow()
             if live:
                 self._keep_sharded(step)
-            if disk or not live:
-                self._save_sharded(step, counted=not live)
-            return
+            took = self._save_sharded(step, counted=not live) if disk or not live else 0.0
+            return took if live else 0.0
         stable = set() if wait else stable_storage(self._core.optimizers())
         frozen = frozen_storage(
             o for o in self._core.objects.values() if isinstance(o, torch.nn.Module)
@@ -614,6 +619,7 @@ class State:
         )
         if wait:
             rng.flush()  # the process is about to stop: the RNG file too
+        return 0.0
 
     def _keep_sharded(self, step: int) -> None:
         """The shards copied to host memory, and to the next node (``reshard.keep``): a
@@ -642,9 +648,9 @@ class State:
             return True
         return core.cadence.disk_due(step, core.disk_step, core.stats.checkpoint_seconds)
 
-    def _save_sharded(self, step: int, counted: bool = True) -> None:
+    def _save_sharded(self, step: int, counted: bool = True) -> float:
         """The DCP checkpoint of the shards (``counted``: it is the snapshot too, where
-        memory keeps none)."""
+        memory keeps none); its seconds (0: it failed)."""
         started = time.perf_counter()
         directory = Path(str(self._core.policy.checkpoint_dir))
         try:
@@ -655,15 +661,16 @@ class State:
             self._core.stats.checkpoint_failures += 1
             progress.checkpoint(False, 0.0, 0)
             log.error("sharded checkpoint of step %d failed; training goes on: %s", step, e)
-            return
+            return 0.0
         stats = self._core.stats
         took = time.perf_counter() - started
         stats.checkpoints += 1
-        stats.checkpoint_seconds = self._core.disk_took = took
+        stats.checkpoint_seconds = took
         if counted:
             stats.snapshots += 1
             stats.snapshot_seconds = took
         self._core.disk_step = step
+        return took
 
     # -- restore --------------------------------------------------------------------------
     def restore(self, tell: bool = True, held: reshard.Held | None = None) -> bool:
