@@ -81,6 +81,7 @@ log = logging.getLogger("elastic.lightning")
 __all__ = ["ElasticLightning", "ResumableSampler"]
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 _KEY = "elastic_position"  # marks this sampler's state among a checkpoint's loader states
 
@@ -188,12 +189,9 @@ class _Checkpoint:
     def keep(self) -> None:
         """A fault ends the fit: keep the checkpoint of the last commit, while the Trainer
         is still whole (before its teardown)."""
-        if self.committed is None:
-            return
-        try:
-            self.kept = {**self._dump(), **copy.deepcopy(self.committed)}
-        except Exception as e:  # a hook that needs the broken group, say: snapshots instead
-            log.warning("could not keep the state of the last step in memory: %s", e)
+        kept = _as_committed(self._dump, self.committed, lambda ckpt: ckpt)
+        if kept is not None:
+            self.kept = kept
 
     def state_dict(self) -> dict[str, Any]:
         return self.kept if self.kept is not None else self._dump()
@@ -245,6 +243,24 @@ def made_anew(module: object, before: Collection[object], fit: Callable[..., Any
     return not any(p is module for p in places)
 
 
+def _as_committed(
+    dump: Callable[[], dict[str, Any]],
+    committed: dict[str, Any] | None,
+    pack: Callable[[dict[str, Any]], K],
+) -> K | None:
+    """The checkpoint as of the last commit, packed: what ``dump`` gives now (the model
+    and optimizers, which the cut step did not reach) with the moving parts noted at that
+    commit (``_moving_parts``). None where nothing was committed, or it cannot be had (a
+    hook that needs the broken group, say): the snapshots serve instead."""
+    if committed is None:
+        return None
+    try:
+        return pack({**dump(), **copy.deepcopy(committed)})
+    except Exception as e:
+        log.warning("could not keep the state of the last step in memory: %s", e)
+        return None
+
+
 def _restorable(ckpt: dict[str, Any]) -> dict[str, Any]:
     """What a restart reads back is loaded without running code (weights_only): the
     hyperparameters serve load_from_checkpoint, not a resume, and may be any object."""
@@ -277,12 +293,9 @@ class _Rest:
 
     def keep(self) -> None:
         """A fault ends the fit: keep the rest as of the last commit (see ``_Checkpoint``)."""
-        if self.committed is None:
-            return
-        try:
-            self.kept = self._pack({**self._dump(), **copy.deepcopy(self.committed)})
-        except Exception as e:  # a hook that needs the broken group, say: snapshots instead
-            log.warning("could not keep the state of the last step in memory: %s", e)
+        kept = _as_committed(self._dump, self.committed, self._pack)
+        if kept is not None:
+            self.kept = kept
 
     def state_dict(self) -> dict[str, Any]:
         if not self.ready:
