@@ -184,3 +184,17 @@ def no_leftover_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             from elastic.agent import nodedir
 
             nodedir.remove_stale(grace=0)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A gloo group of one rank in this process (torch is imported where it is asked for)."""
+    import torch.distributed as dist
+
+    from rendezvous.net import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()

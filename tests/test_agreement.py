@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import ROOT
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -302,16 +300,6 @@ def test_the_step_is_weighed_once_the_first_steps_on_a_group_are_past() -> None:
     assert a.step_s() is None, "only the warm-up's steps timed"
     a.stepped(0.002)
     assert a.step_s() == pytest.approx(0.002)
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A gloo group of one rank in this process."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -5,27 +5,15 @@ tests/test_frameworks.py (Lightning's ModelParallelStrategy under run())."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import init_device_mesh
 
 from elastic.contract import SnapshotPolicy
 from elastic.worker.state import State
-from rendezvous.net import free_port
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
 
 
 def sharded_state(tmp: Path) -> tuple[State, torch.nn.Module, torch.optim.Optimizer]:
