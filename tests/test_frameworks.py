@@ -179,6 +179,44 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
         assert 0 <= before + 1 - after <= 1, (name, before, after)
 
 
+def fsdp2_b_killed(
+    etcd: EtcdServer,
+    run_id: str,
+    procs: list[Proc],
+    out: Path,
+    *args: str,
+    extra: tuple[str, ...] = (),
+) -> tuple[Callable[[str], Proc], Proc, float, set[int]]:
+    """Lightning's ModelParallelStrategy (FSDP2) job of the test script (``args`` added)
+    on nodes a and b of one worker, snapshots every 4 steps to ``out``'s sibling ``snap``
+    (``extra`` flags too); a few snapshots after both train, b is SIGKILLed and a goes on
+    alone. Returns what starts another node of the job, a, the kill's time, and a's
+    worker pids before it."""
+    out.mkdir()
+    job = (
+        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--samples", "192",
+        "--step-time", "0.05", *args,
+    )  # fmt: skip
+    snap = ("--checkpoint-dir", str(out.parent / "snap"), "--snapshot-every", "4")
+    env = {"RESULT_DIR": str(out)}
+
+    def node(name: str) -> Proc:
+        return start_agent(
+            procs, etcd.endpoint, run_id, name, *job, nnodes="1:2", env=env, extra=(*snap, *extra)
+        )
+
+    a = node("a")
+    a.wait_output("registered as a", timeout=60)
+    b = node("b")
+    wait_world(out, 2, timeout=180)
+    kept = set(worker_pids(a))
+    time.sleep(1.0)  # a few snapshots into the epoch
+    killed = time.time()
+    b.signal(signal.SIGKILL)
+    wait_world(out, 1, after=killed, timeout=90)
+    return node, a, killed, kept
+
+
 @pytest.mark.slow(seconds=75)
 def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
@@ -192,24 +230,8 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     Through ``run(fit)`` with the module made once, before it: a sharded module cannot
     be cut again over a new group, so new workers follow, and the log says why."""
     out = tmp_path / "out"
-    out.mkdir()
-    job = (
-        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--live",
-        "--module-once", "--samples", "192", "--epochs", "2", "--step-time", "0.05",
-    )  # fmt: skip
-    kw = {
-        "nnodes": "1:2",
-        "env": {"RESULT_DIR": str(out)},
-        "extra": ("--checkpoint-dir", str(tmp_path / "snap"), "--snapshot-every", "4"),
-    }
-    a = start_agent(procs, etcd.endpoint, run_id, "a", *job, **kw)  # type: ignore[arg-type]
-    a.wait_output("registered as a", timeout=60)
-    b = start_agent(procs, etcd.endpoint, run_id, "b", *job, **kw)  # type: ignore[arg-type]
-    wait_world(out, 2, timeout=180)
-    time.sleep(1.0)  # a few snapshots into the epoch
-    killed = time.time()
-    b.signal(signal.SIGKILL)
-    wait_world(out, 1, after=killed, timeout=90)
+    args = ("--live", "--module-once", "--epochs", "2")
+    _, a, _, _ = fsdp2_b_killed(etcd, run_id, procs, out, *args)
     assert a.wait(240) == 0, a.transcript()
     said = a.transcript()
     assert "the LightningModule was made before run(), or fit() keeps it" in said, said
@@ -236,33 +258,10 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     once, at most the interval and the step in flight trained again, the agent names the
     right step (was: a change gave new workers, which read the DCP checkpoint)."""
     out = tmp_path / "out"
-    out.mkdir()
-    job = (
-        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--live",
-        "--samples", "192", "--epochs", "4", "--step-time", "0.05", "--dump-start",
-    )  # fmt: skip
-    kw = {
-        "nnodes": "1:2",
-        "env": {"RESULT_DIR": str(out)},
-        "extra": (
-            "--checkpoint-dir",
-            str(tmp_path / "snap"),
-            "--snapshot-every",
-            "4",
-            "--checkpoint-keep",
-            "100",
-        ),  # the one resumed from, to compare
-    }
-    a = start_agent(procs, etcd.endpoint, run_id, "a", *job, **kw)  # type: ignore[arg-type]
-    a.wait_output("registered as a", timeout=60)
-    b = start_agent(procs, etcd.endpoint, run_id, "b", *job, **kw)  # type: ignore[arg-type]
-    wait_world(out, 2, timeout=180)
-    kept = set(worker_pids(a))
-    time.sleep(1.0)  # a few snapshots into the epoch
-    killed = time.time()
-    b.signal(signal.SIGKILL)
-    wait_world(out, 1, after=killed, timeout=90)
-    c = start_agent(procs, etcd.endpoint, run_id, "c", *job, **kw)  # type: ignore[arg-type]
+    args = ("--live", "--epochs", "4", "--dump-start")
+    keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
+    node, a, killed, kept = fsdp2_b_killed(etcd, run_id, procs, out, *args, extra=keep)
+    c = node("c")
     joined = time.time()
     wait_world(out, 2, after=joined, timeout=120)
     assert a.wait(240) == 0, a.transcript()
