@@ -179,19 +179,19 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
         assert 0 <= before + 1 - after <= 1, (name, before, after)
 
 
-def fsdp2_b_killed(
+def fsdp2_job(
     etcd: EtcdServer,
     run_id: str,
     procs: list[Proc],
     out: Path,
     *args: str,
+    nodes: str = "ab",
     extra: tuple[str, ...] = (),
-) -> tuple[Callable[[str], Proc], Proc, float, set[int]]:
+) -> tuple[Callable[[str], Proc], dict[str, Proc], set[int]]:
     """Lightning's ModelParallelStrategy (FSDP2) job of the test script (``args`` added)
-    on nodes a and b of one worker, snapshots every 4 steps to ``out``'s sibling ``snap``
-    (``extra`` flags too); a few snapshots after both train, b is SIGKILLed and a goes on
-    alone. Returns what starts another node of the job, a, the kill's time, and a's
-    worker pids before it."""
+    on ``nodes`` of one worker each, snapshots every 4 steps to ``out``'s sibling
+    ``snap`` (``extra`` flags too), until all train and a few snapshots are taken.
+    Returns what starts another node of the job, the nodes, and a's worker pids."""
     out.mkdir()
     job = (
         SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--samples", "192",
@@ -199,22 +199,42 @@ def fsdp2_b_killed(
     )  # fmt: skip
     snap = ("--checkpoint-dir", str(out.parent / "snap"), "--snapshot-every", "4")
     env = {"RESULT_DIR": str(out)}
+    nnodes = f"1:{len(nodes)}"
 
     def node(name: str) -> Proc:
         return start_agent(
-            procs, etcd.endpoint, run_id, name, *job, nnodes="1:2", env=env, extra=(*snap, *extra)
+            procs, etcd.endpoint, run_id, name, *job, nnodes=nnodes, env=env, extra=(*snap, *extra)
         )
 
-    a = node("a")
-    a.wait_output("registered as a", timeout=60)
-    b = node("b")
-    wait_world(out, 2, timeout=180)
-    kept = set(worker_pids(a))
+    started = {"a": node("a")}
+    started["a"].wait_output("registered as a", timeout=60)
+    started.update((n, node(n)) for n in nodes[1:])
+    wait_world(out, len(nodes), timeout=180)
     time.sleep(1.0)  # a few snapshots into the epoch
-    killed = time.time()
-    b.signal(signal.SIGKILL)
-    wait_world(out, 1, after=killed, timeout=90)
-    return node, a, killed, kept
+    return node, started, set(worker_pids(started["a"]))
+
+
+def start_of(out: Path, step: int) -> dict:
+    """The whole state a resumed Trainer started from at ``step`` (``--dump-start``)."""
+    return torch.load(out / f"start-{step}.pt", weights_only=False)
+
+
+def snapshot_of(snap: Path, step: int, scratch: Path) -> dict:
+    """The DCP snapshot of ``step`` in ``snap``, read whole."""
+    saved = scratch / f"saved-{step}.pt"
+    dcp_to_torch_save(snap / f"dcp-step-{step:012d}", saved)
+    return torch.load(saved, weights_only=False)
+
+
+def same_state(started: dict, snap: dict, step: int) -> None:
+    """A resumed Trainer's model and Adam's moments are the snapshot's, exactly."""
+    assert started["model"].keys() == snap["model/model"].keys()
+    for k, v in started["model"].items():
+        assert torch.equal(v, snap["model/model"][k]), (step, k)
+    for p, moments in started["optim"]["state"].items():
+        for k, v in moments.items():
+            theirs = snap["optim/model"]["state"][p][k]
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(theirs)), (step, p, k)
 
 
 @pytest.mark.slow(seconds=75)
@@ -231,7 +251,10 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     be cut again over a new group, so new workers follow, and the log says why."""
     out = tmp_path / "out"
     args = ("--live", "--module-once", "--epochs", "2")
-    _, a, _, _ = fsdp2_b_killed(etcd, run_id, procs, out, *args)
+    _, nodes, _ = fsdp2_job(etcd, run_id, procs, out, *args)
+    a, killed = nodes["a"], time.time()
+    nodes["b"].signal(signal.SIGKILL)
+    wait_world(out, 1, after=killed, timeout=90)
     assert a.wait(240) == 0, a.transcript()
     said = a.transcript()
     assert "the LightningModule was made before run(), or fit() keeps it" in said, said
@@ -260,7 +283,10 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     out = tmp_path / "out"
     args = ("--live", "--epochs", "4", "--dump-start")
     keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
-    node, a, killed, kept = fsdp2_b_killed(etcd, run_id, procs, out, *args, extra=keep)
+    node, nodes, kept = fsdp2_job(etcd, run_id, procs, out, *args, extra=keep)
+    a, killed = nodes["a"], time.time()
+    nodes["b"].signal(signal.SIGKILL)
+    wait_world(out, 1, after=killed, timeout=90)
     c = node("c")
     joined = time.time()
     wait_world(out, 2, after=joined, timeout=120)
@@ -291,17 +317,39 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     ]
     assert rejoined - 1 in compared, compared
     for step in compared:
-        started = torch.load(out / f"start-{step}.pt", weights_only=False)
-        saved = tmp_path / f"saved-{step}.pt"
-        dcp_to_torch_save(tmp_path / "snap" / f"dcp-step-{step:012d}", saved)
-        snap = torch.load(saved, weights_only=False)
-        assert started["model"].keys() == snap["model/model"].keys()
-        for k, v in started["model"].items():
-            assert torch.equal(v, snap["model/model"][k]), (step, k)
-        for p, moments in started["optim"]["state"].items():
-            for k, v in moments.items():
-                theirs = snap["optim/model"]["state"][p][k]
-                assert torch.equal(torch.as_tensor(v), torch.as_tensor(theirs)), (step, p, k)
+        same_state(start_of(out, step), snapshot_of(tmp_path / "snap", step, tmp_path), step)
+
+
+@pytest.mark.slow(seconds=45)
+@pytest.mark.parametrize("delay", [0.0, 0.2], ids=["re-forming", "just-after"])
+def test_lightning_fsdp2_under_run_survives_a_second_kill_during_its_recovery(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, delay: float
+) -> None:
+    """Three nodes; b is SIGKILLed, and c as soon as a's agent saw b lost (while a and c
+    re-form and re-shard), or 0.2 s after (as they train again). b's rows lived, beside
+    its own memory, only as the copy c kept,
+    so no step is held whole in memory after the second kill: a keeps its worker, reads
+    the newest complete DCP snapshot, starts from exactly its model and Adam moments,
+    says how many steps it trains again, and finishes the job alone."""
+    out = tmp_path / "out"
+    args = ("--live", "--epochs", "3", "--dump-start")
+    keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
+    _, nodes, kept = fsdp2_job(etcd, run_id, procs, out, *args, nodes="abc", extra=keep)
+    a, killed = nodes["a"], time.time()
+    nodes["b"].signal(signal.SIGKILL)
+    a.wait_output("lost b", timeout=30)
+    time.sleep(delay)
+    nodes["c"].signal(signal.SIGKILL)
+    assert a.wait(240) == 0, a.transcript()
+    said = a.transcript()
+    history = steps(out)
+    assert {r["pid"] for r in history if r["t"] > killed} == kept, said
+    resumed = min(r["step"] for r in history if r["world"] == 1) - 1
+    last = max(r["step"] for r in history if r["world"] > 1)
+    assert resumed % 4 == 0 and resumed <= last, (resumed, last)  # a snapshot's step
+    if last > resumed:  # the agent says what is trained again, truly
+        assert f"resumes from step {resumed}, " in said, said
+    same_state(start_of(out, resumed), snapshot_of(tmp_path / "snap", resumed, tmp_path), resumed)
 
 
 @pytest.mark.slow(seconds=75)
