@@ -327,10 +327,10 @@ def test_lightning_fsdp2_under_run_survives_a_second_kill_during_its_recovery(
 ) -> None:
     """Three nodes; b is SIGKILLed, and c as soon as a's agent saw b lost (while a and c
     re-form and re-shard), or 0.2 s after (as they train again). b's rows lived, beside
-    its own memory, only as the copy c kept,
-    so no step is held whole in memory after the second kill: a keeps its worker, reads
-    the newest complete DCP snapshot, starts from exactly its model and Adam moments,
-    says how many steps it trains again, and finishes the job alone."""
+    its own memory, only as the copy c kept, so no step is held whole in memory after
+    the second kill: a keeps its worker, reads the newest complete DCP snapshot, starts
+    from exactly its model and Adam moments, says how many steps it trains again, and
+    finishes the job alone."""
     out = tmp_path / "out"
     args = ("--live", "--epochs", "3", "--dump-start")
     keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
