@@ -537,7 +537,11 @@ def test_a_member_that_died_in_the_outage_is_proven_dead_by_whoever_leads_after_
             "a or b to claim the lead",
         )
         lead = a if a.leads else b
-        wait_until(lambda: lead.mirror.complete, 10, "the leader to read the whole job")
+        wait_until(
+            lambda: lead.mirror.complete and {"a", "b"} <= set(lead.mirror.view().nodes),
+            10,
+            "the leader to read the whole job, a and b back in it",
+        )  # else c is not alone in being gone, and no proof of c ends the round
         assert lead.session.outage() is not None and check(lead) is None, "c has a grace"
         lead.probe_members()
         assert lead.lead.proven == {"c": dead}
