@@ -374,6 +374,41 @@ def test_a_round_that_resumes_behind_what_was_committed_says_so(
     ]
 
 
+def test_a_round_cut_short_before_it_said_where_it_resumed_keeps_what_was_committed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never silent through two changes: the workers committed step 41; round 2 resumed
+    from 30 (their step reads 30 now) but was cut short before they said so; round 3
+    resumes from 30 too: 11 steps trained again, said against the 41 committed before
+    round 2, not the 30 that round 2 had rewound to (a Lightning FSDP2 job, c killed 0.2 s
+    after the re-formation for b: nothing was said)."""
+
+    class Rewound(FakeWorkers):
+        def last_step(self) -> int:
+            return 41 if len(self.started) < 2 else 30
+
+    lost_b = Change(RoundEnd.LOST, "lost b", ("b",))
+    lost_c = Change(RoundEnd.LOST, "lost c", ("c",))
+    rounds = [
+        round_of(1, "a", "b", "c"),
+        round_of(2, "a", "c", cause=RoundCause.LOST),
+        round_of(3, "a", cause=RoundCause.LOST),
+    ]
+    job = FakeJob(rounds, [None, lost_b, lost_c])
+    workers = Rewound([RUNNING] * 6 + [SUCCEEDED])
+    workers.restores.extend([41, None, 30])  # round 1's answer; round 2's none; round 3's
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
+        assert agent(job, workers, metrics=metrics).run() == 0
+    assert len(workers.started) == 3
+    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 11
+    warned = [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+    assert warned == [
+        "round 3 resumes from step 30, 11 step(s) behind the newest this node's workers "
+        "committed (41): the newest state any member of the round held is step 30"
+    ]
+
+
 @pytest.mark.parametrize(
     ("final", "floor"),
     [

@@ -953,7 +953,10 @@ class Agent:
         first = placements[0]
         group_rank, nproc, count = first.group_rank, len(placements), first.restart_count
         in_place = how is Start.REFORM
-        self._resuming = (self.workers.last_step(), self.rdzv.progress(), r.number)
+        committed = self.workers.last_step()
+        if self._resuming is not None:  # the round before ended before it said where it
+            committed = max(committed, self._resuming[0])  # resumed: its baseline stands
+        self._resuming = (committed, self.rdzv.progress(), r.number)
         self._live_seen = False  # this round's workers say it again
         self._waiting_since = None
         if self.store is not None and group_rank <= 1:
