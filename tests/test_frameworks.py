@@ -24,10 +24,11 @@ import pytest
 import torch
 from agents import samples_once, start_agent, steps, wait_world, worker_pids
 from conftest import need
-from harness import ROOT, Proc
+from harness import ROOT, Proc, wait_until
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from elastic.agent.etcd_server import EtcdServer
+from elastic.worker.sharded import complete_steps
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -210,7 +211,12 @@ def fsdp2_job(
     started["a"].wait_output("registered as a", timeout=60)
     started.update((n, node(n)) for n in nodes[1:])
     wait_world(out, len(nodes), timeout=180)
-    time.sleep(1.0)  # a few snapshots into the epoch
+    first = min(r["step"] for r in steps(out) if r["world"] == len(nodes))
+    wait_until(  # a whole snapshot at full size (a fixed sleep missed it under CI's load)
+        lambda: any(s >= first for s in complete_steps(out.parent / "snap")),
+        60,
+        f"a complete DCP snapshot at world size {len(nodes)}",
+    )
     return node, started, set(worker_pids(started["a"]))
 
 

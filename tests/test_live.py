@@ -604,7 +604,7 @@ def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_tr
     while a's new worker starts; then a joins again. Before, b waited in the round for
     a's new worker to start (and heard of c's loss at its lease's end: b, which does not
     lead, now probes its neighbours once its group broke). Should c's gloo read the whole
-    state before its worker can stop, that c is stopped and another joins, three at
+    state before its worker can stop, that c is stopped and another joins, five at
     most, as if a's gloo fails its send on c's reset after all (a lets go)."""
     wide = ("--width", "2048", "--depth", "1", "--epochs", "4", "--slow-below-world", "3")
 
@@ -616,7 +616,7 @@ def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_tr
     b = node("b", *wide)
     wait_world(tmp_path, 2, timeout=90)
     kept = worker_pids(b)
-    for tries in range(1, 4):
+    for tries in range(1, 6):  # under CI's load gloo saw the reset in 3 tries of 3, once
         c = node(f"c{tries}", *wide, "--freeze-receiving")
         frozen = wait_until(partial(_frozen_or_training, c, tmp_path), 90, "c's worker stops")
         if not isinstance(frozen, int):  # it read the state whole: not the case
@@ -633,7 +633,7 @@ def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_tr
             break
         # a let go at world 2: gloo failed its send on c's reset, not the case either
     else:
-        pytest.fail("c's worker never left a's send stuck in 3 tries")
+        pytest.fail("c's worker never left a's send stuck in 5 tries")
     alone = after["t"]
     print(f"b trains alone {alone - killed:.2f}s after the kill")
     back = wait_world(tmp_path, 2, after=alone, timeout=90)
