@@ -635,7 +635,7 @@ def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_tr
     else:
         pytest.fail("c's worker never left a's send stuck in 5 tries")
     alone = after["t"]
-    print(f"b trains alone {alone - killed:.2f}s after the kill")
+    print(f"b trains alone {alone - killed:.2f}s after the kill (try {tries})")
     back = wait_world(tmp_path, 2, after=alone, timeout=90)
     print(f"a is back {back - killed:.2f}s after the kill")
     assert worker_pids(b) == kept and pids_at(tmp_path, 1) <= set(kept)
