@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.agent.resumed import redone
+from elastic.agent.resumed import baseline, redone
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,9 @@ def test_a_count_from_a_record_its_writer_may_have_outrun_is_said_to_be_a_floor(
     assert verdict is not None and verdict.steps == max(committed, 292) - 280
     said = "at least" in verdict.reason and "node b records its step every" in verdict.reason
     assert said is floor
+
+
+def test_a_round_that_never_said_where_it_resumed_hands_its_baseline_on() -> None:
+    assert baseline(41, None) == 41  # the round before was judged
+    assert baseline(30, 41) == 41  # it rewound to 30 and ended before it said so
+    assert baseline(50, 41) == 50  # it trained on past it

@@ -35,7 +35,7 @@ from elastic.agent.handover import Holding, hands_over, holds_alone
 from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut, can_warm, warm_up
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
-from elastic.agent.resumed import redone
+from elastic.agent.resumed import baseline, redone
 from elastic.agent.workers import Drained, GroupState, Held
 from elastic.contract import RestartMode
 from rendezvous.errors import (
@@ -953,9 +953,8 @@ class Agent:
         first = placements[0]
         group_rank, nproc, count = first.group_rank, len(placements), first.restart_count
         in_place = how is Start.REFORM
-        committed = self.workers.last_step()
-        if self._resuming is not None:  # the round before ended before it said where it
-            committed = max(committed, self._resuming[0])  # resumed: its baseline stands
+        pending = self._resuming[0] if self._resuming is not None else None
+        committed = baseline(self.workers.last_step(), pending)
         self._resuming = (committed, self.rdzv.progress(), r.number)
         self._live_seen = False  # this round's workers say it again
         self._waiting_since = None

@@ -22,6 +22,15 @@ class Redone:
     reason: str
 
 
+def baseline(last_step: int, pending: int | None) -> int:
+    """The newest step this node's workers committed before a new round, against which
+    that round's resumption is judged: their newest step now (``last_step``), but not
+    below the baseline of a round that ended before its workers said where they resumed
+    (``pending``): they may have rewound to an older state in it (a live re-formation
+    restores before it says so), and a second change then would hide the steps lost."""
+    return last_step if pending is None else max(last_step, pending)
+
+
 def redone(
     committed: int,
     restored: int,
