@@ -380,8 +380,8 @@ def test_a_round_cut_short_before_it_said_where_it_resumed_keeps_what_was_commit
     """Never silent through two changes: the workers committed step 41; round 2 resumed
     from 30 (their step reads 30 now) but was cut short before they said so; round 3
     resumes from 30 too: 11 steps trained again, said against the 41 committed before
-    round 2, not the 30 that round 2 had rewound to (a Lightning FSDP2 job, c killed 0.2 s
-    after the re-formation for b: nothing was said)."""
+    round 2, not the 30 that round 2 had rewound to (a live Lightning re-formation
+    re-shards in memory and says where it resumed only at the next fit's start)."""
 
     class Rewound(FakeWorkers):
         def last_step(self) -> int:
