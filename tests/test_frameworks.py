@@ -287,7 +287,8 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     once, at most the interval and the step in flight trained again, the agent names the
     right step (was: a change gave new workers, which read the DCP checkpoint)."""
     out = tmp_path / "out"
-    args = ("--live", "--epochs", "4", "--dump-start")
+    # alone, a trains slowly: c's start-up (over 24 s on a loaded VM) lands inside the job
+    args = ("--live", "--epochs", "4", "--dump-start", "--slow-below-world", "2")
     keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
     node, nodes, kept = fsdp2_job(etcd, run_id, procs, out, *args, extra=keep)
     a, killed = nodes["a"], time.time()
