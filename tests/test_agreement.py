@@ -371,8 +371,9 @@ def test_state_frees_its_collectives_tensors_itself_and_holds_no_group_past_dest
     the interpreter finalizes, and the process aborts after its job succeeded
     (examples/device_subsets.py: 3 runs in 73, 3 at once on this machine).
     The script's ``destroy_process_group`` frees the group at once (held by elastic, it
-    would live on to the end); a new group gets a new control group."""
-    outs = ranks("control_exit.py", 2)
+    would live on to the end); a new group, on a port of its own, gets a new control
+    group."""
+    outs = ranks("control_exit.py", 2, str(free_port()))
     expect = ["freed-on-main", "True", "freed", "8", "alive-after-destroy", "False",  # 8 made
               "new-generation", "True"]  # fmt: skip
     assert outs == [expect] * 2, outs

@@ -5,10 +5,12 @@ control group and of its collectives' work once they are done.
   thread (never by gloo's, which needs the GIL for it and aborts the process if the
   interpreter is finalizing), and how many were.
 - The group, after the script's ``destroy_process_group``: gone, and a new group gets
-  a new control group."""
+  a new control group (it meets on the port given as the first argument)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 import weakref
@@ -44,6 +46,9 @@ def main() -> None:
     generation = comm.control().generation
     dist.destroy_process_group()
     print(f"alive-after-destroy {world() is not None}")
+    # The new group meets on a port of its own: on the old one, a rank quicker than
+    # rank 0 can reach the old store before rank 0 has closed it, and lose it mid-read.
+    os.environ["MASTER_PORT"] = sys.argv[1]
     dist.init_process_group("gloo")
     assert comm.control().all_reduce([1], "SUM") == [2]
     print(f"new-generation {comm.control().generation > generation}")
