@@ -59,6 +59,12 @@ class NetNode:
     def restore(self) -> None:
         sh("ip", "-n", self.ns, "link", "set", self.node_if, "up")
 
+    def throttle(self, rate: str) -> None:
+        """What this side sends the node goes at ``rate`` (tc's token bucket on this end;
+        gone with the link): a large transfer to the node stays in flight for a while."""
+        sh("tc", "qdisc", "add", "dev", self.host_if, "root", "tbf", "rate", rate,
+           "burst", "64kb", "latency", "1s")  # fmt: skip
+
 
 def can_make_namespaces() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None

@@ -190,10 +190,11 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
-def queued_to_send(pid: int) -> int:
-    """Bytes waiting in the send queues of ``pid``'s TCP connections: more than none
-    stay there once a peer stopped reading and the connection is full (the kernel's own
-    table, ``/proc/net/tcp``, matched to the process's sockets by inode)."""
+def queued_to_send(pid: int, to: str | None = None) -> int:
+    """Bytes waiting in the send queues of ``pid``'s TCP connections (``to``: those to
+    that IPv4 address only): more than none stay there once a peer stopped reading and
+    the connection is full (the kernel's own table, ``/proc/net/tcp``, matched to the
+    process's sockets by inode)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
@@ -206,9 +207,15 @@ def queued_to_send(pid: int) -> int:
             next(f)  # the header
             for line in f:
                 fields = line.split()  # sl local remote st tx:rx tr:when retrnsmt uid timeout inode
-                if fields[9] in inodes:
+                if fields[9] in inodes and (to is None or _ipv4(fields[2]) == to):
                     total += int(fields[4].split(":")[0], 16)
     return total
+
+
+def _ipv4(field: str) -> str:
+    """The IPv4 address of a ``/proc/net/tcp(6)`` address (its last 32 bits, stored in
+    host order: of an IPv6 address that is not a mapped IPv4 one, something else)."""
+    return socket.inet_ntoa(bytes.fromhex(field.split(":")[0][-8:])[::-1])
 
 
 def until_send_blocked(pid: int) -> None:

@@ -12,20 +12,14 @@ for comparison with an undisturbed run.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import os
-import signal
-import sys
-import termios
-import threading
 import time
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from pathlib import Path
 from typing import IO
 
-import psutil
 import torch
 import torch.distributed as dist
 from elastic_train import Indexed  # this directory: the same data as the resume tests
@@ -81,10 +75,7 @@ def train(
     opt: torch.optim.Optimizer,
     loader: DataLoader,
     out: IO[str],
-    freeze: FreezeReceiving | None = None,
 ) -> None:
-    if freeze is not None:
-        freeze.armed = False  # restored: it trains from here
     ddp = DDP(model)  # on this round's process group
     rank, world = dist.get_rank(), dist.get_world_size()
     sampler = state.sampler
@@ -128,32 +119,6 @@ class SlowToPack:
         pass
 
 
-class FreezeReceiving:
-    """``--freeze-receiving``: until its first step, this worker stops itself (SIGSTOP)
-    as a transfer's data wait unread in one of its connections: its first restore,
-    receiving the state. The sender's send then fills the connection, and a test that
-    SIGKILLs this node cuts it short (gloo never fails such a send)."""
-
-    def __init__(self) -> None:
-        self.armed = True
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _watch(self) -> None:
-        waiting = bytearray(4)
-        while self.armed:
-            me = psutil.Process()
-            fds = [c.fd for c in me.net_connections("tcp") if c.raddr and c.fd >= 0]
-            until = time.monotonic() + 0.005  # new connections: looked for again then
-            while self.armed and time.monotonic() < until:
-                for fd in fds:
-                    with suppress(OSError):
-                        fcntl.ioctl(fd, termios.FIONREAD, waiting)
-                        if int.from_bytes(waiting, sys.byteorder) > 1 << 16:
-                            os.kill(os.getpid(), signal.SIGSTOP)
-                            return
-                time.sleep(0.0002)  # not a core of its own for the whole start-up
-
-
 @record
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -171,7 +136,6 @@ def main() -> None:
         help="after training, write $RESULT_DIR/trained and exit once $RESULT_DIR/release is",
     )
     ap.add_argument("--slow-send", action="store_true", help="see SlowToPack; logs State's")
-    ap.add_argument("--freeze-receiving", action="store_true", help="see FreezeReceiving")
     ap.add_argument(
         "--slow-build",
         action="store_true",
@@ -184,7 +148,6 @@ def main() -> None:
     if a.slow_send:  # State's account of each restore: "receiving step ..."
         logging.basicConfig(format="%(message)s")
         logging.getLogger("elastic").setLevel(logging.INFO)
-    freeze = FreezeReceiving() if a.freeze_receiving else None
     dist.init_process_group("gloo")
     deadline = time.monotonic() + 60
     while a.slow_build and (results / "building").exists() and time.monotonic() < deadline:
@@ -197,7 +160,7 @@ def main() -> None:
     loader = DataLoader(data, batch_sampler=sampler, generator=torch.Generator())
     state = elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, **extra)
     with open(results / f"w{os.getpid()}.jsonl", "a") as out:
-        state.run(train, a, state, model, opt, loader, out, freeze)
+        state.run(train, a, state, model, opt, loader, out)
     state.close()
     if a.linger:
         (results / "trained").touch()
