@@ -11,6 +11,10 @@ around that competition (on a busy host, tens of milliseconds either way beside 
 100 ms step), so a snapshot never costs less than the time it blocked: a median of
 noise at or below zero made a 16 MB model snapshot at every step, 1.7x its step time.
 
+Sharded state kept live snapshots to memory and writes its DCP checkpoint to the disk at
+an interval of its own (``apart``): each then has a share of the budget, so the two
+together stay within it.
+
 Torch-free, and the clock is injected: tested on synthetic step times.
 """
 
@@ -33,6 +37,7 @@ BLOCKS = 9  # block medians kept: their median is a step's time (72 clean steps)
 COSTS_KEPT = 5  # snapshot costs kept: their median is a snapshot's cost
 AIM = 0.8  # a new interval aims at this share of the budget: room for noise
 LOW = 0.4  # and is kept while its cost stays between this share and all of the budget
+APART = 0.5  # the budget's share for memory where the disk is written apart; the disk's: the rest
 
 
 def median(xs: Iterable[float]) -> float:
@@ -132,6 +137,7 @@ class Cadence:
         self._blocked = 0.0  # ... of it, the time it held the training thread
         self._measuring = False  # its disturbed steps are being added up
         self._long = 0  # steps in a row far longer than the median
+        self.apart = False  # the disk is written at an interval of its own (``taken``)
 
     @property
     def step_s(self) -> float | None:
@@ -193,11 +199,20 @@ class Cadence:
         self._long = 0
         return False
 
-    def taken(self, step: int) -> None:
-        """A snapshot was taken at ``step``: its cost is measured from the next step."""
+    def taken(self, step: int, apart: bool = False) -> None:
+        """A snapshot was taken at ``step``: its cost is measured from the next step.
+        ``apart``: it went to memory, and the disk is written at an interval of its own
+        (``disk_due``): memory's interval is then chosen within its share of the budget."""
         self._finish_cost()
         self.last = step
         self._measuring = self.fixed is None and self.step_s is not None
+        if apart != self.apart:
+            self.apart = apart
+            self._reconsider(moved=True)
+
+    @property
+    def _memory_budget(self) -> float:
+        return self.budget * APART if self.apart else self.budget
 
     @property
     def urgent(self) -> bool:
@@ -232,11 +247,12 @@ class Cadence:
         one (sharded state kept live: the rows live on the next node too, and the disk
         serves only a loss memory cannot cover): where the disk was written last at
         ``last`` (-1: not by this rank yet) and it costs ``cost_s``, at the interval the
-        budget allows that cost alone. Fixed, or before steps are measured: every time."""
+        disk's share of the budget allows (memory's snapshots spend the rest: ``taken``).
+        Fixed, or before steps are measured: every time."""
         step_s = self.step_s
         if self.fixed is not None or step_s is None or last < 0 or cost_s <= 0:
             return True
-        return step - last >= choose(step_s, cost_s, self.budget).interval
+        return step - last >= choose(step_s, cost_s, self.budget * (1 - APART)).interval
 
     def agree(self, interval: int) -> bool:
         """The interval every rank uses from now on (the MAX of the proposals); True if
@@ -255,14 +271,18 @@ class Cadence:
         self._excess = self._blocked = 0.0
         self._reconsider()
 
-    def _reconsider(self) -> None:
-        """A new proposal when the current one is over the budget, or well under it."""
+    def _reconsider(self, moved: bool = False) -> None:
+        """A new proposal when the current one is over the budget, or well under it
+        (``moved``: the budget itself moved)."""
         step_s, cost_s = self.step_s, self.cost_s
         if step_s is None or cost_s is None:
             return
-        current = self.proposal
+        current, budget = self.proposal, self._memory_budget
         share = cost_s / (current * step_s) if current and step_s > 0 else 0.0
-        if current == 0 or share > self.budget or share < LOW * self.budget:
-            choice = choose(step_s, cost_s, self.budget)
+        if current == 0 or moved or share > budget or share < LOW * budget:
+            choice = choose(step_s, cost_s, budget)
+            if self.apart:
+                why = f"{choice.reason}; the disk's writes take the rest"
+                choice = Choice(choice.interval, why)
             self.proposal = choice.interval
             self.choice = choice

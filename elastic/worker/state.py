@@ -121,6 +121,12 @@ class _Core:
     def comm(self) -> comm.ControlGroup:
         return comm.control()
 
+    @property
+    def apart(self) -> bool:
+        """Sharded state kept live: snapshots keep the shards in memory (and on the next
+        node), and the DCP checkpoint goes to the disk at an interval of its own."""
+        return self.sharded and self.group is not None
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [_stepping(o) for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
 
@@ -597,14 +603,14 @@ class State:
         ranks agreed so: ``_disk_due``). Returns the seconds a sharded checkpoint written
         beside the snapshot in memory took (0: none)."""
         step = self._core.values["step"]
-        self._core.cadence.taken(step)
+        apart = self._core.apart  # kept live: by run(reshard=...), or follow()
+        self._core.cadence.taken(step, apart)
         rng.save(self._core.node_dir, comm.rank(), step)
         if self._core.sharded:
-            live = self._core.group is not None  # kept live: by run(reshard=...), or follow()
-            if live:
+            if apart:
                 self._keep_sharded(step)
-            took = self._save_sharded(step, counted=not live) if disk or not live else 0.0
-            return took if live else 0.0
+            took = self._save_sharded(step, counted=not apart) if disk or not apart else 0.0
+            return took if apart else 0.0
         stable = set() if wait else stable_storage(self._core.optimizers())
         frozen = frozen_storage(
             o for o in self._core.objects.values() if isinstance(o, torch.nn.Module)
@@ -644,7 +650,7 @@ class State:
         (``Cadence.disk_due``: memory keeps every snapshot, the disk at the interval its
         own cost allows); anything else is written every time."""
         core = self._core
-        if not core.sharded or core.group is None:
+        if not core.apart:
             return True
         return core.cadence.disk_due(step, core.disk_step, core.stats.checkpoint_seconds)
 
