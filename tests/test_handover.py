@@ -1,10 +1,15 @@
 """The handover rule: a node told to leave trains on only while the job's newest state
-would otherwise go with it, and only until a round with a newcomer trained a step."""
+would otherwise go with it, and only until a round with a newcomer trained a step; and
+the wait's owner, which holds the signal back and bounds the wait."""
 
 from __future__ import annotations
 
-import pytest
+import signal
 
+import pytest
+from harness import wait_until
+
+from elastic.agent.handing import Handover
 from elastic.agent.handover import Holding, hands_over, holds_alone
 
 
@@ -80,3 +85,33 @@ def test_a_node_holds_the_newest_state_alone_until_another_member_trained_with_i
     """What a node whose own worker failed asks before it steps out (``lobby.step_out``):
     the others would go on from an older state."""
     assert holds_alone(holding(**kw)) is alone
+
+
+def test_a_handover_holds_the_first_signal_back_once_and_leaves_with_it() -> None:
+    """The owner of the wait (``handing.Handover``): the first signal held back while the
+    state would go with the node; a second one, the state handed over, or the bound end
+    the wait, and the node leaves as the first signal asked; it is tried once."""
+    expired: list[int] = []
+    h = Handover(30.0, expired.append)
+    assert h.consider(signal.SIGTERM, holding) == (True, None) and h.active
+    assert h.consider(None, holding) == (True, None)  # handing over
+    assert h.consider(signal.SIGINT, holding) == (False, signal.SIGTERM) and not h.active
+    assert h.consider(signal.SIGTERM, holding) == (False, signal.SIGTERM)  # once: it leaves
+
+    h = Handover(30.0, expired.append)
+    assert h.consider(signal.SIGTERM, holding)[0]
+    shared = lambda: holding(**NEW_PAIR, resumed=39)  # noqa: E731  # the newcomer has it
+    assert h.consider(None, shared) == (False, signal.SIGTERM) and not h.active
+
+    h = Handover(30.0, expired.append)
+    on_disk = lambda: holding(on_disk=True)  # noqa: E731
+    assert h.consider(signal.SIGTERM, on_disk) == (False, signal.SIGTERM) and not h.active
+    assert Handover(0.0, expired.append).consider(signal.SIGTERM, holding) == (
+        False,
+        signal.SIGTERM,
+    )
+
+    h = Handover(0.05, expired.append)
+    assert h.consider(signal.SIGTERM, holding)[0]
+    wait_until(lambda: expired == [signal.SIGTERM], 5, "the bound brings the signal back")
+    assert h.consider(signal.SIGTERM, holding) == (False, signal.SIGTERM)

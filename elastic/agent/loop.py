@@ -31,7 +31,8 @@ from elastic.agent.core import (
     waits_for_live,
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
-from elastic.agent.handover import Holding, hands_over, holds_alone
+from elastic.agent.handing import Handover
+from elastic.agent.handover import Holding, holds_alone
 from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut, can_warm, warm_up
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
@@ -210,7 +211,6 @@ class Agent:
         self.shutdown_timeout = shutdown_timeout
         self.close_timeout = close_timeout
         self.hang_timeout = hang_timeout
-        self.handover_timeout = handover_timeout
         self.on_job = on_job
         self._job = ""  # the run of the job noted (the token of its progress record)
         self.host = host
@@ -218,10 +218,8 @@ class Agent:
         self.store = store
         self._state = AgentState.JOINING
         self.signal: int | None = None
-        # told to leave, it trains on to hand the newest state over: (the signal, the
-        # timer that brings it back at --handover-timeout)
-        self._handing: tuple[int, threading.Timer] | None = None
-        self._handed = False  # a handover was tried: once per agent
+        # told to leave, it may train on to hand the newest state over first
+        self._handover = Handover(handover_timeout, self.on_signal)
         self._state_seen = False  # workers ran elastic.State (new ones may not have said yet)
         self._ever_live = False  # workers re-formed in place in some round (the script can)
         self.round: RoundRecord | None = None
@@ -323,7 +321,7 @@ class Agent:
             reaction = decide(self.state, event, self._in_place(event))
             result = self._carry_out(reaction, event)
             if isinstance(result, int):
-                self._end_handover()
+                self._handover.end()
                 return result
             pending = result
 
@@ -517,7 +515,7 @@ class Agent:
         node hands the newest state over (``_hands_over``: the round it waits for may
         be the one with the newcomer)."""
         while True:
-            if (self.signal is not None or self._handing is not None) and not self._hands_over():
+            if (self.signal is not None or self._handover.active) and not self._hands_over():
                 return LocalEvent.SIGNALLED
             if self.signal is None:
                 self._cancel.clear()  # a signal held back set it
@@ -587,7 +585,7 @@ class Agent:
         while True:
             self._beat = time.monotonic()
             version = self.rdzv.version
-            if (self.signal is not None or self._handing is not None) and not self._hands_over():
+            if (self.signal is not None or self._handover.active) and not self._hands_over():
                 return LocalEvent.SIGNALLED
             state, failures = self.workers.poll()
             if state is GroupState.SUCCEEDED:
@@ -640,41 +638,17 @@ class Agent:
 
     def _hands_over(self) -> bool:
         """Told to leave: whether this node trains on to hand the job's newest state to a
-        node joining first (``handover.hands_over``), at most ``handover_timeout`` and
+        node joining first (``handing.Handover``), at most ``--handover-timeout`` and
         until a second signal. False: it leaves now (``self.signal`` says with what)."""
-        handing = self._handing
-        if handing is not None and self.signal is not None:  # again, or the bound passed
-            self.signal = handing[0]  # it leaves as the first signal asked
-            self._end_handover()
-            return False
-        if handing is None and (self._handed or self.handover_timeout <= 0):
-            return False
-        keep, why = hands_over(handing is not None, self._holding())
-        if handing is None:
-            self._handed = True
-            sig = self.signal or signal.SIGTERM
-            if not keep:
-                log.debug("no handover: %s", why)
-                return False
+        sig = self.signal
+        if sig is not None:  # taken first: one that comes from now on is a second signal
             self.signal = None
             self._cancel.clear()
-            timer = threading.Timer(self.handover_timeout, self._handover_timed_out)
-            timer.daemon = True
-            self._handing = (sig, timer)
-            timer.start()
-            log.warning(
-                "received %s: %s (at most %gs; signal again to leave now)",
-                signal.Signals(sig).name,
-                why,
-                self.handover_timeout,
-            )
-            return True
-        if keep:
-            return True
-        log.info("%s: leaving the job now", why)
-        self.signal = handing[0]
-        self._end_handover()
-        return False
+        keep, leave_with = self._handover.consider(sig, self._holding)
+        if not keep:
+            self.signal = leave_with
+            self._cancel.set()
+        return keep
 
     def _holding(self, count: bool = True, gone: frozenset[str] = frozenset()) -> Holding:
         """What this node knows of the state it holds (``count``: and, where it runs
@@ -698,21 +672,6 @@ class Agent:
         joined = r.counts[0] - sum(n in r.joined for n in gone)
         size = r.size - len(gone)
         return Holding(r.number, size, joined, newcomer, others, step, resumed, on_disk)
-
-    def _handover_timed_out(self) -> None:
-        """The timer's end of a handover: the signal comes back, wherever the loop is."""
-        handing = self._handing
-        if handing is not None:
-            log.warning(
-                "the newest state was not handed over within %gs: leaving the job",
-                self.handover_timeout,
-            )
-            self.on_signal(handing[0])
-
-    def _end_handover(self) -> None:
-        if self._handing is not None:
-            self._handing[1].cancel()
-            self._handing = None
 
     def _waits_for_live(self, change: Change) -> bool:
         """A graceful change waits while the workers placed in place go into State.run
