@@ -14,6 +14,7 @@ round's store, the fork server) or in the workers.
     lobby        a newcomer's workers started before it joins (pure; tripwire: theirs)
     resumed      whether a round trains committed steps again (pure): never silent
     handover     whether a node told to leave first hands the newest state over (pure)
+    handing      that handover's wait: the signal held back and its timer
     procs        process groups that never outlive the agent
     helper       the helper processes' common base (socket pair, session, ready)
     forkserver   --start-method forkserver (zygote: its process)
