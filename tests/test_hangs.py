@@ -469,11 +469,9 @@ def _peer(tmp_path: Path, port: int, net: NetNode | None = None) -> subprocess.P
     env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
     master = "127.0.0.1" if net is None else net.host_ip
     env.update(MASTER_ADDR=master, MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(tmp_path / "worker.py")]
-    if net is not None:
-        env["GLOO_SOCKET_IFNAME"] = net.node_if
-        cmd = net.command(cmd)
-    return subprocess.Popen(cmd, env=env)
+    where = {"env": env, "prefix": ()} if net is None else net.agent(True, env)
+    cmd = [*where["prefix"], sys.executable, str(tmp_path / "worker.py")]
+    return subprocess.Popen(cmd, env=where["env"])
 
 
 def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path: Path) -> None:
@@ -486,7 +484,7 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
     port = free_port()
     with isolated_node() as net:
         sender = Placement(0, 0, 0, 1, 2, 2, net.host_ip, port, 0, agent_store=False)
-        on_link = {"GLOO_SOCKET_IFNAME": net.host_if}
+        on_link = net.agent(False, {})["env"]
         with started(tmp_path, SENDER_WORKER, [sender], env=on_link) as group:
             peer = _peer(tmp_path, port, net)
             try:
