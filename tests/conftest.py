@@ -43,6 +43,14 @@ def cost(item: pytest.Item) -> float:
     return FAST_S if slow is None else float(slow.kwargs.get("seconds", SLOW_S))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist would queue the files by their number of tests (its ``--loadscope-reorder``,
+    on by default), which puts the many fast ones first and the few long end-to-end ones
+    last; the order below is kept instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Side by side, the files that take longest go first (each worker takes whole files,
     the next one when it is done: a long one last would leave one lane running alone at

@@ -115,6 +115,8 @@ def test_the_cut_spares_a_connection_the_script_opened_while_its_group_formed(
         assert said["failed"] and said["echoed"], said
         # the group's: one connection to the peer, and the store's (rank 0 hosts it: both ends)
         assert said["kept"] < said["candidates"], said
-        # every connection the settling kept and still open is cut (CI once saw one of
-        # the six kept close by itself between the settling and the cut)
-        assert said["cut"] == said["alive"] and said["alive"] >= said["kept"] - 1, said
+        # every connection the settling kept and still open is cut: CI saw one of the six
+        # kept close by itself between the settling and the cut, and once between the
+        # count just before the cut and the cut's own (so: between the counts around it)
+        assert said["left"] <= said["cut"] <= said["alive"], said
+        assert said["alive"] >= said["kept"] - 1, said

@@ -36,10 +36,12 @@ def main() -> None:
         time.sleep(0.01)
     kept = len(sockets.formed)
     dist.barrier()  # both settled: now cut
-    # what the cut can reach: a kept connection may have closed by itself meanwhile
-    # (torch's own, under load), and a closed one is not there to cut
-    alive = len(sockets.formed & _connections())
+    # what the cut can reach: a kept connection may close by itself (torch's own, under
+    # load) before the cut looks, or after: a closed one is not there to cut
+    group = sockets.formed
+    alive = len(group & _connections())
     cut = sockets.cut()
+    left = len(group & _connections())
     try:
         dist.all_reduce(torch.ones(4))
         failed = False
@@ -48,7 +50,7 @@ def main() -> None:
     own.settimeout(5.0)
     own.sendall(b"x")
     echoed = own.recv(1) == b"x"
-    said = dict(candidates=candidates, kept=kept, alive=alive, cut=cut, failed=failed)
+    said = dict(candidates=candidates, kept=kept, alive=alive, cut=cut, left=left, failed=failed)
     print(json.dumps({**said, "echoed": echoed}))
     sockets.close()
     os._exit(0)  # the group is broken: no orderly destroy
