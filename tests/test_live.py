@@ -520,13 +520,16 @@ def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
+@pytest.mark.parametrize("newcomer", ["stays", "killed"])
 def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newcomer_first(
-    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, newcomer: str
 ) -> None:
     """a trains alone (no --checkpoint-dir: its state is in memory only); b starts to
     join (its workers start before it registers), and a is told to leave (SIGTERM) at
     once. a trains on until a round with b has trained a step, then leaves: b trains on
-    from a's newest state, nothing trained again (before: b began again from step 0)."""
+    from a's newest state, nothing trained again (before: b began again from step 0).
+    Or b is SIGKILLed on its way: a leaves once b's word that it comes is gone with b's
+    lease, not at the handover's bound."""
     # a's bound outlasts b's workers' start on a busy host (12 s seen), and the job
     # outlasts the handover (60 steps, 0.4 s each below world size 3)
     slow = ("--slow-below-world", "3", "--epochs", "6")
@@ -537,10 +540,19 @@ def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newco
     b.wait_output("starting workers before joining", timeout=60)  # on its way
     told = time.monotonic()
     a.signal(signal.SIGTERM)
+    if newcomer == "killed":
+        a.wait_output("alone holds the job's newest state", timeout=30)
+        b.kill_tree()
+        told = time.monotonic()
     assert a.wait(60) == 143, a.transcript()
-    print(f"a left {time.monotonic() - told:.2f}s after its SIGTERM")
+    print(f"a left {time.monotonic() - told:.2f}s after its SIGTERM or b's kill")
     said = a.transcript()
     assert "alone holds the job's newest state" in said, said
+    if newcomer == "killed":  # no one to hand it to: said, as a leave without a handover
+        assert time.monotonic() - told < TTL + 5, said
+        assert "no node is there to take the newest state: leaving the job now" in said, said
+        assert "was in memory only and is lost with it" in said, said
+        return
     assert "hold step" in said and "leaving the job now" in said, said
     assert b.wait(120) == 0, b.transcript()
     assert "trained again" not in b.transcript(), b.transcript()
