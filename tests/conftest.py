@@ -8,7 +8,6 @@ import re
 import shutil
 import time
 import uuid
-from collections import Counter
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -32,35 +31,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     code_tools.start(
         [i.callspec.id for i in items if getattr(i, "originalname", "") == "test_tool_is_clean"]
     )
-
-
-SLOW_S, FAST_S = 30.0, 0.5  # a test's usual seconds on two cores, unless its mark says
-
-
-def cost(item: pytest.Item) -> float:
-    """``@pytest.mark.slow(seconds=...)`` for the longest tests; else by the mark alone."""
-    slow = item.get_closest_marker("slow")
-    return FAST_S if slow is None else float(slow.kwargs.get("seconds", SLOW_S))
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """xdist would queue the files by their number of tests (its ``--loadscope-reorder``,
-    on by default), which puts the many fast ones first and the few long end-to-end ones
-    last; the order below is kept instead."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Side by side, the files that take longest go first (each worker takes whole files,
-    the next one when it is done: a long one last would leave one lane running alone at
-    the end). Run alone, the order is the files' own."""
-    if not PARALLEL:
-        return
-    seconds: Counter[Path] = Counter()
-    for item in items:
-        seconds[item.path] += cost(item)
-    items.sort(key=lambda item: -seconds[item.path])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

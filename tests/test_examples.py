@@ -85,7 +85,7 @@ SHORT_RUNS = [
 ]
 
 
-@pytest.mark.slow(seconds=130)
+@pytest.mark.slow
 def test_the_examples_run(tmp_path: Path) -> None:
     """Every example in the README's table that the other tests do not run, two at a time
     (most of each run is start-up and waiting, which overlaps)."""

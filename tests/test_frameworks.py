@@ -105,7 +105,7 @@ def same_as_plain(result: Path, name: str, last_step: int) -> None:
             assert torch.equal(v, got["optimizer"]["state"][p][k]), (name, p, k)
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow
 def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -130,7 +130,7 @@ def test_a_killed_worker_resumes_bitwise_as_the_script_without_the_adapter(
         same_as_plain(tmp_path / name, name, last_step=24)
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow
 def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -252,7 +252,7 @@ def same_state(started: dict, snap: dict, step: int) -> None:
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(theirs)), (step, p, k)
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow
 def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -283,7 +283,7 @@ def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
     assert sorted(p.name for p in (tmp_path / "snap").iterdir())[-1].startswith("dcp-step-")
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow
 def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -334,7 +334,7 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
         same_state(start_of(out, step), snapshot_of(tmp_path / "snap", step, tmp_path), step)
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.2], ids=["re-forming", "just-after"])
 def test_lightning_fsdp2_under_run_survives_a_second_kill_during_its_recovery(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, delay: float
@@ -365,7 +365,7 @@ def test_lightning_fsdp2_under_run_survives_a_second_kill_during_its_recovery(
     same_state(start_of(out, resumed), snapshot_of(tmp_path / "snap", resumed, tmp_path), resumed)
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow
 def test_the_examples_run(tmp_path: Path) -> None:
     """Each framework's example, as the README's examples table runs it, to the end (and
     Lightning's with FSDP2 through run(), its shards snapshotted to --checkpoint-dir)."""

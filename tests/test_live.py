@@ -367,7 +367,7 @@ def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
     check_run(tmp_path, changes=2, epochs=epochs)
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow
 @pytest.mark.parametrize("then", ["builds", "b-killed"])
 def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, then: str
@@ -484,7 +484,7 @@ def test_a_newcomer_cut_off_as_the_round_with_it_forms(
     check_run(tmp_path, changes=3, epochs=epochs)
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow
 def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
     run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:

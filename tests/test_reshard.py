@@ -31,7 +31,7 @@ def lines(p: subprocess.Popen[str]) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.slow(seconds=150)
+@pytest.mark.slow
 def test_shards_move_in_memory_through_joins_and_losses() -> None:
     """FSDP2 through a join and a loss (three processes), and HSDP losing a replica group
     (four), run side by side."""

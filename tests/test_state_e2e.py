@@ -94,7 +94,7 @@ def test_sigkill_of_a_worker_resumes_bitwise_equal(
             assert torch.equal(v, got["optimizer"]["state"][p][k]), (p, k)
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow
 def test_three_two_three_nodes_every_sample_exactly_once(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
