@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import signal
 import sys
 import time
@@ -440,7 +441,12 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
     # group just then waits out gloo's connect to a, as documented (about 5x its timeout)
     assert "a refuses its probe port" in b.transcript(), b.transcript()
     assert again - second < TTL + 5 * CONNECT_TIMEOUT.total_seconds(), b.transcript()
-    assert "rank 0's worker hosts the store" in b.transcript()  # not after the helper's import
+    # b is rank 0 since a's loss, its store helper started 0.2 s before (it was rank 2):
+    # the round after a's loss does not wait for the helper's import, its worker hosts the
+    # store; unless that round came late, the helper ready by then (gloo's connect wait)
+    after_a = re.search(r"lost a; ([\d.]+)s after lost a", b.transcript())
+    if after_a is not None and float(after_a[1]) < 2:
+        assert "rank 0's worker hosts the store" in b.transcript(), b.transcript()
     assert worker_pids(b) == kept
     for n in (b, d):
         assert n.wait(120) == 0, n.transcript()
