@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 from faults import NetNode, isolated_node
-from harness import ROOT, until_send_blocked, wait_until
+from harness import ROOT, until_formed, until_send_blocked, wait_until
 
 from elastic.agent.hangs import (
     FLOOR,
@@ -33,7 +33,7 @@ from elastic.agent.hangs import (
 from elastic.agent.logs import LogRouter
 from elastic.agent.placement import Placement
 from elastic.agent.workers import Drained, Held, WorkerGroup
-from elastic.contract import EXIT_RESIZE, ControlBlock
+from elastic.contract import EXIT_RESIZE, ControlBlock, Phase
 from elastic.stored import SnapshotSlots
 from elastic.worker import stuck
 from rendezvous.net import free_port
@@ -311,6 +311,25 @@ def test_a_stopped_group_still_says_what_its_workers_were(tmp_path: Path) -> Non
         assert group.use_state and group.last_step() >= 3 and group.restored() is None
 
 
+def leave(group: WorkerGroup) -> tuple[Drained, float]:
+    """The drain of a leaving node, as the agent asks it (SIGTERM, --shutdown-timeout
+    30 s): how it ended, and the seconds until the workers had saved and were exiting,
+    which is all the job waits for (``let_go``). Each then exits EXIT_RESIZE, or, still
+    in its interpreter's own exit after ``EXIT_GRACE``, is killed having said it saved."""
+    asked, saved = time.monotonic(), []
+
+    def let_go() -> None:
+        saved.append(time.monotonic() - asked)
+        assert all(w.control.phase is Phase.LEAVING or w.proc.poll() == EXIT_RESIZE
+                   for w in group.workers), "let go before each saved"  # fmt: skip
+
+    drained = group.drain(signal.SIGTERM, timeout=30, let_go=let_go)
+    ends = [w.proc.poll() for w in group.workers]
+    print("ended", ends)
+    assert set(ends) <= {EXIT_RESIZE, -signal.SIGKILL} and len(saved) == 1, (ends, saved)
+    return drained, saved[0]
+
+
 @contextlib.contextmanager
 def forming_for_good(tmp_path: Path) -> Iterator[WorkerGroup]:
     """One ``LIVE_WORKER`` that trained alone in ``State.run``, let go, and now forms a
@@ -332,12 +351,9 @@ def test_a_worker_told_to_stop_while_it_forms_a_group_gives_the_group_up_at_once
     breaks it out of forming and it saves and exits from its wait for a placement, in
     moments, not after --shutdown-timeout (30 s here: the drain killed it then)."""
     with forming_for_good(tmp_path) as group:
-        asked = time.monotonic()
-        drained = group.drain(signal.SIGTERM, timeout=30)
-        took = time.monotonic() - asked
-        print(f"stopped {took:.2f}s after the drain began")
-        assert drained is Drained.STOPPED and took < 10, (drained, took)
-        assert group.workers[0].proc.poll() == EXIT_RESIZE
+        drained, took = leave(group)
+        print(f"saved and leaving {took:.2f}s after the drain began")
+        assert drained is Drained.STOPPED and took < 5, (drained, took)
 
 
 def test_a_pause_asked_of_a_worker_forming_a_group_that_breaks_becomes_an_abandon(
@@ -477,10 +493,18 @@ def _peer(tmp_path: Path, port: int, net: NetNode | None = None) -> subprocess.P
 def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path: Path) -> None:
     """Rank 0 (this node's worker) broadcasts 64 MB a step; rank 1 (another node, in a
     network namespace) stops as the bytes arrive, its cable is pulled and it is
-    SIGKILLed, so no reset reaches rank 0 (one did at times, and gloo failed the send on
-    it). gloo never fails rank 0's unfinished send, so asked to abandon its group, rank
-    0 cannot let go before the group's timeout (30 minutes): it says it is stuck, and the
-    hold fails in seconds (new workers follow), not after --shutdown-timeout (30 s)."""
+    SIGKILLed, so no reset reaches rank 0. gloo does not fail rank 0's unfinished send,
+    so asked to abandon its group, rank 0 cannot let go before the group's timeout (30
+    minutes): it says it is stuck, and the hold fails in seconds (new workers follow),
+    not after --shutdown-timeout (30 s). In about 1 try of 10 here gloo failed the send
+    all the same, no reset come: rank 0 let go at once, as it should, and the stuck rank
+    this test is about did not form; that try is made again (``until_formed``)."""
+    until_formed(_a_send_to_a_lost_peer, tmp_path)
+
+
+def _a_send_to_a_lost_peer(tmp_path: Path) -> str | None:
+    """One try of the test above: None once its assertions held, or why the scenario did
+    not form."""
     port = free_port()
     with isolated_node() as net:
         sender = Placement(0, 0, 0, 1, 2, 2, net.host_ip, port, 0, agent_store=False)
@@ -497,11 +521,15 @@ def test_a_worker_stuck_in_a_send_to_a_lost_peer_fails_the_hold_at_once(tmp_path
                 asked = time.monotonic()
                 held, why = group.hold(urgent=True, timeout=30)
                 took = time.monotonic() - asked
+                if held is Held.HELD:  # gloo failed the send: rank 0 let go, at once
+                    assert took < stuck.AFTER + 3.0, took
+                    return f"gloo failed rank 0's send: it let go in {took:.2f}s"
                 assert held is Held.FAILED and why.startswith("rank 0 is stuck in a collective"), (
                     why
                 )
                 assert took < stuck.AFTER + 3.0, took
                 assert group.workers[0].proc.poll() is None  # the agent kills it next
+                return None
             finally:
                 if peer.poll() is None:
                     peer.kill()
@@ -527,11 +555,8 @@ def test_a_live_worker_blocked_on_a_frozen_peer_saves_when_its_node_leaves(
             os.kill(peer.pid, signal.SIGSTOP)  # rank 0 blocks at its next agreement
             step = group.last_step()
             time.sleep(1.5)
-            asked = time.monotonic()
-            drained = group.drain(signal.SIGTERM, timeout=30)
-            took = time.monotonic() - asked
-            assert drained is Drained.STOPPED and took < 10, (drained, took)
-            assert group.workers[0].proc.poll() == EXIT_RESIZE
+            drained, took = leave(group)
+            assert drained is Drained.STOPPED and took < 5, (drained, took)
             newest = SnapshotSlots(tmp_path, create=False).newest()
             assert newest is not None and newest[1] >= step >= 12, (newest, step)
         finally:
