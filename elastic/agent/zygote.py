@@ -13,6 +13,7 @@ Nothing here runs threads: children are forked from a single-threaded process.
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import json
 import os
@@ -88,6 +89,8 @@ def serve(sock: socket.socket) -> None:
     import torch._dynamo
     import torch.distributed  # noqa: F401
 
+    gc.freeze()  # what every child shares: its collections and its exit never walk it,
+    # and they leave its pages shared (Python's advice for a process that forks)
     me = os.getpid()
     children: set[int] = set()
 

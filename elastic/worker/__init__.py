@@ -24,4 +24,5 @@ Imports torch; knows nothing of etcd. It talks to its agent only through
     alive        the process's sign of life apart from progress (frozen vs blocked)
     placed       whether a worker started ahead read its ranks before it was placed
     finalize     the default group the script leaves, destroyed at exit
+    quick_exit   the heap frozen at exit: Python's exit walks none of torch's objects
 """

@@ -43,7 +43,17 @@ import torch
 from elastic import contract
 from elastic.contract import NODE_DIR_ENV, ControlBlock, SnapshotPolicy
 from elastic.stored import SnapshotError
-from elastic.worker import alive, comm, group, progress, reshard, rng, sharded, snapshot
+from elastic.worker import (
+    alive,
+    comm,
+    group,
+    progress,
+    quick_exit,
+    reshard,
+    rng,
+    sharded,
+    snapshot,
+)
 from elastic.worker.agreement import Agreement
 from elastic.worker.cadence import Cadence
 from elastic.worker.doorbell import Doorbell, Rung
@@ -216,6 +226,7 @@ class State:
         )
         object.__setattr__(self, "_core", core)
         self._hook_optimizers()
+        quick_exit.arm()
 
     def _hook_optimizers(self) -> None:
         """(Again, after ``reshard`` made new optimizers:) their steps wait for the
