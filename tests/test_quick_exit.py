@@ -1,4 +1,4 @@
-"""A worker's interpreter exit skips collecting torch's objects again and again
+"""A worker's interpreter exit neither walks nor frees torch's objects one by one
 (``elastic.worker.quick_exit``; its cost side by side: ``benchmarks/exit_cost.py``)."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""A worker's interpreter exit without collecting torch's objects again and again.
+"""A worker's interpreter exit that neither walks nor frees torch's objects one by one.
 
-Python's exit runs the cyclic garbage collector over every object it tracks, more than
-once (before and after it clears the modules). With torch imported those are about
-170,000 objects, and the exit of a worker took 1.75 s here (median of 6), against
-0.36 s once they are frozen (``benchmarks/exit_cost.py``). That is CPU taken from
+Python's exit runs the cyclic garbage collector over every object it tracks and frees,
+one by one, the cycles it finds once the modules are cleared: with torch imported,
+most of its 170,000 objects. A worker's exit took 1.42 s here against 0.52 s with the
+heap frozen (``benchmarks/exit_cost.py``, median of 5). That is CPU taken from
 the job at every resize, and a leaving node's saved workers get only ``EXIT_GRACE``
 (0.5 s) to end before they are killed.
 
