@@ -26,9 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WORK = """
 import torch
@@ -40,7 +37,7 @@ for _ in range(5):
     opt.step()
 """
 STATE = "import elastic\nstate = elastic.State(model=model, optimizer=opt)\n"
-LAST = "import sys\nprint('done', flush=True)\n"
+LAST = "print('done', flush=True)\n"
 
 
 def spawned(code: str) -> tuple[float, float]:

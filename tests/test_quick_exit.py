@@ -52,13 +52,13 @@ def test_the_fork_servers_children_start_with_its_imports_frozen(tmp_path: Path)
     script = tmp_path / "count.py"
     script.write_text("import gc, sys\nprint(gc.get_freeze_count())\nsys.exit(3)\n")
     server = ForkServer(os.environ)
-    out = (tmp_path / "out").open("w+")
+    out = tmp_path / "out"
     try:
         assert server.wait_ready(90), "the fork server's imports"
-        child = server.spawn(str(script), [], False, os.environ,
-                             (os.open(os.devnull, os.O_RDONLY), out.fileno(), 2))  # fmt: skip
+        with open(os.devnull, "rb") as stdin, out.open("w") as stdout:
+            child = server.spawn(str(script), [], False, os.environ,
+                                 (stdin.fileno(), stdout.fileno(), 2))  # fmt: skip
         assert child.wait(30) == 3
     finally:
         server.close()
-    out.seek(0)
-    assert int(out.read()) > 50_000
+    assert int(out.read_text()) > 50_000
