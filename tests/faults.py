@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -75,7 +76,10 @@ def isolated_node() -> Iterator[NetNode]:
     need(can_make_namespaces(), "network namespaces need root and iproute2")
     tag = f"{_mine()}{random.randrange(100):02d}"
     lane, lanes = _lane()
-    subnet = random.randrange(1 + lane, 250, lanes)  # pytest-xdist workers never share one
+    # pytest-xdist workers never share a subnet, nor take one still on a link (a killed
+    # run's leftover there would take the node's traffic, silently)
+    taken = set(re.findall(r"inet 10\.231\.(\d+)\.", sh("ip", "-o", "-4", "addr", "show")))
+    subnet = random.choice([s for s in range(1 + lane, 250, lanes) if str(s) not in taken])
     node = NetNode(
         ns=f"{PREFIX}{tag}",
         host_if=f"elh{tag}",
