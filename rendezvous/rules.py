@@ -186,6 +186,13 @@ def _own(failures: dict[str, FailureRecord]) -> bool:
     )
 
 
+def spends_budget(restarts: int, max_restarts: int) -> bool:
+    """Whether a failure charged to a round with ``restarts`` restarts behind it closes the
+    job (torchrun's ``--max-restarts`` N: N restarts, and the failure after them fails the
+    job; failures in one round are charged once)."""
+    return restarts >= max_restarts
+
+
 def plan(
     view: JobView,
     min_nodes: int,
@@ -302,7 +309,7 @@ def plan(
     else:
         cause = RoundCause.RESIZE
     charged = cause is RoundCause.FAILURE or (cause is RoundCause.LOST and _own(failures))
-    restarts = (current.restarts if current else 0) + charged
+    behind = current.restarts if current else 0
     before = {(m.id, m.rev) for m in previous}
     return Plan(
         True,
@@ -310,12 +317,12 @@ def plan(
         members=chosen,
         writer=writer,
         cause=cause,
-        restarts=restarts,
+        restarts=behind + charged,
         joined=tuple(m.id for m in chosen if (m.id, m.rev) not in before),
         left=left,
         lost=lost,
         root_cause=earliest_failure(failures),
-        budget_spent=charged and restarts > max_restarts,
+        budget_spent=charged and spends_budget(behind, max_restarts),
         present=count,
     )
 

@@ -310,7 +310,13 @@ CRASH = WorkerFailure(rank=1, local_rank=1, pid=7, exitcode=1, time=1.0, message
 
 
 def agent(job: FakeJob, workers: FakeWorkers, **kw: Any) -> Agent:
-    kw = {"monitor_interval": 0.0, "shutdown_timeout": 5.0, "close_timeout": 1.0, **kw}
+    kw = {
+        "monitor_interval": 0.0,
+        "shutdown_timeout": 5.0,
+        "close_timeout": 1.0,
+        "max_restarts": 3,
+        **kw,
+    }
     return Agent(job, workers, host="host-a", **kw)
 
 
@@ -1092,8 +1098,8 @@ def test_while_the_workers_form_in_place_the_members_are_probed() -> None:
 
 
 # -- a node whose own worker fails steps out while the others go on (lobby.step_out) -------------
-def _step_out(were_live: bool, size: int, alone: bool) -> lobby.StepOut:
-    return lobby.step_out(were_live, size, alone, in_place=True, min_nodes=1, static=False)
+def _step_out(were_live: bool, size: int, alone: bool, spent: bool) -> lobby.StepOut:
+    return lobby.step_out(were_live, size, alone, spent, in_place=True, min_nodes=1, static=False)
 
 
 def _back(present: int, awaited: bool) -> str | None:
@@ -1316,14 +1322,58 @@ def test_a_node_whose_worker_fails_as_the_only_other_member_leaves_stays_in(
     assert "leaving the job for now" not in caplog.text
 
 
+def test_a_failure_that_spends_the_restart_budget_says_so_and_steps_out_for_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--max-restarts 0 (torchrun's default), a's worker fails in a live round of three:
+    no round follows, so a does not leave "for now" to come back (it said so, then the
+    job failed), but says the budget is spent and ends with the job."""
+    failed = ClosedRecord(JobOutcome.FAILED, "budget spent")
+    job = FakeJob([round_of(1, "a", "b", "c"), RendezvousClosedError("job failed", failed)])
+    workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH])])
+    workers.live = True
+    rejoined: list[FakeJob] = []
+    with caplog.at_level(logging.INFO):
+        a = agent(
+            job,
+            workers,
+            step_out=_step_out,
+            rejoin=lambda: rejoined.append(job) or job,
+            max_restarts=0,
+        )
+        assert a.run() == 1
+    assert rejoined == [] and "leaving the job for now" not in caplog.text
+    said = "the restart budget is spent (--max-restarts 0, all used): the job fails"
+    assert job.reported and said in caplog.text
+
+
+@pytest.mark.parametrize(("restarts", "spent"), [(1, False), (2, True)])
+def test_a_peer_failure_that_spends_the_restart_budget_says_so(
+    caplog: pytest.LogCaptureFixture, restarts: int, spent: bool
+) -> None:
+    """b's workers fail in a round with 1 (then 2) restarts behind it, --max-restarts 2:
+    a says whether the job goes on, not "workers re-form live" before it fails."""
+    failed = Change(RoundEnd.PEER_FAILED, "workers failed on b", ("b",))
+    job = FakeJob([round_of(1, "a", "b", restarts=restarts), round_of(2, "a")], [None, failed])
+    workers = FakeWorkers([RUNNING, RUNNING, RUNNING, SUCCEEDED])
+    workers.live = True
+    with caplog.at_level(logging.INFO):
+        assert agent(job, workers, max_restarts=2).run() == 0
+    said = "workers failed on b: the restart budget is spent (--max-restarts 2, all used)"
+    assert (said in caplog.text) is spent
+    assert ("workers failed on b: workers re-form live" in caplog.text) is not spent
+
+
 def test_a_failed_worker_of_a_job_that_cannot_go_on_without_this_node_restarts_in_it() -> None:
     """Two nodes, at least two: without this one no round forms, so it stays in."""
     job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", "b", restarts=1)])
     workers = FakeWorkers([RUNNING, (GroupState.FAILED, [CRASH]), RUNNING, SUCCEEDED])
     workers.live = True
 
-    def two_at_least(were_live: bool, size: int, alone: bool) -> lobby.StepOut:
-        return lobby.step_out(were_live, size, alone, in_place=True, min_nodes=2, static=False)
+    def two_at_least(were_live: bool, size: int, alone: bool, spent: bool) -> lobby.StepOut:
+        return lobby.step_out(
+            were_live, size, alone, spent, in_place=True, min_nodes=2, static=False
+        )
 
     rejoined: list[FakeJob] = []
     a = agent(job, workers, step_out=two_at_least, rejoin=lambda: rejoined.append(job) or job)

@@ -153,16 +153,19 @@ def test_the_tripwire_is_tripped_by_a_worker_that_connects_to_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("were_live", "size", "in_place", "min_nodes", "static", "alone", "out", "why"),
+    ("were_live", "size", "in_place", "min_nodes", "static", "alone", "out", "why", "spent"),
     [
-        (True, 3, True, 1, False, False, True, "the other 2 node(s) re-form in place"),
-        (True, 3, True, 2, False, False, True, "the other 2"),
-        (True, 2, True, 2, False, False, False, "below the minimum of 2"),
-        (False, 3, True, 1, False, False, False, "do not re-form in place"),
-        (True, 3, False, 1, False, False, False, "--restart-mode respawn"),
-        (True, 3, True, 1, True, False, False, "--node-rank"),
+        (True, 3, True, 1, False, False, True, "the other 2 node(s) re-form in place", False),
+        (True, 3, True, 2, False, False, True, "the other 2", False),
+        (True, 2, True, 2, False, False, False, "below the minimum of 2", False),
+        (False, 3, True, 1, False, False, False, "do not re-form in place", False),
+        (True, 3, False, 1, False, False, False, "--restart-mode respawn", False),
+        (True, 3, True, 1, True, False, False, "--node-rank", False),
         # the others joined its round and trained no step with it: they would start over
-        (True, 3, True, 1, False, True, False, "no other node of the round holds"),
+        (True, 3, True, 1, False, True, False, "no other node of the round holds", False),
+        # no round follows: nothing to step out for, whatever else holds
+        (True, 3, True, 1, False, False, False, "spends the job's restart budget", True),
+        (False, 3, False, 1, True, True, False, "spends the job's restart budget", True),
     ],
 )
 def test_a_node_whose_own_worker_failed_steps_out_only_where_the_others_go_on_in_place(
@@ -174,8 +177,11 @@ def test_a_node_whose_own_worker_failed_steps_out_only_where_the_others_go_on_in
     alone: bool,
     out: bool,
     why: str,
+    spent: bool,
 ) -> None:
-    choice = step_out(were_live, size, alone, in_place=in_place, min_nodes=min_nodes, static=static)
+    choice = step_out(
+        were_live, size, alone, spent, in_place=in_place, min_nodes=min_nodes, static=static
+    )
     assert choice.out is out and why in choice.reason
 
 

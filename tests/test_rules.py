@@ -42,6 +42,7 @@ from rendezvous.rules import (
     plan,
     progress_due,
     round_end,
+    spends_budget,
     successor,
     waiting,
     waiting_by_count,
@@ -661,3 +662,14 @@ def test_the_next_round_is_numbered_above_every_round_a_key_names() -> None:
     assert next_number(replace(view, nodes={"a": node("a", 1, done=5)})) == 6
     progress = ProgressRecord(step=10, node="a", round=7)
     assert next_number(replace(view, progress=progress)) == 8
+
+
+@pytest.mark.parametrize(
+    ("restarts", "max_restarts", "spent"),
+    [(0, 0, True), (0, 1, False), (1, 1, True), (2, 3, False), (3, 3, True)],
+)
+def test_a_failure_spends_the_budget_once_the_round_has_used_every_restart(
+    restarts: int, max_restarts: int, spent: bool
+) -> None:
+    """torchrun's --max-restarts N: N restarts, then the next failure fails the job."""
+    assert spends_budget(restarts, max_restarts) is spent

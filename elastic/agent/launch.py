@@ -201,6 +201,7 @@ def launch(cfg: RunConfig) -> int:
             ),
             rejoin=join,
             back=functools.partial(lobby.back_now, min_nodes=cfg.min_nodes),
+            max_restarts=cfg.max_restarts,
         )
         job = "" if cfg.rdzv_id == "none" else f" job {cfg.rdzv_id}"  # the default id
         mn, mx = cfg.min_nodes, cfg.max_nodes

@@ -143,14 +143,24 @@ class StepOut:
 
 
 def step_out(
-    were_live: bool, size: int, alone: bool, *, in_place: bool, min_nodes: int, static: bool
+    were_live: bool,
+    size: int,
+    alone: bool,
+    spent: bool,
+    *,
+    in_place: bool,
+    min_nodes: int,
+    static: bool,
 ) -> StepOut:
     """For a member of a round of ``size`` nodes whose own worker failed or hung.
     ``were_live``: its workers re-formed in place this round (``State.run``; the script
     is the same on every node: the others' do too); ``alone``: no other member holds
     what it trained (``handover.holds_alone``: its snapshot may be the job's newest
-    state); ``in_place``: ``--restart-mode live``; ``static``: it asks for its rank
-    (``--node-rank``)."""
+    state); ``spent``: the failure spends the job's restart budget (``rules.spends_budget``:
+    no round follows, so there is nothing to step out for); ``in_place``:
+    ``--restart-mode live``; ``static``: it asks for its rank (``--node-rank``)."""
+    if spent:
+        return StepOut(False, "the failure spends the job's restart budget: the job fails")
     if not in_place:
         return StepOut(False, "--restart-mode respawn: every node restarts anyway")
     if not were_live:

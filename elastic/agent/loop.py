@@ -53,7 +53,7 @@ from rendezvous.records import (
     RoundCause,
     RoundRecord,
 )
-from rendezvous.rules import Change, RoundEnd
+from rendezvous.rules import Change, RoundEnd, spends_budget
 from rendezvous.view import Glance
 
 log = logging.getLogger("elastic.agent")
@@ -187,9 +187,10 @@ class Agent:
         restart_mode: RestartMode = RestartMode.LIVE,
         prepare: Callable[[Glance, int, bool], Ahead] | None = None,
         tripwire: Wire | None = None,
-        step_out: Callable[[bool, int, bool], StepOut] | None = None,
+        step_out: Callable[[bool, int, bool, bool], StepOut] | None = None,
         rejoin: Callable[[], Membership] | None = None,
         back: Callable[[int, bool], str | None] | None = None,
+        max_restarts: int = 0,
     ) -> None:
         """``prepare``: this node's ``lobby.ahead`` (whether its workers start before it
         joins, and where); None: they never do; ``tripwire``: the store address they get
@@ -198,7 +199,8 @@ class Agent:
         given whether its workers were live and the round's size; ``rejoin`` makes the
         rendezvous it joins again with; without both it never steps out. ``back``: this
         node's ``lobby.back_now`` (whether, out, it joins again at once). ``on_job``
-        notes the run of the job its snapshots are taken in (``nodedir.remember_job``)."""
+        notes the run of the job its snapshots are taken in (``nodedir.remember_job``).
+        ``max_restarts``: the job's restart budget, to say when a failure spends it."""
         self.rdzv = rdzv
         self.prepare = prepare
         self.tripwire = tripwire
@@ -206,6 +208,7 @@ class Agent:
         self.rejoin = rejoin
         self.back = back
         self.restart_mode = restart_mode
+        self.max_restarts = max_restarts
         self.workers = workers
         self.monitor_interval = monitor_interval
         self.shutdown_timeout = shutdown_timeout
@@ -255,6 +258,7 @@ class Agent:
         self._lapsed = False  # etcd dropped the lease, this node carries on: said, not yet done
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
+        self._spent = False  # its own failure spends the job's restart budget
         self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
         self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
@@ -384,7 +388,7 @@ class Agent:
         if event is LocalEvent.WORKERS_FAILED or (
             event is LocalEvent.WORKERS_HUNG and not stopping
         ):
-            return self._steps_out(self._going())
+            return self._steps_out(self._going(), charged=True)
         if (event is LocalEvent.HOLD_FAILED and self.state is not AgentState.PREPARING) or (
             event is LocalEvent.WORKERS_HUNG and stopping  # hung in the hold: as a failed one
         ):
@@ -392,7 +396,9 @@ class Agent:
             # those the change took, and those etcd shows going since (it may have broken
             # meanwhile: a member leaving, then lost)
             gone = self._gone() | self._going()
-            return self._steps_out(gone, were_live=True)  # they were to re-form
+            # they were to re-form; a hang is this node's failure, a failed hold is not
+            hung = event is LocalEvent.WORKERS_HUNG
+            return self._steps_out(gone, were_live=True, charged=hung)
         if self.state is AgentState.HOLDING:
             r = self.round
             return self.workers.live and (r is None or self.workers.fits(self._placements(r)))
@@ -403,18 +409,31 @@ class Agent:
             self.workers.live or (urgent and self.workers.coming)
         )
 
-    def _steps_out(self, gone: frozenset[str] = frozenset(), were_live: bool = False) -> bool:
+    def _steps_out(
+        self, gone: frozenset[str] = frozenset(), were_live: bool = False, charged: bool = False
+    ) -> bool:
         """Whether this node leaves for now while the others go on without it; ``gone``:
         members of its round the change that broke it took away; ``were_live``: its
         workers were asked to re-form in place (else: whether they were seen in State.run
-        this round)."""
+        this round); ``charged``: the job's restart budget pays for it."""
+        self._spent = charged and self._spends_budget()
         if self.step_out is None or self.rejoin is None or self.round is None:
             return False
         holding = self._holding(count=False, gone=gone)
         live = were_live or self._live_seen
-        choice = self.step_out(live, holding.size, holds_alone(holding))
+        choice = self.step_out(live, holding.size, holds_alone(holding), self._spent)
         self._stepping = choice.reason
         return choice.out
+
+    def _spends_budget(self) -> bool:
+        """A failure charged to this node's round closes the job (``rules.spends_budget``)."""
+        return self.round is not None and spends_budget(self.round.restarts, self.max_restarts)
+
+    def _budget_line(self) -> str:
+        return (
+            f"the restart budget is spent (--max-restarts {self.max_restarts}, all used): "
+            "the job fails"
+        )
 
     def _gone(self) -> frozenset[str]:
         """Members of this node's round that the change it re-forms for takes away
@@ -1045,6 +1064,9 @@ class Agent:
             case RoundEnd.LAPSED if change is not None and not self._lapsed:
                 log.warning("%s: it carries on, its workers train on", change.detail)
                 self._lapsed = True  # said once: it is seen again until etcd is read anew
+            case RoundEnd.PEER_FAILED if change is not None and self._spends_budget():
+                log.error("%s: %s", change.detail, self._budget_line())
+                self._change_why = change.detail
             case RoundEnd() if change is not None and r.stop is Stop.URGENT:
                 log.warning("%s: stopping workers now", change.detail)
                 self._change_why = change.detail
@@ -1144,6 +1166,8 @@ class Agent:
     def _report(self, done: bool) -> None:
         report = summarize(list(self._failures), self.node_id, self.host)
         log.error("workers failed: %s", report.summary)
+        if self._spent:
+            log.error("%s", self._budget_line())
         try:
             self.rdzv.report_failure(report, done)
         except RendezvousError as e:
