@@ -319,6 +319,7 @@ class Agent:
             if pending is None:
                 self._change = self._closed = None
                 self._failures = self._consequences = ()
+                self._spent = False
                 event = self._gather()
             else:
                 event, pending = pending, None
