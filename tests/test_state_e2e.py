@@ -460,11 +460,15 @@ def test_a_node_restarted_after_every_holder_died_resumes_from_its_own_snapshot(
     out.mkdir()
     args = ("--samples", "400", "--epochs", "1", "--step-time", "0.03")  # 100 steps
     env, every = {"RESULT_DIR": str(out)}, ("--snapshot-every", "1")
+    # a lease that outlives the restart however slow (CI: the agent took more than the 3 s
+    # TTL to start, its predecessor's record was gone, and nothing was left to take over)
+    conf = "lease_ttl=60,last_call_timeout=1"
 
     def node() -> Proc:
         return start_agent(
-            procs, etcd.endpoint, run_id, "a", SCRIPT, *args, nnodes="1", env=env, extra=every
-        )
+            procs, etcd.endpoint, run_id, "a", SCRIPT, *args, nnodes="1", conf=conf, env=env,
+            extra=every,
+        )  # fmt: skip
 
     first = node()
     wait_until(lambda: max((r["step"] for r in steps(out)), default=0) >= 20, 60, "some steps")
