@@ -258,7 +258,6 @@ class Agent:
         self._lapsed = False  # etcd dropped the lease, this node carries on: said, not yet done
         self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
         self._stepping = ""  # why this node steps out (or not) on its own failure
-        self._spent = False  # its own failure spends the job's restart budget
         self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
         self.stall_after = max(60.0, 2 * shutdown_timeout + 30.0)
@@ -319,7 +318,6 @@ class Agent:
             if pending is None:
                 self._change = self._closed = None
                 self._failures = self._consequences = ()
-                self._spent = False
                 event = self._gather()
             else:
                 event, pending = pending, None
@@ -417,12 +415,12 @@ class Agent:
         members of its round the change that broke it took away; ``were_live``: its
         workers were asked to re-form in place (else: whether they were seen in State.run
         this round); ``charged``: the job's restart budget pays for it."""
-        self._spent = charged and self._spends_budget()
         if self.step_out is None or self.rejoin is None or self.round is None:
             return False
         holding = self._holding(count=False, gone=gone)
         live = were_live or self._live_seen
-        choice = self.step_out(live, holding.size, holds_alone(holding), self._spent)
+        spent = charged and self._spends_budget()
+        choice = self.step_out(live, holding.size, holds_alone(holding), spent)
         self._stepping = choice.reason
         return choice.out
 
@@ -1167,7 +1165,7 @@ class Agent:
     def _report(self, done: bool) -> None:
         report = summarize(list(self._failures), self.node_id, self.host)
         log.error("workers failed: %s", report.summary)
-        if self._spent:
+        if self._spends_budget():  # a failure reported is charged (core: report_failure)
             log.error("%s", self._budget_line())
         try:
             self.rdzv.report_failure(report, done)
