@@ -1,5 +1,6 @@
-"""ResumableSampler, the Lightning adapter's sampler: DistributedSampler's order and split
-when nothing happens, and the rest of the epoch, once, over any new world size."""
+"""The Lightning adapter's rules. ResumableSampler, its sampler: DistributedSampler's order
+and split when nothing happens, and the rest of the epoch, once, over any new world size;
+which of a snapshot and the script's checkpoint file a Trainer resumes from."""
 
 from __future__ import annotations
 
@@ -146,6 +147,64 @@ def test_the_step_of_the_scripts_checkpoint_file_or_sharded_directory(tmp_path: 
     assert _file_step(tmp_path / "junk.ckpt") == -1
     assert _file_step(tmp_path / "absent.ckpt") == -1
     assert _file_step(None) == -1
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "peeked", "reads"),
+    [(9, 5, False), (9, 9, False), (9, 12, True), (9, -1, True), (0, 0, False)],
+)
+def test_the_scripts_checkpoint_file_is_read_only_where_newer_than_the_snapshot(
+    snapshot: int, peeked: int, reads: bool
+) -> None:
+    from elastic.integrations.lightning import reads_file
+
+    assert reads_file(snapshot, peeked) is reads
+
+
+def test_a_live_round_resumes_from_its_snapshot_without_reading_an_older_file(
+    tmp_path: Path,
+) -> None:
+    """What a real Trainer's strategy is asked to load (``ckpt_path``) beside the snapshot
+    of step 9: an older or as new file is never read (a live round used to read the
+    script's whole last.ckpt, only to drop it); a newer one, or one whose step cannot be
+    peeked, is read by Lightning's own reader as before."""
+    import lightning.pytorch as pl
+    import torch
+
+    from elastic.integrations.lightning import ElasticLightning
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    strategy, real = trainer.strategy, trainer.strategy.load_checkpoint
+    snapshot = {"global_step": 9, "from": "snapshot"}
+    for step in (5, 9, 12):
+        torch.save({"global_step": step, "w": torch.ones(1 << 16)}, tmp_path / f"{step}.ckpt")
+    (tmp_path / "junk.ckpt").write_text("not a checkpoint")
+
+    def load(name: str) -> tuple[object, int]:
+        reads = []
+
+        def counted(path: str | Path, weights_only: bool | None = None) -> dict:
+            reads.append(path)
+            return real(path, weights_only)
+
+        strategy.load_checkpoint = counted  # type: ignore[method-assign]
+        ElasticLightning()._resume_from(trainer, snapshot)
+        try:
+            got = strategy.load_checkpoint(tmp_path / name)
+        except Exception as e:  # Lightning's own error for a file it cannot read
+            got = type(e)
+        assert strategy.load_checkpoint == counted  # the adapter's wrapper is gone again
+        return got, len(reads)
+
+    assert load("5.ckpt") == (snapshot, 0)
+    assert load("9.ckpt") == (snapshot, 0)
+    got, reads = load("12.ckpt")
+    assert isinstance(got, dict) and got["global_step"] == 12 and reads == 1
+    got, reads = load("junk.ckpt")
+    assert reads == 1 and not isinstance(got, dict), got
 
 
 class _Net:

@@ -9,7 +9,8 @@ callback does not collect state itself. After each optimizer step it hands ``Sta
 checkpoint as one object, and ``State`` snapshots it into the node's shared memory
 when its cost policy says (``--snapshot-every``). On a restart it finds the newest
 snapshot anywhere in the job and gives it to Lightning as the checkpoint to resume from
-(a ``ckpt_path`` the script passes is read too, and wins only when it is newer).
+(a ``ckpt_path`` the script passes wins only when it is newer: its step is peeked at
+without loading its tensors, and the file is read only then).
 
 The data position is what Lightning cannot resume by itself: a plain ``DataLoader``
 starts its epoch over (Lightning warns), and after a resize the ``DistributedSampler``
@@ -352,6 +353,15 @@ def shards_dir(strategy: object, checkpoint_dir: str | None) -> str | None:
     return checkpoint_dir or None
 
 
+def reads_file(snapshot: int, peeked: int) -> bool:
+    """Whether the checkpoint file a script passes (``ckpt_path``) is read beside a
+    snapshot of step ``snapshot`` that every rank holds whole (DDP): only where its step,
+    peeked without loading its tensors (``_file_step``), is newer, or could not be peeked
+    (-1: Lightning reads it, and says what is wrong with it). A live round's snapshot is
+    usually the newer: the file is not read, however large."""
+    return peeked < 0 or peeked > snapshot
+
+
 def from_snapshot(snapshot: int, file: int) -> bool:
     """Resume from the newest snapshot of the shards (its step; -1: none) rather than the
     checkpoint file the script passes (its step; -1: none): only where it is newer."""
@@ -604,8 +614,8 @@ class ElasticLightning(Callback):
 
     def _resume_from(self, trainer: pl.Trainer, ckpt: dict[str, Any]) -> None:
         """Hand the snapshot to Lightning as the checkpoint to resume from: it restores
-        everything from it as from a file (a file passed as ``ckpt_path`` is read as well,
-        and used instead when it is newer)."""
+        everything from it as from a file (a file passed as ``ckpt_path`` is used instead
+        when it is newer: read only then, ``reads_file``)."""
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = ckpt  # kept by resume_start when no path is given
         strategy = trainer.strategy
@@ -614,6 +624,15 @@ class ElasticLightning(Callback):
 
         def load_checkpoint(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
             strategy.load_checkpoint = read_file
+            peeked = _file_step(path)
+            if not reads_file(step, peeked):
+                log.info(
+                    "resuming from the snapshot of step %d, not %s (step %d: not read)",
+                    step,
+                    path,
+                    peeked,
+                )
+                return ckpt
             file: dict[str, Any] = read_file(path, weights_only)
             if int(file.get("global_step", -1)) > step:
                 log.info("%s (step %s) is newer than the snapshot", path, file["global_step"])
