@@ -17,6 +17,7 @@ import psutil
 import pytest
 from faults import NetNode, isolated_node
 from harness import ROOT, until_formed, until_send_blocked, wait_until
+from workergroup import started
 
 from elastic.agent.hangs import (
     FLOOR,
@@ -30,7 +31,6 @@ from elastic.agent.hangs import (
     interval,
     watched_since,
 )
-from elastic.agent.logs import LogRouter
 from elastic.agent.placement import Placement
 from elastic.agent.workers import Drained, Held, WorkerGroup
 from elastic.contract import EXIT_RESIZE, ControlBlock, Phase
@@ -160,25 +160,6 @@ while True:  # steps of 0.1 s; asked to let go, it never does (a step that never
     block.beat(step)
     time.sleep(0.1)
 """
-
-
-@contextlib.contextmanager
-def started(
-    tmp_path: Path, code: str, placements: list[Placement], env: dict[str, str] | None = None
-) -> Iterator[WorkerGroup]:
-    """Workers running ``code`` at ``placements``, as the agent starts them; stopped, and
-    their logs closed, at the end."""
-    script = tmp_path / "worker.py"
-    script.write_text(code)
-    router = LogRouter(str(tmp_path / "logs"), "job", "a", {}, {}, None)
-    group = WorkerGroup((sys.executable, str(script)), router, tmp_path, role="default",
-                        run_id="job", max_restarts=0, extra_env=env)  # fmt: skip
-    group.start(placements)
-    try:
-        yield group
-    finally:
-        group.stop(0)
-        router.close(lambda *_: None)
 
 
 @contextlib.contextmanager
