@@ -44,15 +44,19 @@ def heartbeat(step: int | None = None) -> None:
     report(step)
 
 
-def watch_the_first_group() -> None:
+def watch_the_first_group(imported: bool = True) -> None:
     """In a worker that re-forms in place (under elastic-run, ``--restart-mode live``),
     see the script's first process group form, whenever it does: a re-formation then
     cuts that group's connections only (``worker.group.watch_first_group``). In any
     worker under elastic-run, a gloo group the script leaves is destroyed at its exit
-    (``worker.finalize``). Nowhere else is torch imported here."""
+    (``worker.finalize``). ``imported``: the script imported elastic, which the agent
+    is told (``ELASTIC``): a graceful change waits for such new workers to get into
+    State.run rather than replace them as they start (the fork server, which calls this
+    for every worker it forks, whatever its script, passes False). Nowhere else is torch
+    imported here."""
     import os
 
-    from elastic.contract import CONTROL_ENV, RESTART_MODE_ENV, RestartMode
+    from elastic.contract import CONTROL_ENV, ELASTIC, RESTART_MODE_ENV, RestartMode, worker_block
 
     live = os.environ.get(RESTART_MODE_ENV, RestartMode.LIVE.value) == RestartMode.LIVE.value
     if os.environ.get(CONTROL_ENV):
@@ -63,6 +67,9 @@ def watch_the_first_group() -> None:
         from elastic.worker import group
 
         group.watch_first_group()
+        block = worker_block() if imported else None
+        if block is not None:
+            block.mark(ELASTIC)
 
 
 watch_the_first_group()

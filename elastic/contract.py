@@ -148,6 +148,8 @@ COMING = 16  # flag: it formed its first group in place (started ahead) and goes
 # State.run: asked to abandon that group, it lets go once there
 STUCK = 32  # flag: asked to abandon its group, its main thread is stuck in a collective
 # that only the group's timeout ends (``elastic.worker.stuck``): replace it
+ELASTIC = 64  # flag: the script imported elastic, in live mode: it may be on its way into
+# State.run (importing torch, building its model), where it re-forms in place
 
 
 class Phase(enum.IntEnum):
@@ -188,7 +190,8 @@ class ControlBlock:
         8       stop request generation ("save at the next step")      agent
         16      heartbeat, ns since the epoch                          worker
         24      step                                                   worker
-        32      flags: USES_STATE, REPORTS, LIVE, UNPLACED, COMING     worker
+        32      flags: USES_STATE, REPORTS, LIVE, UNPLACED, COMING,    worker
+                STUCK, ELASTIC
         40      restored: 0 not yet in this placement, else the step   worker
                 it resumed from + 2 (1: nothing restored)              (agent: 0)
         48      alive: ns since the epoch, every ALIVE_EVERY s by a    worker
@@ -296,6 +299,19 @@ class ControlBlock:
         no step yet (a script that trains outside State.run never gets there)."""
         flags = self._get(_OFF["flags"])
         return bool(flags & COMING) and not flags & (LIVE | REPORTS)
+
+    @property
+    def starting(self) -> bool:
+        """It imported elastic and has neither gone into State.run nor reported a step: a
+        State.run script on its way there, or one that trains outside it and will say so
+        at its first step (``REPORTS``)."""
+        flags = self._get(_OFF["flags"])
+        return bool(flags & ELASTIC) and not flags & (LIVE | REPORTS)
+
+    @property
+    def fresh(self) -> bool:
+        """It said nothing yet: no flag, no step (starting up: ``import torch``, …)."""
+        return self._get(_OFF["flags"]) == 0 and self._get(_OFF["step"]) == 0
 
     @property
     def heartbeat(self) -> float:

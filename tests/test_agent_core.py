@@ -272,15 +272,16 @@ def test_only_a_graceful_change_waits_for_workers_on_their_way_into_state_run(
     end: RoundEnd,
 ) -> None:
     """A join, a leave announced or a stop asked waits (bounded) while workers placed in
-    place go into State.run, where they re-form; anything urgent, or workers that are not
-    on their way, is acted on at once."""
+    place, or new ones whose script imported elastic, go into State.run, where they
+    re-form; anything urgent, or workers that are not on their way, is acted on at once."""
     graceful = end in (RoundEnd.WAITING, RoundEnd.LEAVING, RoundEnd.STOPPING)
-    why = core.waits_for_live(end, coming=True, waited=0.0)
-    assert (why is not None) is graceful
-    if why is not None:
-        assert "State.run" in why
-    assert core.waits_for_live(end, coming=False, waited=0.0) is None
-    assert core.waits_for_live(end, coming=True, waited=core.COMING_LIVE_S) is None
+    for way in (core.OnTheWay.PLACED, core.OnTheWay.STARTING):
+        why = core.waits_for_live(end, way, waited=0.0)
+        assert (why is not None) is graceful
+        if why is not None:
+            assert why.startswith(way.value) and "State.run" in why
+        assert core.waits_for_live(end, way, waited=core.COMING_LIVE_S) is None
+    assert core.waits_for_live(end, core.OnTheWay.NO, waited=0.0) is None
     # what it waits for is the in-place stop: a graceful change pauses live workers
     if graceful:
         assert decide(R, end, in_place=True).stop is Stop.PAUSE

@@ -201,6 +201,11 @@ class FakeWorkers:
         self.ahead: list[Placement] = []  # started ahead of joining
         self.lobby: deque[bool] = deque()  # successive in_lobby() results (then True)
         self.forms: deque[bool] = deque()  # successive forming() results (then False)
+        # successive starting() answers: new workers on their way into State.run; once
+        # they run out, the workers are there (live) if ``arrive``
+        self.on_the_way: deque[bool] = deque()
+        self.arrive = False
+        self.expected: list[bool] = []  # what starting() was told
 
     @property
     def pids(self) -> list[int]:
@@ -219,6 +224,13 @@ class FakeWorkers:
 
     def forming(self) -> bool:
         return self.forms.popleft() if self.forms else False
+
+    def starting(self, expected: bool) -> bool:
+        self.expected.append(expected)
+        if self.on_the_way:
+            return self.on_the_way.popleft()
+        self.live = self.live or self.arrive
+        return False
 
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
         if self.polls:
@@ -746,6 +758,27 @@ def test_a_lapse_is_said_once_while_the_node_waits_to_carry_on(
     said = [r for r in caplog.records if "it carries on" in r.getMessage()]
     assert len(said) == 1 and job.calls.count("resume") == 3, caplog.text
     assert len(workers.started) == 1, "its workers trained on"
+
+
+def test_a_join_waits_for_new_workers_on_their_way_into_state_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The round's new workers (their script imported elastic) build their model when a
+    newcomer waits: the change waits for them to get into State.run, said once, and they
+    pause in place there instead of being replaced; workers that never get there are
+    drained as before, once the change stops waiting."""
+    for arrive, actions, started in ((True, ["pause"], 1), (False, ["drain SIGTERM"], 2)):
+        waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+        job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting] * 3)
+        workers = FakeWorkers([RUNNING] * 5 + [SUCCEEDED])
+        workers.on_the_way, workers.arrive = deque([True, True]), arrive
+        with caplog.at_level(logging.INFO, logger="elastic"):
+            assert agent(job, workers).run() == 0
+        assert workers.actions == actions and len(workers.started) == started, arrive
+        assert workers.expected[0] is False  # never live before: only what they said counts
+        said = [r for r in caplog.records if "on their way into State.run" in r.getMessage()]
+        assert len(said) == 1, caplog.text
+        caplog.clear()
 
 
 def test_live_workers_pause_for_a_newcomer() -> None:

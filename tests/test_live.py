@@ -328,6 +328,36 @@ def test_a_standby_takes_a_lost_members_place_with_its_workers_started_ahead(
     check_run(tmp_path, changes=1, epochs=epochs)
 
 
+def test_a_join_as_the_first_workers_build_waits_for_them_to_get_into_state_run(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """a and b start the job; their workers build their model before State.run (held by
+    a file here) when c comes (the job's workers were never live: c registers without
+    workers). a and b wait for their workers to get there rather than replace them, say
+    why, and they pause in place for c: the first workers train the whole job (before,
+    the join stopped them as they started, and new ones imported torch and built the
+    model again: a staggered start of 3 nodes trained its first step 27 s after round 1
+    on this VM, chaos seed 58 had rounds of new workers replaced by each next change)."""
+    epochs, args = 4, ("--epochs", "4", "--step-time", "0.1", "--slow-build")
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "building").touch()  # the workers wait before State.run while it is there
+    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:3") for n in "ab")
+    building = lambda: len(list(tmp_path.glob("building.*"))) == 2  # noqa: E731
+    wait_until(building, 90, "a's and b's workers to build their model")  # elastic imported
+    first = set(worker_pids(a)) | set(worker_pids(b))
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:3")
+    for n in (a, b):
+        n.wait_output("on their way into State.run", timeout=60)  # the join waits
+    (tmp_path / "building").unlink()
+    wait_world(tmp_path, 3, timeout=90)
+    for n in (a, b, c):
+        assert n.wait(120) == 0, n.transcript()
+    said = a.transcript() + b.transcript()
+    assert first == pids_at(tmp_path, 2) and first <= pids_at(tmp_path, 3), said
+    assert said.count("workers re-form live (pids") == 2 and "stopping workers" not in said, said
+    check_run(tmp_path, changes=1, epochs=epochs)
+
+
 def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:

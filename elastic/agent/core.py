@@ -273,27 +273,41 @@ _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
 _IN_PLACE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
 
 # How long a graceful change (a join, a leave announced, a stop asked) waits for workers
-# placed in place that have not reached State.run yet: a newcomer's, started ahead, between
-# the first group its init_process_group formed and State.run (building the model, DDP).
-# Once there they re-form in place; stopped, they would cost the job a worker start (3-9 s
-# with spawn on a busy host) with every member waiting for it. A script that never goes
-# into State.run is stopped as before, this much later.
+# on their way into State.run (``OnTheWay``). Once there they re-form in place; stopped,
+# they would cost the job a worker start (3-9 s with spawn on a busy host) with every
+# member waiting for it. A script that never goes into State.run is stopped as before,
+# this much later (one that trains outside it says so at its first step, and is stopped
+# then).
 COMING_LIVE_S = 10.0
 
 
-def waits_for_live(end: RoundEnd, coming: bool, waited: float) -> str | None:
-    """Why the running agent does not act on ``end`` yet (None: it acts now). ``coming``:
-    its workers were placed in place this round, all alive, and are not in State.run yet;
-    ``waited``: seconds since it first saw ``end``. An urgent change never waits: the
-    round is broken, and the workers are asked to leave it, which they do in State.run."""
+class OnTheWay(enum.Enum):
+    """Workers, all alive, not in State.run yet but on their way there."""
+
+    NO = "no"
+    # a newcomer's, started ahead and placed in place: between the first group their
+    # init_process_group formed and State.run (building the model, DDP)
+    PLACED = "the workers placed in place are on their way into State.run"
+    # new in this round (live mode), their script imported elastic or this node's workers
+    # went into State.run before: importing torch, forming the round's group, building
+    # the model (stopped for a join as they start, they start again: chaos seed 58 had
+    # rounds of new workers, each replaced by the next change, 57 s without a step)
+    STARTING = "the workers, new in this round, are on their way into State.run"
+
+
+def waits_for_live(end: RoundEnd, on_the_way: OnTheWay, waited: float) -> str | None:
+    """Why the running agent does not act on ``end`` yet (None: it acts now); ``waited``:
+    seconds since it first saw ``end``. An urgent change never waits: the round is
+    broken, and the workers are asked to leave it, which they do in State.run (new ones
+    that are not there yet cannot: they are replaced)."""
     change = _CHANGES.get(end)
-    if change is None or change[0] is not Stop.DRAIN or not coming:
+    if change is None or change[0] is not Stop.DRAIN or on_the_way is OnTheWay.NO:
         return None
     if waited >= COMING_LIVE_S:
         return None
     return (
-        f"the workers placed in place are on their way into State.run: they re-form there, "
-        f"not anew (waited {waited:.1f} of {COMING_LIVE_S:.0f}s for a {end.value} change)"
+        f"{on_the_way.value}: they re-form there, not anew (waited {waited:.1f} of "
+        f"{COMING_LIVE_S:.0f}s for a {end.value} change)"
     )
 
 

@@ -22,6 +22,7 @@ from elastic.agent.core import (
     Event,
     Exit,
     LocalEvent,
+    OnTheWay,
     Reaction,
     RestartCause,
     Start,
@@ -140,6 +141,7 @@ class Workers(Protocol):
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
     def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
+    def starting(self, expected: bool) -> bool: ...  # all alive, new, not in State.run yet
     def save_held(self, timeout: float) -> bool: ...  # State users out of their group save
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(
@@ -692,12 +694,17 @@ class Agent:
         return Holding(r.number, size, joined, newcomer, others, step, resumed, on_disk)
 
     def _waits_for_live(self, change: Change) -> bool:
-        """A graceful change waits while the workers placed in place go into State.run
-        (``core.waits_for_live``); said once."""
-        coming = self.restart_mode is RestartMode.LIVE and self.workers.coming
+        """A graceful change waits while the workers go into State.run, placed in place
+        or new in this round (``core.waits_for_live``); said once."""
+        on_the_way = OnTheWay.NO
+        if self.restart_mode is RestartMode.LIVE:
+            if self.workers.coming:
+                on_the_way = OnTheWay.PLACED
+            elif self.workers.starting(expected=self._ever_live):
+                on_the_way = OnTheWay.STARTING
         now = time.monotonic()
         since = now if self._waiting_since is None else self._waiting_since
-        why = waits_for_live(change.end, coming, now - since)
+        why = waits_for_live(change.end, on_the_way, now - since)
         if why is None:
             return False
         if self._waiting_since is None:

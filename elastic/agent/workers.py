@@ -289,6 +289,20 @@ class WorkerGroup:
             w.proc.poll() is None and w.control.live for w in self.workers
         )
 
+    def starting(self, expected: bool) -> bool:
+        """Every worker is alive, was started for this round (not ahead), and has neither
+        gone into State.run nor reported a step, its script having imported elastic
+        (``ControlBlock.starting``) or, ``expected``, not yet: this node's workers went into
+        State.run in an earlier round, and these run the same script."""
+        return (
+            bool(self.workers)
+            and not self.ahead
+            and all(
+                w.proc.poll() is None and (w.control.starting or (expected and w.control.fresh))
+                for w in self.workers
+            )
+        )
+
     @property
     def coming(self) -> bool:
         """Every worker is alive and on its way from the group it formed in place (started

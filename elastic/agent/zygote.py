@@ -52,7 +52,8 @@ def _run_child(req: dict, fds: list[int], parent: int) -> None:
 
         placed.watch()
     os.chdir(req["cwd"])
-    elastic.watch_the_first_group()  # imported here before the worker's environment was
+    # imported here before the worker's environment was; by this process, not the script
+    elastic.watch_the_first_group(imported=False)
     code = 0
     try:
         if req["module"]:
