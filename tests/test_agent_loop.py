@@ -201,9 +201,9 @@ class FakeWorkers:
         self.ahead: list[Placement] = []  # started ahead of joining
         self.lobby: deque[bool] = deque()  # successive in_lobby() results (then True)
         self.forms: deque[bool] = deque()  # successive forming() results (then False)
-        # successive starting() answers: new workers on their way into State.run; once
-        # they run out, the workers are there (live) if ``arrive``
-        self.on_the_way: deque[bool] = deque()
+        # polls for which new workers are on their way into State.run (starting());
+        # then they are there (live) if ``arrive``, else they never get there
+        self.on_the_way = 0
         self.arrive = False
         self.expected: list[bool] = []  # what starting() was told
 
@@ -227,12 +227,12 @@ class FakeWorkers:
 
     def starting(self, expected: bool) -> bool:
         self.expected.append(expected)
-        if self.on_the_way:
-            return self.on_the_way.popleft()
-        self.live = self.live or self.arrive
-        return False
+        return self.on_the_way > 0
 
     def poll(self) -> tuple[GroupState, list[WorkerFailure]]:
+        if self.on_the_way > 0:
+            self.on_the_way -= 1
+            self.live = self.live or (self.on_the_way == 0 and self.arrive)
         if self.polls:
             return self.polls.popleft()
         return GroupState.RUNNING, []
@@ -766,16 +766,20 @@ def test_a_join_waits_for_new_workers_on_their_way_into_state_run(
     """The round's new workers (their script imported elastic) build their model when a
     newcomer waits: the change waits for them to get into State.run, said once, and they
     pause in place there instead of being replaced; workers that never get there are
-    drained as before, once the change stops waiting."""
+    drained as before, once the change stops waiting. Meanwhile the job is told that its
+    workers re-form in place."""
     for arrive, actions, started in ((True, ["pause"], 1), (False, ["drain SIGTERM"], 2)):
         waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
         job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting] * 3)
         workers = FakeWorkers([RUNNING] * 5 + [SUCCEEDED])
-        workers.on_the_way, workers.arrive = deque([True, True]), arrive
+        workers.on_the_way, workers.arrive = 3, arrive
         with caplog.at_level(logging.INFO, logger="elastic"):
             assert agent(job, workers).run() == 0
         assert workers.actions == actions and len(workers.started) == started, arrive
         assert workers.expected[0] is False  # never live before: only what they said counts
+        # as they start, the job hears that its workers re-form in place (a newcomer starts
+        # its own ahead); of workers that never got there, that is taken back
+        assert job.in_place_said == ([True] if arrive else [True, False]), job.in_place_said
         said = [r for r in caplog.records if "on their way into State.run" in r.getMessage()]
         assert len(said) == 1, caplog.text
         caplog.clear()

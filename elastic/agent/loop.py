@@ -623,7 +623,10 @@ class Agent:
             self._live_seen = self._live_seen or live
             self._state_seen = self._state_seen or self.workers.use_state
             self._ever_live = self._ever_live or live
-            self._announce_in_place(self._ever_live)
+            # new workers on their way into State.run re-form in place once there: a
+            # newcomer starts its own meanwhile, rather than once the round with it forms
+            on_the_way = self.restart_mode is RestartMode.LIVE and self.workers.starting(False)
+            self._announce_in_place(self._ever_live or on_the_way)
             hung = (
                 self.workers.hung(self.hang_timeout)
                 if self.hang_timeout > 0
@@ -745,7 +748,8 @@ class Agent:
 
     def _announce_in_place(self, live: bool) -> None:
         """Say whether the job's workers re-form in place (``live``: this node's did, in
-        this round or an earlier one): a newcomer starts its own before it joins only
+        this round or an earlier one, or its new ones head for State.run): a newcomer
+        starts its own before it joins only
         when the leader says so (``lobby``). Not taken back while this node's workers are
         replaced: a newcomer's started ahead wait for their place all the same, and the
         others train on through their start-up (newcomers that registered meanwhile

@@ -137,6 +137,13 @@ def main() -> None:
     )
     ap.add_argument("--slow-send", action="store_true", help="see SlowToPack; logs State's")
     ap.add_argument(
+        "--build-time",
+        type=float,
+        default=0.0,
+        help="seconds between init_process_group and State.run (building.PID says when it "
+        "begins): a model that takes that long to build, in every worker",
+    )
+    ap.add_argument(
         "--slow-build",
         action="store_true",
         help="between init_process_group and State.run, wait while $RESULT_DIR/building "
@@ -154,6 +161,9 @@ def main() -> None:
         (results / f"building.{os.getpid()}").touch()
     while a.slow_build and (results / "building").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    if a.build_time:
+        (results / f"building.{os.getpid()}").touch()
+        time.sleep(a.build_time)
     model = net(a.width, a.depth)
     opt = optimizer(model, a.width)
     policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch)
