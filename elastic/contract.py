@@ -310,7 +310,7 @@ class ControlBlock:
 
     @property
     def fresh(self) -> bool:
-        """It said nothing yet: no flag, no step (starting up: ``import torch``, …)."""
+        """It said nothing yet: no flag, no step (it starts up: ``import torch``, say)."""
         return self._get(_OFF["flags"]) == 0 and self._get(_OFF["step"]) == 0
 
     @property

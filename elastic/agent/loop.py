@@ -749,12 +749,13 @@ class Agent:
     def _announce_in_place(self, live: bool) -> None:
         """Say whether the job's workers re-form in place (``live``: this node's did, in
         this round or an earlier one, or its new ones head for State.run): a newcomer
-        starts its own before it joins only
-        when the leader says so (``lobby``). Not taken back while this node's workers are
-        replaced: a newcomer's started ahead wait for their place all the same, and the
-        others train on through their start-up (newcomers that registered meanwhile
-        without them held every member for it: chaos seed 18, 8 s). The rendezvous
-        writes it while this node leads (one write when it changes, retried if it fails)."""
+        starts its own before it joins only when the leader says so (``lobby``). Not
+        taken back while this node's workers are replaced once they went into State.run
+        (of new ones that never got there, it is): a newcomer's started ahead wait for
+        their place all the same, and the others train on through their start-up
+        (newcomers that registered meanwhile without them held every member for it:
+        chaos seed 18, 8 s). The rendezvous writes it while this node leads (one write
+        when it changes, retried if it fails)."""
         if live != self._announced:
             self.rdzv.announce_in_place(live)
             self._announced = live
