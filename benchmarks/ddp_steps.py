@@ -99,7 +99,8 @@ def main() -> None:
         "--build-s",
         type=float,
         default=0.0,
-        help="seconds between init_process_group and State.run (a model slow to build)",
+        help="seconds between init_process_group and State.run (a model slow to build; "
+        "$RESULT_DIR/building.PID says it begins)",
     )
     ap.add_argument(
         "--ab",
@@ -116,6 +117,8 @@ def main() -> None:
         logging.basicConfig(format="%(message)s")  # State's account of each re-formation
         logging.getLogger("elastic").setLevel(logging.INFO)
     dist.init_process_group("gloo")
+    if a.build_s:  # said, for a driver that acts while the model builds
+        open(os.path.join(os.environ["RESULT_DIR"], f"building.{os.getpid()}"), "w").close()
     time.sleep(a.build_s)
     model = build(a.device, a.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

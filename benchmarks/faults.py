@@ -32,6 +32,8 @@ job's budget, with the nodes whose own failure they were.
     two joins     c and d join a and b at once (each expects rank 2 of 3)
     join building  c joins a and b; as c's worker, placed, builds its model (8 s before
                   State.run), d joins: from c's placement to the first step at world 4
+    join starting  a and b start the job, their workers building for 4 s before
+                  State.run; c starts: from c's start to the first step at world 3
     kill building  c joins a and b; 1 s into its worker's 6 s model build, b is
                   SIGKILLed: from the kill to the first step of a and c
     leave handing over  a trains alone; c starts to join (live: its worker starts before
@@ -347,6 +349,34 @@ def join_building(job: Job) -> Outcome:
     return job.outcome(at, resumed - at)
 
 
+def join_starting(job: Job) -> Outcome:
+    """a and b start the job, their workers building their model for 4 s before
+    State.run; c starts once both build (the job's workers were never live). Timed: from
+    c's start to the first step at world 3; whether a's and b's first workers were kept
+    is printed (replaced ones start and build again)."""
+    job.nnodes = "1:3"
+    for name in "ab":
+        job.start(name, "--build-s", "4")
+        time.sleep(0.3)
+    deadline = time.monotonic() + TIMEOUT
+    while len(list(job.results.glob("building.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = {int(p.suffix[1:]) for p in job.results.glob("building.*")}
+    at = time.time()
+    job.start("c", "--build-s", "4")
+    resumed = first_step(job.results, 3, at, TIMEOUT)
+    if resumed is None:
+        return job.outcome(at, None)
+    kept = len(first) == 2 and first <= {s["pid"] for s in steps(job.results)}
+    builds = len(list(job.results.glob("building.*")))
+    print(
+        f"join starting ({job.mode}): a's and b's first workers "
+        f"{'kept' if kept else 'replaced'}, {builds} model builds",
+        flush=True,
+    )
+    return job.outcome(at, resumed - at)
+
+
 def kill_building(job: Job) -> Outcome:
     """c joins a and b; its worker, placed, builds its model for 6 s before State.run, and
     b is SIGKILLed 1 s into that. Timed: from the kill to the first step at world 2 (a and
@@ -443,6 +473,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "join": join,
     "two joins": two_joins,
     "join building": join_building,
+    "join starting": join_starting,
     "kill building": kill_building,
     "leave handing over": leave_handing_over,
     "Ctrl-C": ctrl_c,
