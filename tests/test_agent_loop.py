@@ -785,6 +785,22 @@ def test_a_join_waits_for_new_workers_on_their_way_into_state_run(
         caplog.clear()
 
 
+def test_a_loss_while_a_join_waits_for_starting_workers_is_acted_on_at_once() -> None:
+    """A join waits for the round's new workers on their way into State.run; b is lost
+    meanwhile: the round is broken, and workers not in State.run cannot leave it in
+    place, so they are stopped now and new ones follow, without waiting out the rest of
+    ``COMING_LIVE_S``."""
+    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
+    lost = Change(RoundEnd.LOST, "lost b", ("b",))
+    job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", "n")], [waiting, waiting, lost])
+    workers = FakeWorkers([RUNNING] * 4 + [SUCCEEDED])
+    workers.on_the_way = 10  # still starting when b is lost
+    started = time.monotonic()
+    assert agent(job, workers).run() == 0
+    assert workers.actions == ["stop 1"] and len(workers.started) == 2, workers.actions
+    assert time.monotonic() - started < 5.0, "the loss waited for the starting workers"
+
+
 def test_live_workers_pause_for_a_newcomer() -> None:
     waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
     job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting])

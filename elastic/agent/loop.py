@@ -625,8 +625,11 @@ class Agent:
             self._ever_live = self._ever_live or live
             # new workers on their way into State.run re-form in place once there: a
             # newcomer starts its own meanwhile, rather than once the round with it forms
-            on_the_way = self.restart_mode is RestartMode.LIVE and self.workers.starting(False)
-            self._announce_in_place(self._ever_live or on_the_way)
+            # (asked only until this node's workers were live once: then it is said)
+            self._announce_in_place(
+                self._ever_live
+                or (self.restart_mode is RestartMode.LIVE and self.workers.starting(False))
+            )
             hung = (
                 self.workers.hung(self.hang_timeout)
                 if self.hang_timeout > 0
