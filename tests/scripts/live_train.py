@@ -137,16 +137,9 @@ def main() -> None:
     )
     ap.add_argument("--slow-send", action="store_true", help="see SlowToPack; logs State's")
     ap.add_argument(
-        "--build-time",
-        type=float,
-        default=0.0,
-        help="seconds between init_process_group and State.run (building.PID says when it "
-        "begins): a model that takes that long to build, in every worker",
-    )
-    ap.add_argument(
         "--slow-build",
         action="store_true",
-        help="between init_process_group and State.run, wait while $RESULT_DIR/building "
+        help="between building the model and State.run, wait while $RESULT_DIR/building "
         "exists (60 s at most; building.PID says it waits): a model that takes that long",
     )
     a = ap.parse_args()
@@ -156,16 +149,14 @@ def main() -> None:
         logging.basicConfig(format="%(message)s")
         logging.getLogger("elastic").setLevel(logging.INFO)
     dist.init_process_group("gloo")
+    model = net(a.width, a.depth)
+    opt = optimizer(model, a.width)  # Adam's first param group imports torch._dynamo: 2 s
+    # the build's slow part, last: once it ends, the worker is in State.run in moments
     deadline = time.monotonic() + 60
     if a.slow_build and (results / "building").exists():
         (results / f"building.{os.getpid()}").touch()
     while a.slow_build and (results / "building").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if a.build_time:
-        (results / f"building.{os.getpid()}").touch()
-        time.sleep(a.build_time)
-    model = net(a.width, a.depth)
-    opt = optimizer(model, a.width)
     policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch)
     data = Indexed(a.samples)
     sampler = elastic.ElasticSampler(data, policy, shuffle=True, seed=3)
