@@ -346,25 +346,32 @@ def test_a_join_as_the_first_workers_build_waits_for_them_to_get_into_state_run(
     registered without workers, the join stopped a's and b's as they started, and new
     ones imported torch and built the model again: a staggered start of 3 nodes trained
     its first step 27 s after round 1 on this VM; chaos seed 58 had rounds of new
-    workers, each replaced by the next change)."""
-    epochs, args = 4, ("--epochs", "4", "--step-time", "0.1", "--slow-build")
+    workers, each replaced by the next change). a's and b's two ranks get into State.run
+    1.5 s apart: the wait goes on while the first waits there for the second (before,
+    the first one's arrival ended it, and the join replaced both)."""
+    lag = ("--slow-build", "--rank-lag", "1.5", "--micro-batch", "2")  # 24 over 4 or 6 ranks
+    epochs, args = 4, ("--epochs", "4", "--step-time", "0.1", *lag)
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "building").touch()  # the workers wait before State.run while it is there
-    a, b = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:3") for n in "ab")
-    building = lambda: len(list(tmp_path.glob("building.*"))) == 2  # noqa: E731
+    two = ("--nproc-per-node", "2")
+    a, b = (
+        start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:3", extra=two)
+        for n in "ab"
+    )
+    building = lambda: len(list(tmp_path.glob("building.*"))) == 4  # noqa: E731
     wait_until(building, 90, "a's and b's workers to build their model")  # elastic imported
     first = set(worker_pids(a)) | set(worker_pids(b))
-    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:3")
+    c = start_on(procs, etcd.endpoint, run_id, tmp_path, "c", *args, nnodes="1:3", extra=two)
     for n in (a, b):
         n.wait_output("on their way into State.run", timeout=60)  # the join waits
     (tmp_path / "building").unlink()
-    wait_world(tmp_path, 3, timeout=90)
+    wait_world(tmp_path, 6, timeout=90)
     for n in (a, b, c):
         assert n.wait(120) == 0, n.transcript()
     said = a.transcript() + b.transcript()
     # the leader said that the job's workers re-form in place: c started its own ahead
     assert "starting workers before joining" in c.transcript(), c.transcript()
-    assert first <= pids_at(tmp_path, 3) and pids_at(tmp_path, 2) <= first, said
+    assert first <= pids_at(tmp_path, 6) and pids_at(tmp_path, 4) <= first, said
     assert said.count("workers re-form live (pids") == 2 and "stopping workers" not in said, said
     check_run(tmp_path, changes=1, epochs=epochs)
 

@@ -110,3 +110,46 @@ def test_new_workers_are_starting_once_they_imported_elastic_or_where_expected(
         assert group.live and not group.starting(expected=True)
         group.stop(0)
         assert not group.starting(expected=True)  # not alive
+
+
+ONE_BY_ONE = """
+import os, sys, time
+from pathlib import Path
+from elastic.contract import COMING, ELASTIC, LIVE, worker_block
+marks, rank = Path(sys.argv[0]).parent, os.environ["LOCAL_RANK"]
+worker_block().mark(FLAG)  # on its way: it imported elastic, or formed its first group
+(marks / f"going.{rank}").touch()
+while not (marks / f"run.{rank}").exists():  # building its model
+    time.sleep(0.01)
+worker_block().mark(LIVE)  # in State.run, where it waits for the other rank
+(marks / f"in-run.{rank}").touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("flag", ["ELASTIC", "COMING"])
+def test_workers_that_get_into_state_run_one_by_one_are_on_their_way_until_the_last_is(
+    tmp_path: Path, flag: str
+) -> None:
+    """A node's ranks get into State.run one by one: while one is there and the other
+    still builds, the node's workers are on their way all the same (new in this round, or
+    placed in place); a change acted on then would replace both (before, the first
+    rank's arrival ended the wait)."""
+    ranks = [Placement(i, i, 0, 2, 2, 1, "127.0.0.1", 29500, 0) for i in range(2)]
+    on_the_way = {
+        "ELASTIC": lambda g: g.starting(expected=False),
+        "COMING": lambda g: g.coming,
+    }[flag]
+    with started(tmp_path, ONE_BY_ONE.replace("FLAG", flag), ranks) as group:
+        both = lambda name: all((tmp_path / f"{name}.{r}").exists() for r in (0, 1))  # noqa: E731
+        wait_until(lambda: both("going"), 60, "both ranks on their way")
+        assert on_the_way(group) and not group.live
+        (tmp_path / "run.0").touch()
+        wait_until(lambda: (tmp_path / "in-run.0").exists(), 10, "rank 0 in State.run")
+        assert on_the_way(group) and not group.live  # rank 1 builds yet
+        (tmp_path / "run.1").touch()
+        wait_until(lambda: both("in-run"), 10, "both ranks in State.run")
+        assert group.live and not on_the_way(group)  # they re-form in place from there
+        os.kill(group.workers[1].proc.pid, 9)
+        wait_until(lambda: group.workers[1].proc.poll() is not None, 10, "rank 1's end")
+        assert not on_the_way(group)  # one is gone: nothing to wait for

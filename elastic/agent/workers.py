@@ -290,26 +290,32 @@ class WorkerGroup:
         )
 
     def starting(self, expected: bool) -> bool:
-        """Every worker is alive, was started for this round (not ahead), and has neither
-        gone into State.run nor reported a step, its script having imported elastic
-        (``ControlBlock.starting``) or, ``expected``, not yet: this node's workers went into
-        State.run in an earlier round, and these run the same script."""
-        return (
-            bool(self.workers)
-            and not self.ahead
-            and all(
-                w.proc.poll() is None and (w.control.starting or (expected and w.control.fresh))
-                for w in self.workers
-            )
-        )
+        """Workers started for this round (not ahead) on their way into State.run
+        (``_on_the_way``), each having imported elastic (``ControlBlock.starting``) or,
+        ``expected``, not yet: this node's workers went into State.run in an earlier
+        round, and these run the same script."""
+        return not self.ahead and self._on_the_way(lambda c: c.starting or (expected and c.fresh))
 
     @property
     def coming(self) -> bool:
-        """Every worker is alive and on its way from the group it formed in place (started
-        ahead of its node's joining) into ``State.run``: asked to abandon that group, each
+        """Workers on their way into State.run (``_on_the_way``) from the group they formed
+        in place, started ahead of their node's joining: asked to abandon that group, each
         lets go once there."""
-        return bool(self.workers) and all(
-            w.proc.poll() is None and w.control.coming for w in self.workers
+        return self._on_the_way(lambda c: c.coming)
+
+    def _on_the_way(self, going: Callable[[ControlBlock], bool]) -> bool:
+        """Every worker is alive and either ``going`` into State.run or there already,
+        and one at least is not there yet. Ranks get there one by one, the first waiting
+        in State.run for the rest: a change acted on meanwhile replaced them all (likely
+        what chaos seed 60 saw: a join drained a node 1 s into its wait for its two new
+        workers, which never trained a step)."""
+        ws = self.workers
+        alive = all(w.proc.poll() is None for w in ws)
+        return (
+            bool(ws)
+            and alive
+            and all(w.control.live or going(w.control) for w in ws)
+            and not all(w.control.live for w in ws)
         )
 
     def save_held(self, timeout: float) -> bool:

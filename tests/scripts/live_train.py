@@ -142,6 +142,13 @@ def main() -> None:
         help="between building the model and State.run, wait while $RESULT_DIR/building "
         "exists (60 s at most; building.PID says it waits): a model that takes that long",
     )
+    ap.add_argument(
+        "--rank-lag",
+        type=float,
+        default=0.0,
+        help="local rank r builds r times this many seconds longer: ranks get into "
+        "State.run one by one",
+    )
     a = ap.parse_args()
     results = Path(os.environ["RESULT_DIR"])
     extra = {"slow": SlowToPack(results)} if a.slow_send else {}
@@ -157,6 +164,7 @@ def main() -> None:
         (results / f"building.{os.getpid()}").touch()
     while a.slow_build and (results / "building").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(a.rank_lag * int(os.environ["LOCAL_RANK"]))
     policy = elastic.BatchPolicy(micro_batch=a.micro_batch, global_batch=a.global_batch)
     data = Indexed(a.samples)
     sampler = elastic.ElasticSampler(data, policy, shuffle=True, seed=3)
