@@ -376,7 +376,10 @@ class Member:
     apart: a node that lost its lease and registered again is a new member. ``rank`` (its
     group rank) and ``base`` (its first worker's global rank) are set by the round.
     ``probe``: its agent's probe port (0: unknown), so that whoever leads can prove it dead
-    once its record is gone (``Lead.probe_round``)."""
+    once its record is gone (``Lead.probe_round``). ``since``: the round this incarnation
+    joined in (-1: unknown, a round written before members had it), so that a round can
+    tell a member that received the job's state from one that never did
+    (``rules.holders_away``)."""
 
     id: str
     rev: int
@@ -385,6 +388,7 @@ class Member:
     rank: int = -1
     base: int = -1
     probe: int = 0
+    since: int = -1
 
 
 def bucket_of(node_id: str, buckets: int) -> int:
@@ -469,12 +473,12 @@ class RoundRecord:
 
     def encode_buckets(self) -> dict[int, bytes]:
         """The members, bucket by bucket: each entry ``[id, rev, addr, nproc, rank, base,
-        probe]``."""
+        probe, since]``."""
         assert self.complete, "only a complete round can be written"
         parts: dict[int, list[list[Any]]] = {b: [] for b in range(self.buckets)}
         for m in self.members:
             parts[bucket_of(m.id, self.buckets)].append(
-                [m.id, m.rev, m.addr, m.nproc, m.rank, m.base, m.probe]
+                [m.id, m.rev, m.addr, m.nproc, m.rank, m.base, m.probe, m.since]
             )
         return {b: dumps({"round": self.number, "members": p}) for b, p in parts.items()}
 
@@ -524,13 +528,13 @@ def decode_bucket(key: str, raw: bytes) -> tuple[int, list[Member]]:
         # type() is, not isinstance: a bool is no number here (and this runs per member)
         if (
             type(e) is not list
-            or len(e) not in (6, 7)  # 6: written before members had a probe port
+            or len(e) not in (6, 7, 8)  # written before members had a probe port, a since
             or type(e[0]) is not str
             or type(e[1]) is not int
             or type(e[2]) is not str
             or any(type(x) is not int for x in e[3:])
         ):
-            raise _bad(key, f"member {i} is not [id, rev, addr, nproc, rank, base, probe]")
+            raise _bad(key, f"member {i} is not [id, rev, addr, nproc, rank, base, probe, since]")
         members.append(Member(*e))
     return number, members
 

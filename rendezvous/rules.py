@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rendezvous.records import (
     FailureRecord,
@@ -296,7 +296,8 @@ def plan(
             present=count,
         )
 
-    chosen = tuple([*staying, *map(_member, newcomers)][:max_nodes])
+    joining = (replace(_member(n), since=number + 1) for n in newcomers)
+    chosen = tuple([*staying, *joining][:max_nodes])
     failures = view.failures.get(number, {}) if current else {}
     if current is None:
         cause = RoundCause.START
@@ -374,14 +375,19 @@ def _comes_back(view: JobView, m: Member) -> bool:
 
 
 def _holds_its_rounds(view: JobView, current: RoundRecord, m: Member) -> bool:
-    """Member ``m`` of ``current`` holds what the round's members trained: it was in the
-    round before (it did not join in this one), or the round has trained a step (the
-    progress record is the round's: its rank 0 records the first step at once), so it
-    received the state. A member that joined in a round that then trained nothing holds
-    none of it (chaos seed 112: a round of it alone started over from step 0). Names of
-    those who joined beyond ``NAMES`` are not kept: any member may be one of the round's
-    before them."""
+    """Member ``m`` of ``current`` holds what the rounds trained: it was a member (this
+    incarnation, its node's snapshots kept through its workers' restarts) of the round
+    the progress record is of, whose rank 0 records its first step at once, so every
+    member of it trained or received the state. One that joined in a later round, all of
+    whose rounds trained nothing, holds none of it (chaos seed 112: a round of it alone
+    started over from step 0; chaos seed 60: one that joined as a member was lost, and
+    stayed as the round re-formed for the loss, formed a round alone as the holders
+    stepped out: 282 steps trained again). A round written before members said ``since``
+    tells only who joined in ``current`` (and of those who joined beyond ``NAMES``, not
+    even that: any member may be one of the round's before them)."""
     assert view.progress is not None
+    if m.since >= 0:
+        return m.since <= view.progress.round
     trained = view.progress.round >= current.number
     joined, cut_short = current.joined, current.counts[0] > len(current.joined)
     return trained or m.id not in joined or cut_short

@@ -91,6 +91,7 @@ def test_10000_members_fit_etcd_limits_and_each_node_reads_a_few_kb() -> None:
         (b'{"round": 1, "members": [["a", 1, "h", 1, 0]]}', "member 0 is not"),
         (b'{"round": 1, "members": [["a", "1", "h", 1, 0, 0]]}', "member 0 is not"),
         (b'{"round": 1, "members": [["a", 1, "h", 1, 0, 0, "9"]]}', "member 0 is not"),
+        (b'{"round": 1, "members": [["a", 1, "h", 1, 0, 0, 9, 2, 1]]}', "member 0 is not"),
         (b'{"members": []}', "missing field 'round'"),
         (b"[1]", "expected a JSON object"),
     ],
@@ -103,6 +104,13 @@ def test_a_malformed_bucket_names_its_key(raw: bytes, why: str) -> None:
 def test_a_member_written_before_members_had_probe_ports_reads_as_unprobeable() -> None:
     raw = b'{"round": 4, "members": [["a", 7, "h", 2, 0, 0]]}'
     assert decode_bucket("/j/members/0", raw) == (4, [Member("a", 7, "h", 2, 0, 0, probe=0)])
+
+
+def test_a_members_round_of_joining_reads_back_and_an_older_record_says_it_is_unknown() -> None:
+    r = RoundRecord(5, (Member("a", 7, "h", 2, probe=9, since=3),), "h", 1, 2)
+    assert read_back(r, "a").members == r.members and r.members[0].since == 3
+    raw = b'{"round": 4, "members": [["a", 7, "h", 2, 0, 0, 9]]}'
+    assert decode_bucket("/j/members/0", raw)[1] == [Member("a", 7, "h", 2, 0, 0, 9, since=-1)]
 
 
 def test_a_malformed_header_names_its_key() -> None:

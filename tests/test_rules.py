@@ -351,7 +351,7 @@ def test_a_round_after_an_etcd_outage_waits_for_the_members_it_may_have_dropped(
     assert not plan(alone, 1, 3, 0.1, 0, now=10.0, outage=grace, proven={"a": 1, "b": 1}).form
     assert plan(alone, 1, 3, 0.1, 0, now=13.0, outage=(13.0, 13.0)).form
     p = plan(alone, 1, 3, 0.1, 0, now=10.0)
-    assert p.form and p.members == (Member("c", 3, "h", 2),) and p.lost == ("a", "b")
+    assert p.form and p.members == (Member("c", 3, "h", 2, since=2),) and p.lost == ("a", "b")
     # back as they were: the round runs, c waits to join it
     back = view(c, *(PresentNode(replace(n.record, resumes=n.rev), n.rev) for n in (a, b)), r=r)
     assert "running" in plan(back, 1, 3, 0.1, 0, now=10.0, outage=grace).reason
@@ -392,6 +392,39 @@ def test_a_round_waits_for_lost_members_that_may_hold_the_jobs_newest_state_alon
     assert plan(trained, 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
     unnamed = replace(fresh, counts=(9, 0, 0))  # the names of those who joined cut short
     assert plan(replace(two, round_record=unnamed), 1, 3, 0.1, 0, now=11.0, lease_ttl=3).form
+
+
+def test_a_member_holds_the_state_only_if_it_was_in_the_round_that_last_trained() -> None:
+    """Each member says the round it joined in (``since``), which the round it forms in
+    sets for newcomers and carries for the rest. c joined round 5 as a was lost; round 6
+    re-formed for the loss, and neither trained a step (the newest record is round 4's,
+    b's); b stepped out holding it. c stayed in round 6, but it holds none of the state:
+    the next round waits for b (chaos seed 60: c formed a round alone and trained 282
+    steps again). Had c joined in round 4, it would hold it; a round written before
+    members said ``since`` judges by its own joiners, as before."""
+    c = node("c", 3, done=6)
+    six = RoundRecord(
+        6, (Member("b", 2, "h", 2, since=1), Member("c", 3, "h", 2, since=5)), "h", 1, 2
+    )
+    gone = {"b": GoneRecord(2, "host", back=True)}
+    held = replace(view(c, r=six), gone=gone, progress=ProgressRecord(282, "b", 4), last_loss=10.0)
+    p = plan(held, 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
+    assert not p.form and p.lapsed == ("b",), p
+    four = replace(six, members=(six.members[0], replace(six.members[1], since=4)))
+    p = plan(replace(held, round_record=four), 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
+    assert p.form and [m.id for m in p.members] == ["c"] and p.left == ("b",), p
+    unknown = replace(six, members=(six.members[0], replace(six.members[1], since=-1)))
+    p = plan(replace(held, round_record=unknown), 1, 3, 0.1, 0, now=11.0, lease_ttl=3)
+    assert p.form, p  # not among round 6's joiners: it counts as holding, as before
+
+
+def test_a_round_carries_its_members_since_and_sets_its_newcomers() -> None:
+    a, b = node("a", 1, done=3), node("b", 2)  # a stopped its workers of round 3 for b
+    r = RoundRecord(3, (Member("a", 1, "h", 2, since=2),), "h", 1, 2)
+    p = plan(view(a, b, r=r, last_join=0.0), 1, 3, 0.1, 0, now=10.0)
+    assert p.form and [(m.id, m.since) for m in p.members] == [("a", 2), ("b", 4)], p
+    first = plan(view(node("a", 1), b, last_join=0.0), 1, 3, 0.1, 0, now=10.0)
+    assert [m.since for m in first.members] == [1, 1], first
 
 
 def test_a_round_waits_for_members_that_stepped_out_holding_the_jobs_newest_state() -> None:
