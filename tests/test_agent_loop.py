@@ -405,6 +405,9 @@ def test_a_round_cut_short_before_it_said_where_it_resumed_keeps_what_was_commit
         def last_step(self) -> int:
             return 41 if len(self.started) < 2 else 30
 
+        def restored(self) -> int | None:  # round 2's workers never say
+            return {1: 41, 2: None, 3: 30}[len(self.started)]
+
     lost_b = Change(RoundEnd.LOST, "lost b", ("b",))
     lost_c = Change(RoundEnd.LOST, "lost c", ("c",))
     rounds = [
@@ -414,7 +417,6 @@ def test_a_round_cut_short_before_it_said_where_it_resumed_keeps_what_was_commit
     ]
     job = FakeJob(rounds, [None, lost_b, lost_c])
     workers = Rewound([RUNNING] * 6 + [SUCCEEDED])
-    workers.restores.extend([41, None, 30])  # round 1's answer; round 2's none; round 3's
     metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
     with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
         assert agent(job, workers, metrics=metrics).run() == 0
@@ -424,6 +426,42 @@ def test_a_round_cut_short_before_it_said_where_it_resumed_keeps_what_was_commit
     assert warned == [
         "round 3 resumes from step 30, 11 step(s) behind the newest this node's workers "
         "committed (41): the newest state any member of the round held is step 30"
+    ]
+
+
+def test_a_round_that_said_where_it_resumed_only_as_the_next_formed_is_judged_then(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The workers committed step 260; round 2 resumed from 221 and trained step 222,
+    but said so only after the agent last looked, as round 3 formed (a join re-formed
+    them in place moments after they restored: chaos seed 62). Round 2 is judged as it
+    ends (or, held in place, as round 3 starts): 39 steps trained again, said for it;
+    round 3 resumes from 222, their newest, and trains nothing again (before, round 3
+    said 38 against 260, and the step round 2 trained again went unsaid)."""
+
+    class Resumed(FakeWorkers):
+        def last_step(self) -> int:
+            return 260 if len(self.started) < 2 else 222  # round 2 trained step 222
+
+    lost_b = Change(RoundEnd.LOST, "lost b", ("b",))
+    join = Change(RoundEnd.WAITING, "c waiting to join", ("c",))
+    rounds = [
+        round_of(1, "a", "b"),
+        round_of(2, "a", cause=RoundCause.LOST),
+        round_of(3, "a", "c", cause=RoundCause.RESIZE),
+    ]
+    job = FakeJob(rounds, [None, lost_b, join])
+    workers = Resumed([RUNNING] * 6 + [SUCCEEDED])
+    workers.restores.extend([260, None, 221, 222])  # round 1; round 2, as it stops; round 3
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
+        assert agent(job, workers, metrics=metrics).run() == 0
+    assert len(workers.started) == 3
+    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 39
+    warned = [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+    assert warned == [
+        "round 2 resumes from step 221, 39 step(s) behind the newest this node's workers "
+        "committed (260): the newest state any member of the round held is step 221"
     ]
 
 

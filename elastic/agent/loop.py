@@ -945,6 +945,10 @@ class Agent:
         first = placements[0]
         group_rank, nproc, count = first.group_rank, len(placements), first.restart_count
         in_place = how is Start.REFORM
+        # the last round's workers may have said where they resumed after the agent last
+        # looked (held in place moments after they restored and trained on: chaos seed
+        # 62): judged now, against its own baseline, not carried over to this round's
+        self._judge_resume()
         pending = self._resuming[0] if self._resuming is not None else None
         committed = baseline(self.workers.last_step(), pending)
         self._resuming = (committed, self.rdzv.progress(), r.number)
@@ -1094,6 +1098,7 @@ class Agent:
     def _stop(self, how: Stop, leaving: bool = False) -> Event:
         """Stop the workers as ``how`` says (or, in place, have them let go of their
         process group); what that came to."""
+        self._judge_resume()  # while they can still say where they resumed (stopped: gone)
         if how.keeps_workers:
             held, why = self.workers.hold(
                 how is Stop.ABANDON, self.shutdown_timeout, escalate=self._escalate
