@@ -50,13 +50,11 @@ def watch_the_first_group(imported: bool = True) -> None:
     cuts that group's connections only (``worker.group.watch_first_group``). In any
     worker under elastic-run, a gloo group the script leaves is destroyed at its exit
     (``worker.finalize``). ``imported``: the script imported elastic, which the agent
-    is told (``ELASTIC``): a graceful change waits for such new workers to get into
-    State.run rather than replace them as they start (the fork server, which calls this
-    for every worker it forks, whatever its script, passes False). Nowhere else is torch
-    imported here."""
+    is told (``_uses_elastic``); the fork server, which calls this for every worker it
+    forks, whatever its script, passes False. Nowhere else is torch imported here."""
     import os
 
-    from elastic.contract import CONTROL_ENV, ELASTIC, RESTART_MODE_ENV, RestartMode, worker_block
+    from elastic.contract import CONTROL_ENV, RESTART_MODE_ENV, RestartMode
 
     live = os.environ.get(RESTART_MODE_ENV, RestartMode.LIVE.value) == RestartMode.LIVE.value
     if os.environ.get(CONTROL_ENV):
@@ -67,9 +65,29 @@ def watch_the_first_group(imported: bool = True) -> None:
         from elastic.worker import group
 
         group.watch_first_group()
-        block = worker_block() if imported else None
-        if block is not None:
-            block.mark(ELASTIC)
+        if imported:
+            _uses_elastic()
+
+
+_told = False  # this worker said that its script uses elastic
+
+
+def _uses_elastic() -> None:
+    """In a worker that re-forms in place, tell the agent that the script uses elastic
+    (``ELASTIC``): it may be on its way into State.run, and a graceful change waits for
+    it to get there rather than replace it as it starts. Said at ``import elastic``, or,
+    in a fork server's child (which finds elastic imported), at the script's first use
+    of the API (``elastic.State``, ``from elastic import ...``)."""
+    global _told
+    import os
+
+    from elastic.contract import CONTROL_ENV, ELASTIC, RESTART_MODE_ENV, RestartMode, worker_block
+
+    live = os.environ.get(RESTART_MODE_ENV, RestartMode.LIVE.value) == RestartMode.LIVE.value
+    block = worker_block() if live and os.environ.get(CONTROL_ENV) else None
+    if block is not None:
+        block.mark(ELASTIC)
+        _told = True
 
 
 watch_the_first_group()
@@ -79,6 +97,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    if not _told:
+        _uses_elastic()
     import importlib
 
     attr = "tune" if name == "tune_workers" else name

@@ -305,9 +305,10 @@ def test_a_standby_takes_a_lost_members_place_with_its_workers_started_ahead(
     epochs, args = 10, ("--epochs", "10", "--step-time", "0.2", "--slow-build")
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "building").touch()  # the workers wait before State.run while it is there
-    # forked: a fork server imports elastic for every worker, so a and b cannot tell that
-    # their new workers head for State.run (spawned, they would say so as they imported
-    # it, and c would start its worker ahead at once: test_a_join_as_the_first_workers...)
+    # forked: a fork server imports elastic for every worker, so a's and b's new workers
+    # say they head for State.run only at the script's first use of elastic's API, after
+    # its build here (spawned, they would say so as they imported it, and c would start
+    # its worker ahead at once: test_a_join_as_the_first_workers...)
     fork = ("--start-method", "forkserver")
     a, b = (
         start_on(procs, etcd.endpoint, run_id, tmp_path, n, *args, nnodes="1:2", extra=fork)

@@ -39,8 +39,10 @@ elastic.watch_the_first_group(imported=False)
         ("respawn", "import elastic", False),  # nothing re-forms in place: nothing to wait for
         ("live", FORKED, False),  # the fork server imported it, whatever the script
         ("live", FORKED + "elastic.watch_the_first_group()\n", True),  # the same, said
+        ("live", FORKED + "from elastic import SnapshotPolicy\n", True),  # its API, used
+        ("respawn", FORKED + "elastic.SnapshotPolicy\n", False),
     ],
-    ids=["live", "respawn", "forked", "forked-said"],
+    ids=["live", "respawn", "forked", "forked-said", "forked-uses-it", "forked-respawn"],
 )
 def test_a_scripts_import_of_elastic_says_it_heads_for_state_run(
     tmp_path: Path, mode: str, code: str, said: bool
@@ -49,7 +51,7 @@ def test_a_scripts_import_of_elastic_says_it_heads_for_state_run(
     assert block.fresh and not block.starting
     env = {CONTROL_ENV: str(tmp_path / "block"), RESTART_MODE_ENV: mode}
     base = {k: v for k, v in os.environ.items() if k not in env}
-    run_env = base if code is FORKED else {**base, **env}
+    run_env = base if code.startswith(FORKED) else {**base, **env}  # forked: set after
     code = code.replace("WORKER_ENV", repr(env))
     done = subprocess.run(
         [sys.executable, "-c", code], env=run_env, cwd=str(ROOT), capture_output=True, text=True
