@@ -287,20 +287,6 @@ def test_only_a_graceful_change_waits_for_workers_on_their_way_into_state_run(
         assert decide(R, end, in_place=True).stop is Stop.PAUSE
 
 
-def test_the_wait_for_workers_on_their_way_is_twice_what_they_took_within_bounds() -> None:
-    """Learned from the run: twice the longest this node's workers took from their start
-    into State.run, never below ``COMING_LIVE_S`` (nothing learned yet: 0) nor above
-    ``COMING_LIVE_MAX_S``; a change waits that long, and says so."""
-    assert core.coming_live_bound(0.0) == core.COMING_LIVE_S
-    assert core.coming_live_bound(3.0) == core.COMING_LIVE_S
-    assert core.coming_live_bound(30.0) == 60.0
-    assert core.coming_live_bound(1e6) == core.COMING_LIVE_MAX_S
-    way, end = core.OnTheWay.STARTING, RoundEnd.WAITING
-    why = core.waits_for_live(end, way, waited=core.COMING_LIVE_S, bound=60.0)
-    assert why is not None and why.endswith("(waited 10.0 of 60s for a waiting change)"), why
-    assert core.waits_for_live(end, way, waited=60.0, bound=60.0) is None
-
-
 @pytest.mark.parametrize("now", [None, *RoundEnd])
 def test_a_pause_becomes_an_abandon_only_when_the_group_breaks_or_a_signal_comes(
     now: RoundEnd | None,

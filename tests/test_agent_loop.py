@@ -198,7 +198,6 @@ class FakeWorkers:
         self.reformed: list[list[Placement]] = []
         self.drained = Drained.STOPPED  # how drain() ends
         self.restores: deque[int | None] = deque()  # successive restored() results
-        self.started_at = 0.0
         self.ahead: list[Placement] = []  # started ahead of joining
         self.lobby: deque[bool] = deque()  # successive in_lobby() results (then True)
         self.forms: deque[bool] = deque()  # successive forming() results (then False)
@@ -215,7 +214,6 @@ class FakeWorkers:
     def start(self, placements: list[Placement], ahead: bool = False) -> None:
         self.started.append(placements)
         self.ahead = placements if ahead else []
-        self.started_at = 0.0 if ahead else time.monotonic()
         self._running = True
 
     def fits(self, placements: list[Placement]) -> bool:
@@ -823,33 +821,6 @@ def test_a_join_waits_for_new_workers_on_their_way_into_state_run(
         said = [r for r in caplog.records if "on their way into State.run" in r.getMessage()]
         assert len(said) == 1, caplog.text
         caplog.clear()
-
-
-def test_a_join_waits_for_new_workers_twice_as_long_as_this_nodes_took_before(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Round 1's workers took 30 s from their start into State.run (a model that builds
-    for half a minute). One fails; round 2's new workers are on their way there when a
-    newcomer waits: the join waits for them up to twice that, 60 s, not ``COMING_LIVE_S``
-    (replaced, they would build for 30 s again), and they pause in place."""
-
-    class Slow(FakeWorkers):
-        def start(self, placements: list[Placement], ahead: bool = False) -> None:
-            super().start(placements, ahead)
-            first = len(self.started) == 1
-            self.started_at -= 30.0 if first else 0.0
-            self.live = first  # round 1's are in State.run at the first look
-            self.on_the_way, self.arrive = (0, False) if first else (3, True)
-
-    waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
-    rounds = [round_of(1, "a"), round_of(2, "a", restarts=1), round_of(3, "a", "n", restarts=1)]
-    job = FakeJob(rounds, [None, waiting, waiting, waiting, waiting])
-    workers = Slow([RUNNING, (GroupState.FAILED, [CRASH])] + [RUNNING] * 5 + [SUCCEEDED])
-    with caplog.at_level(logging.INFO, logger="elastic"):
-        assert agent(job, workers).run() == 0
-    said = [r.getMessage() for r in caplog.records if "on their way" in r.getMessage()]
-    assert len(said) == 1 and "(waited 0.0 of 60s for a waiting change)" in said[0], said
-    assert workers.actions[-1] == "pause" and len(workers.started) == 2, workers.actions
 
 
 def test_a_loss_while_a_join_waits_for_starting_workers_is_acted_on_at_once() -> None:

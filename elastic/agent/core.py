@@ -273,23 +273,12 @@ _CHANGES: dict[RoundEnd, tuple[Stop, AgentState, RestartCause]] = {
 _IN_PLACE = {Stop.URGENT: Stop.ABANDON, Stop.DRAIN: Stop.PAUSE}
 
 # How long a graceful change (a join, a leave announced, a stop asked) waits for workers
-# on their way into State.run (``OnTheWay``), at least. Once there they re-form in place;
-# stopped, they would cost the job a worker start (3-9 s with spawn on a busy host) and
-# their whole build, with every member waiting for it. A script that never goes into
-# State.run is stopped as before, this much later (one that trains outside it says so at
-# its first step, and is stopped then).
+# on their way into State.run (``OnTheWay``). Once there they re-form in place; stopped,
+# they would cost the job a worker start (3-9 s with spawn on a busy host) with every
+# member waiting for it. A script that never goes into State.run is stopped as before,
+# this much later (one that trains outside it says so at its first step, and is stopped
+# then).
 COMING_LIVE_S = 10.0
-COMING_LIVE_MAX_S = 300.0  # ... and at most, whatever the workers took before
-
-
-def coming_live_bound(took: float) -> float:
-    """How long a graceful change waits for workers on their way into State.run: twice
-    the longest this node's workers took to get there from their start (``took``, 0
-    until they did once: a model that builds for a minute), as NVIDIA Resiliency
-    Extension learns its hang timeouts from the run, within ``COMING_LIVE_S`` and
-    ``COMING_LIVE_MAX_S``. Waiting costs the job nothing while its workers are not
-    training yet; replacing them costs it a worker start and the build again."""
-    return min(COMING_LIVE_MAX_S, max(COMING_LIVE_S, 2.0 * took))
 
 
 class OnTheWay(enum.Enum):
@@ -306,22 +295,19 @@ class OnTheWay(enum.Enum):
     STARTING = "the workers, new in this round, are on their way into State.run"
 
 
-def waits_for_live(
-    end: RoundEnd, on_the_way: OnTheWay, waited: float, bound: float = COMING_LIVE_S
-) -> str | None:
+def waits_for_live(end: RoundEnd, on_the_way: OnTheWay, waited: float) -> str | None:
     """Why the running agent does not act on ``end`` yet (None: it acts now); ``waited``:
-    seconds since it first saw ``end``, out of ``bound`` (``coming_live_bound``). An
-    urgent change never waits: the round is broken, and the workers are asked to leave
-    it, which they do in State.run (new ones that are not there yet cannot: they are
-    replaced)."""
+    seconds since it first saw ``end``. An urgent change never waits: the round is
+    broken, and the workers are asked to leave it, which they do in State.run (new ones
+    that are not there yet cannot: they are replaced)."""
     change = _CHANGES.get(end)
     if change is None or change[0] is not Stop.DRAIN or on_the_way is OnTheWay.NO:
         return None
-    if waited >= bound:
+    if waited >= COMING_LIVE_S:
         return None
     return (
         f"{on_the_way.value}: they re-form there, not anew (waited {waited:.1f} of "
-        f"{bound:.0f}s for a {end.value} change)"
+        f"{COMING_LIVE_S:.0f}s for a {end.value} change)"
     )
 
 

@@ -27,7 +27,6 @@ from elastic.agent.core import (
     RestartCause,
     Start,
     Stop,
-    coming_live_bound,
     decide,
     escalates,
     waits_for_live,
@@ -121,7 +120,6 @@ class Workers(Protocol):
 
     drain_frozen: list[WorkerFailure]  # the hung workers that ended the last drain
     hold_frozen: list[WorkerFailure]  # ... and those that ended the last hold (Held.HUNG)
-    started_at: float  # monotonic, when started for their round (0: ahead of it)
 
     @property
     def pids(self) -> list[int]: ...
@@ -142,8 +140,8 @@ class Workers(Protocol):
     @property
     def live(self) -> bool: ...  # all alive, all in State.run: they can re-form in place
     @property
-    def coming(self) -> bool: ...  # on their way into State.run from the lobby's group
-    def starting(self, expected: bool) -> bool: ...  # new, on their way into State.run
+    def coming(self) -> bool: ...  # all alive, on their way into State.run from the lobby
+    def starting(self, expected: bool) -> bool: ...  # all alive, new, not in State.run yet
     def save_held(self, timeout: float) -> bool: ...  # State users out of their group save
     def stranded(self) -> list[WorkerFailure]: ...
     def hold(
@@ -229,9 +227,6 @@ class Agent:
         self._handover = Handover(handover_timeout, self.on_signal)
         self._state_seen = False  # workers ran elastic.State (new ones may not have said yet)
         self._ever_live = False  # workers re-formed in place in some round (the script can)
-        # the longest this node's workers took from their start into State.run, and the
-        # start last timed (``core.coming_live_bound``)
-        self._to_live, self._timed = 0.0, 0.0
         self.round: RoundRecord | None = None
         self._previous: RoundRecord | None = None
         self._restart_count = 0  # torchrun's count for the workers (not the budget)
@@ -628,10 +623,6 @@ class Agent:
             self._live_seen = self._live_seen or live
             self._state_seen = self._state_seen or self.workers.use_state
             self._ever_live = self._ever_live or live
-            since = self.workers.started_at
-            if live and since > 0 and since != self._timed:
-                self._timed = since
-                self._to_live = max(self._to_live, time.monotonic() - since)
             # new workers on their way into State.run re-form in place once there: a
             # newcomer starts its own meanwhile, rather than once the round with it forms
             # (asked only until this node's workers were live once: then it is said)
@@ -719,7 +710,7 @@ class Agent:
                 on_the_way = OnTheWay.STARTING
         now = time.monotonic()
         since = now if self._waiting_since is None else self._waiting_since
-        why = waits_for_live(change.end, on_the_way, now - since, coming_live_bound(self._to_live))
+        why = waits_for_live(change.end, on_the_way, now - since)
         if why is None:
             return False
         if self._waiting_since is None:

@@ -120,9 +120,6 @@ class WorkerGroup:
         self.extra_env = dict(extra_env or {})
         self.workers: list[Worker] = []
         self.ahead: tuple[Placement, ...] = ()  # the placements started ahead (lobby.py)
-        # when the workers were started for their round (monotonic; 0: started ahead, their
-        # wait for a place in the lobby is no start-up of theirs)
-        self.started_at = 0.0
         self._newest_step = -1  # of workers already stopped
         self._used_state = False  # ... and whether they all ran elastic.State
         self._closed = False  # their control blocks are closed
@@ -143,7 +140,6 @@ class WorkerGroup:
         self.router.new_attempt()
         self.workers = []
         self.ahead = tuple(placements) if ahead else ()
-        self.started_at = 0.0 if ahead else time.monotonic()
         self._closed = False
         lobby_env = {LOBBY_ENV: "1"} if ahead else {}
         try:
