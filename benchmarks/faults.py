@@ -34,6 +34,8 @@ job's budget, with the nodes whose own failure they were.
                   State.run), d joins: from c's placement to the first step at world 4
     join starting  a and b start the job, their workers building for 4 s before
                   State.run; c starts: from c's start to the first step at world 3
+    join rebuilding  a and b start, building for 20 s; a's worker is SIGKILLed, and c
+                  starts 2 s into its new worker's build: from c's start to world 3
     kill building  c joins a and b; 1 s into its worker's 6 s model build, b is
                   SIGKILLed: from the kill to the first step of a and c
     leave handing over  a trains alone; c starts to join (live: its worker starts before
@@ -377,6 +379,45 @@ def join_starting(job: Job) -> Outcome:
     return job.outcome(at, resumed - at)
 
 
+def join_rebuilding(job: Job) -> Outcome:
+    """a and b start the job, their workers building their model for 20 s before
+    State.run. a's worker is SIGKILLed: a steps out while b trains on, and a's new
+    worker, started ahead, builds again once placed; c starts 2 s into that build.
+    Timed: from c's start to the first step at world 3; whether a's new worker was kept
+    is printed. The join waits up to 10 s (``core.COMING_LIVE_S``) for it, then replaces
+    it: kept, c's build (after its placement) follows the rest of a's; replaced, a's new
+    worker starts and builds again, beside c's build."""
+    job.nnodes = "1:3"
+    build = ("--build-s", "20")
+    for name in "ab":
+        job.start(name, *build)
+        time.sleep(0.3)
+    job.steps_at(2, job.training(2), 3)
+    before = set(job.results.glob("building.*"))
+    job.worker("a").kill()
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline and len(set(job.results.glob("building.*")) - before) < 1:
+        time.sleep(0.05)
+    new = set(job.results.glob("building.*")) - before
+    if not new:
+        return job.outcome(time.time(), None)
+    rebuilding = int(next(iter(new)).suffix[1:])
+    time.sleep(2.0)  # into its build
+    at = time.time()
+    job.start("c", *build)
+    resumed = first_step(job.results, 3, at, TIMEOUT)
+    if resumed is None:
+        return job.outcome(at, None)
+    kept = rebuilding in {s["pid"] for s in steps(job.results) if s["world"] == 3}
+    builds = len(list(job.results.glob("building.*")))
+    print(
+        f"join rebuilding ({job.mode}): a's rebuilding worker "
+        f"{'kept' if kept else 'replaced'}, {builds} model builds",
+        flush=True,
+    )
+    return job.outcome(at, resumed - at)
+
+
 def kill_building(job: Job) -> Outcome:
     """c joins a and b; its worker, placed, builds its model for 6 s before State.run, and
     b is SIGKILLed 1 s into that. Timed: from the kill to the first step at world 2 (a and
@@ -474,6 +515,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "two joins": two_joins,
     "join building": join_building,
     "join starting": join_starting,
+    "join rebuilding": join_rebuilding,
     "kill building": kill_building,
     "leave handing over": leave_handing_over,
     "Ctrl-C": ctrl_c,
