@@ -373,6 +373,18 @@ def test_a_lost_member_stops_workers_now_without_a_failure_report() -> None:
     assert _sample(metrics.registry, "elastic_run_world_size") == 2
 
 
+def judged(
+    job: FakeJob, workers: FakeWorkers, caplog: pytest.LogCaptureFixture
+) -> tuple[float, list[str]]:
+    """Run the agent to its end: the steps it counted as trained again, and what it said
+    of each round that resumed behind what was committed."""
+    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
+    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
+        assert agent(job, workers, metrics=metrics).run() == 0
+    redone = _sample(metrics.registry, "elastic_run_steps_redone_total")
+    return redone, [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+
+
 def test_a_round_that_resumes_behind_what_was_committed_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -381,11 +393,8 @@ def test_a_round_that_resumes_behind_what_was_committed_says_so(
     job = FakeJob([round_of(1, "a", "b"), round_of(2, "a", cause=RoundCause.LOST)], [None, lost])
     workers = FakeWorkers([RUNNING, RUNNING, RUNNING, RUNNING, SUCCEEDED])
     workers.restores.extend([41, None, 30])  # round 1's own answer; then round 2's
-    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
-    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
-        assert agent(job, workers, metrics=metrics).run() == 0
-    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 11
-    warned = [r.getMessage() for r in caplog.records if "resumes from step 30" in r.getMessage()]
+    redone, warned = judged(job, workers, caplog)
+    assert redone == 11
     assert warned == [
         "round 2 resumes from step 30, 11 step(s) behind the newest this node's workers "
         "committed (41): the newest state any member of the round held is step 30"
@@ -417,12 +426,9 @@ def test_a_round_cut_short_before_it_said_where_it_resumed_keeps_what_was_commit
     ]
     job = FakeJob(rounds, [None, lost_b, lost_c])
     workers = Rewound([RUNNING] * 6 + [SUCCEEDED])
-    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
-    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
-        assert agent(job, workers, metrics=metrics).run() == 0
+    redone, warned = judged(job, workers, caplog)
     assert len(workers.started) == 3
-    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 11
-    warned = [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+    assert redone == 11
     assert warned == [
         "round 3 resumes from step 30, 11 step(s) behind the newest this node's workers "
         "committed (41): the newest state any member of the round held is step 30"
@@ -453,12 +459,9 @@ def test_a_round_that_said_where_it_resumed_only_as_the_next_formed_is_judged_th
     job = FakeJob(rounds, [None, lost_b, join])
     workers = Resumed([RUNNING] * 6 + [SUCCEEDED])
     workers.restores.extend([260, None, 221, 222])  # round 1; round 2, as it stops; round 3
-    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
-    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
-        assert agent(job, workers, metrics=metrics).run() == 0
+    redone, warned = judged(job, workers, caplog)
     assert len(workers.started) == 3
-    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 39
-    warned = [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+    assert redone == 39
     assert warned == [
         "round 2 resumes from step 221, 39 step(s) behind the newest this node's workers "
         "committed (260): the newest state any member of the round held is step 221"
@@ -484,11 +487,8 @@ def test_a_round_of_new_nodes_behind_the_jobs_recorded_progress_says_so(
     workers = FakeWorkers([RUNNING, RUNNING, SUCCEEDED])
     workers.last = -1
     workers.restores.extend([None, -1])
-    metrics = AgentMetrics("job", "a", 0, "dev", workers=lambda: [])
-    with caplog.at_level(logging.WARNING, logger="elastic.agent.loop"):
-        assert agent(job, workers, metrics=metrics).run() == 0
-    assert _sample(metrics.registry, "elastic_run_steps_redone_total") == 292
-    warned = [r.getMessage() for r in caplog.records if "resumes from" in r.getMessage()]
+    redone, warned = judged(job, workers, caplog)
+    assert redone == 292
     assert warned == [
         f"round 3 resumes from step 0, {'' if final else 'at least '}292 step(s) behind the "
         "newest the job recorded as committed (292, by node b): no member of the round "
