@@ -351,6 +351,14 @@ def join_building(job: Job) -> Outcome:
     return job.outcome(at, resumed - at)
 
 
+def say_builds(job: Job, fault: str, whose: str, kept: bool) -> None:
+    """Print whether ``whose`` workers were kept through ``fault``, and how many times a
+    model was built (``building.PID``, one per worker that began a build)."""
+    builds = len(list(job.results.glob("building.*")))
+    state = "kept" if kept else "replaced"
+    print(f"{fault} ({job.mode}): {whose} {state}, {builds} model builds", flush=True)
+
+
 def join_starting(job: Job) -> Outcome:
     """a and b start the job, their workers building their model for 4 s before
     State.run; c starts once both build (the job's workers were never live). Timed: from
@@ -370,12 +378,7 @@ def join_starting(job: Job) -> Outcome:
     if resumed is None:
         return job.outcome(at, None)
     kept = len(first) == 2 and first <= {s["pid"] for s in steps(job.results)}
-    builds = len(list(job.results.glob("building.*")))
-    print(
-        f"join starting ({job.mode}): a's and b's first workers "
-        f"{'kept' if kept else 'replaced'}, {builds} model builds",
-        flush=True,
-    )
+    say_builds(job, "join starting", "a's and b's first workers", kept)
     return job.outcome(at, resumed - at)
 
 
@@ -409,12 +412,7 @@ def join_rebuilding(job: Job) -> Outcome:
     if resumed is None:
         return job.outcome(at, None)
     kept = rebuilding in {s["pid"] for s in steps(job.results) if s["world"] == 3}
-    builds = len(list(job.results.glob("building.*")))
-    print(
-        f"join rebuilding ({job.mode}): a's rebuilding worker "
-        f"{'kept' if kept else 'replaced'}, {builds} model builds",
-        flush=True,
-    )
+    say_builds(job, "join rebuilding", "a's rebuilding worker", kept)
     return job.outcome(at, resumed - at)
 
 
