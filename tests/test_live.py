@@ -124,8 +124,9 @@ def check_run(out: Path, changes: int, epochs: int = EPOCHS) -> None:
         torch.testing.assert_close(final["model"][k], v, rtol=1e-4, atol=1e-5)
 
 
-def pids_at(out: Path, world: int) -> set[int]:
-    return {r["pid"] for r in rows(out) if r["world"] == world}
+def pids_at(out: Path, world: int, after: float = 0.0) -> set[int]:
+    """The workers that trained a step at ``world`` (begun after ``after``)."""
+    return {r["pid"] for r in rows(out) if r["world"] == world and r["t"] > after}
 
 
 def three(procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, *args: str) -> list[Proc]:
@@ -134,8 +135,10 @@ def three(procs: list[Proc], etcd: EtcdServer, run_id: str, out: Path, *args: st
     return agents
 
 
-def survivors_kept(out: Path, before: set[int], after_world: int = 2) -> None:
-    after = pids_at(out, after_world)
+def survivors_kept(out: Path, before: set[int], after_world: int = 2, since: float = 0.0) -> None:
+    """The steps at ``after_world`` since the fault were trained by kept workers, one each
+    (a first node may have trained alone before the others joined: not a survivor)."""
+    after = pids_at(out, after_world, since)
     assert len(after) == after_world and after <= before, (before, after)
 
 
@@ -565,7 +568,7 @@ def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
         print(f"a trains alone {alone - cut:.2f}s after the leader's cut")
         assert alone - cut < TTL + 3, a.transcript()
         assert "c refuses its probe port" not in a.transcript()  # cut off is not dead
-        survivors_kept(tmp_path, kept, after_world=1)
+        survivors_kept(tmp_path, kept, after_world=1, since=cut)
         restored = time.time()
         net.restore()
         wait_world(tmp_path, 2, after=restored, timeout=90)
@@ -694,7 +697,7 @@ def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_tr
         print(f"b trains alone {alone - killed:.2f}s after the kill")
         back = wait_world(tmp_path, 2, after=alone, timeout=90)
         print(f"a is back {back - killed:.2f}s after the kill")
-        assert worker_pids(b) == kept and pids_at(tmp_path, 1) <= set(kept)
+        assert worker_pids(b) == kept and pids_at(tmp_path, 1, killed) <= set(kept)
         for n in (a, b):
             assert n.wait(120) == 0, n.transcript()
     said = a.transcript()
