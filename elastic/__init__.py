@@ -77,7 +77,8 @@ def _uses_elastic() -> None:
     (``ELASTIC``): it may be on its way into State.run, and a graceful change waits for
     it to get there rather than replace it as it starts. Said at ``import elastic``, or,
     in a fork server's child (which finds elastic imported), at the script's first use
-    of the API (``elastic.State``, ``from elastic import ...``)."""
+    of the API (``elastic.State``, ``from elastic import ...``) or an adapter's import
+    (``elastic.integrations``)."""
     global _told
     import os
 

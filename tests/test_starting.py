@@ -41,8 +41,17 @@ elastic.watch_the_first_group(imported=False)
         ("live", FORKED + "elastic.watch_the_first_group()\n", True),  # the same, said
         ("live", FORKED + "from elastic import SnapshotPolicy\n", True),  # its API, used
         ("respawn", FORKED + "elastic.SnapshotPolicy\n", False),
+        ("live", FORKED + "import elastic.integrations\n", True),  # an adapter (its package)
     ],
-    ids=["live", "respawn", "forked", "forked-said", "forked-uses-it", "forked-respawn"],
+    ids=[
+        "live",
+        "respawn",
+        "forked",
+        "forked-said",
+        "forked-uses-it",
+        "forked-respawn",
+        "forked-adapter",
+    ],
 )
 def test_a_scripts_import_of_elastic_says_it_heads_for_state_run(
     tmp_path: Path, mode: str, code: str, said: bool

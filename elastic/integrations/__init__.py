@@ -9,3 +9,8 @@ imports one (they are optional extras: ``pip install -e '.[lightning]'``).
 - ``elastic.integrations.accelerate.ElasticLoader``: a loader ``accelerator.prepare``
   returned, its place in the epoch kept through ``elastic.State``.
 """
+
+import elastic
+
+if not elastic._told:  # a fork server's child, which found elastic imported: say it here
+    elastic._uses_elastic()
