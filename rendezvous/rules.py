@@ -253,7 +253,7 @@ def plan(
             busy=busy,
             present=count,
         )
-    lapsed = lapsed_in_outage(view, previous, lost, outage, proven)
+    lapsed = lapsed_in_outage(view, number, previous, lost, outage, proven)
     if lapsed and outage is not None:
         return Plan(
             False,
@@ -401,18 +401,25 @@ def _gone_for_good(view: JobView, m: Member, proven: Mapping[str, int] | None) -
 
 def lapsed_in_outage(
     view: JobView,
+    number: int,
     members: tuple[Member, ...],
     lost: tuple[str, ...],
     outage: tuple[float, float] | None,
     proven: Mapping[str, int] | None,
 ) -> tuple[str, ...]:
-    """The members among ``lost`` that may yet come back, all of them while etcd's outage
-    grace lasts (``outage``: (now, until)), since an outage that drops one lease drops
-    them all; unless each is known not to: proven dead (its agent refused its probe port,
-    ``proven``: node id to incarnation) or registered again as a new incarnation."""
+    """The members among ``lost`` from round ``number`` that may yet come back to it, all
+    of them while etcd's outage grace lasts (``outage``: (now, until)), since an outage
+    that drops one lease drops them all; unless each is known not to: proven dead (its
+    agent refused its probe port, ``proven``: node id to incarnation), registered again
+    as a new incarnation, or one whose workers failed in the round (it reported it): it
+    steps out, or joins again, with new workers either way, and a round that waited for
+    it would wait for their start (a worker SIGKILLed in an outage: its node stepped out
+    as etcd answered, the round re-formed waited for it, and the others for its new
+    worker). One that may hold the newest state alone is waited for (``holders_away``)."""
     if not lost or outage is None or outage[0] >= outage[1]:
         return ()
-    gone = {m.id for m in members if _gone_for_good(view, m, proven)}
+    failed = view.failures.get(number, {})
+    gone = {m.id for m in members if _gone_for_good(view, m, proven) or m.id in failed}
     return () if gone.issuperset(lost) else lost
 
 
@@ -509,7 +516,7 @@ def round_end(
         return tuple(i for i in others if states[i] in wanted)
 
     lost = having(MemberState.LOST)
-    if lost and not lapsed_in_outage(view, mine.members, lost, outage, proven):
+    if lost and not lapsed_in_outage(view, mine.number, mine.members, lost, outage, proven):
         return Change(RoundEnd.LOST, f"lost {', '.join(lost)}", lost)
     if failed := _peer_failed(view, me, mine.number):
         return failed

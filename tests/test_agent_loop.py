@@ -1507,6 +1507,31 @@ def test_a_node_out_of_the_job_joins_again_when_the_others_are_too_few(
     assert "below the minimum of 2: they cannot re-form without this node" in caplog.text
 
 
+def test_a_node_out_of_the_job_after_an_outage_does_not_count_the_others_gone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """c's worker failed while etcd was away, and c stepped out as etcd answered again.
+    Every lease went with the outage: a and b's records come back only as each carries on,
+    so c first counts 0 others. Within a TTL of the outage that count is not known: c
+    waits for a and b to re-form without it (before: it said "the others are 0 node(s),
+    below the minimum of 2" and joined again at once, into the round they re-formed; or,
+    the lead's key gone as well, "no node leads the job" after VACANT_MAX)."""
+    leader = NodeRecord(id="a", addr="10.0.0.1", nproc=1)
+    old, new, workers = _c_steps_out(
+        round_of(1, "a", "b", "c"),
+        round_of(3, "a", "b", "c", restarts=1),
+        Glance(round_of(2, "a", "b"), leader=leader, present=2),  # they went on
+    )
+    old.outage_until = time.monotonic() + 8.0  # etcd answered moments ago
+    # 25 looks, 0.05 s apart: longer than VACANT_MAX (no lead either), within the grace
+    new.glances.extend([Glance(round_of(1, "a", "b", "c"), present=0)] * 25)
+    with caplog.at_level(logging.INFO):
+        a = agent(old, workers, step_out=_step_out, rejoin=lambda: new, back=_back)
+        assert a.run() == 0
+    assert "below the minimum" not in caplog.text and "no node leads" not in caplog.text
+    assert new.calls.count("glance") >= 26 and new.calls.index("start") > 25, new.calls
+
+
 def test_a_node_out_of_the_job_joins_again_at_once_when_the_leader_waits_for_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

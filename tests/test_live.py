@@ -196,6 +196,46 @@ def test_sigstop_of_a_node(
     check_run(tmp_path, changes=2)  # the loss, and c's joining again if training was not over
 
 
+@pytest.mark.slow
+def test_a_worker_killed_while_etcd_is_away_steps_its_node_out_once_etcd_answers(
+    run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """A fault during another: etcd frozen past the lease TTL, and 1 s into it one of b's
+    workers SIGKILLed. b can tell no one until etcd answers; then every lease is gone, b's
+    record with it. b steps out; a and c carry on and re-form without it at once, in their
+    own processes, and b comes back with workers started ahead. Before, the leader took b
+    for a member the outage may have dropped and waited for it, b read that as its being
+    awaited and came straight back in, and a and c waited for its new worker's start."""
+    with EtcdServer(name="frozen") as server:
+        slow = ("--step-time", "0.3")  # training outlasts the outage
+        agents = [
+            start_on(procs, server.endpoint, run_id, tmp_path, n, *slow, nnodes="1:3")
+            for n in "abc"
+        ]
+        wait_world(tmp_path, 3, timeout=90)
+        kept = set(worker_pids(agents[0]) + worker_pids(agents[2]))
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1)
+            os.kill(worker_pids(agents[1])[0], signal.SIGKILL)
+            time.sleep(2 * TTL)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+            thawed = time.time()
+        two = wait_world(tmp_path, 2, after=thawed, timeout=60)
+        print(f"a and c train {two - thawed:.2f}s after etcd answered again")
+        said = "\n".join(a.transcript() for a in agents)
+        assert two - thawed < TTL, said
+        survivors_kept(tmp_path, kept, since=thawed)
+        wait_world(tmp_path, 3, after=two, timeout=60)
+        for a in agents:
+            assert a.wait(120) == 0, a.transcript()
+    b = agents[1].transcript()
+    assert "leaving the job for now" in b and "starting workers before joining" in b, b
+    check_run(tmp_path, changes=2)
+
+
 @pytest.mark.parametrize(
     ("outage", "mode", "kill"), [("frozen", "live", True), ("quorum-lost", "respawn", False)]
 )

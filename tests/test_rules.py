@@ -357,6 +357,40 @@ def test_a_round_after_an_etcd_outage_waits_for_the_members_it_may_have_dropped(
     assert "running" in plan(back, 1, 3, 0.1, 0, now=10.0, outage=grace).reason
 
 
+def test_after_an_etcd_outage_a_member_whose_workers_failed_is_not_waited_for() -> None:
+    """b's worker was SIGKILLed while etcd was away; b reported the failure as etcd
+    answered, and its record is gone with its lease: it steps out, or joins again, with
+    new workers either way. a and c carry on: the round re-forms without b at once (it
+    waited the grace for b, and b, awaited, came back into it: a and c waited for its new
+    worker). One that may hold the job's newest state alone is still waited for."""
+    a, b, c = node("a", 1, done=1), node("b", 2), node("c", 3, done=1)
+    r = rnd(1, a, b, c)
+    boom = WorkerFailure(1, 0, -9, 1, 50.0)
+    fails = {1: {"b": FailureRecord("b", 1, 50.0, FailureReport("b", "h", (boom,)))}}
+    grace = (10.0, 13.0)
+    carried = view(a, c, r=r, failures=fails)
+    p = plan(carried, 1, 3, 0.1, 5, now=10.0, outage=grace)
+    assert p.form and p.lost == ("b",) and {m.id for m in p.members} == {"a", "c"}, p
+    change = round_end(carried, "a", 1, r, 3, False, outage=grace)
+    assert change is not None and change.end is RoundEnd.LOST and change.nodes == ("b",)
+    # without the report it may be back as it was in a moment: the grace is waited
+    assert plan(view(a, c, r=r), 1, 3, 0.1, 5, now=10.0, outage=grace).lapsed == ("b",)
+    training = view(node("a", 1), node("c", 3), r=r)
+    assert round_end(training, "a", 1, r, 3, False, outage=grace) is None
+    # b alone holds what round 1 trained (a and c joined in round 2, which trained
+    # nothing): it is waited for as a holder
+    r2 = RoundRecord(
+        2, (Member("a", 1, "h", 2, since=2), Member("b", 2, "h", 2, since=1)), "h", 1, 2
+    )
+    held = replace(
+        view(node("a", 1, done=2), r=r2, failures={2: fails[1]}),
+        progress=ProgressRecord(40, "b", 1),
+        last_loss=10.0,
+    )
+    p = plan(held, 1, 3, 0.1, 5, now=10.5, outage=grace, lease_ttl=3)
+    assert not p.form and p.lapsed == ("b",), p
+
+
 def test_a_round_waits_for_lost_members_that_may_hold_the_jobs_newest_state_alone() -> None:
     """Round 1 is a alone; it is lost (its lease ran out: frozen, or cut off) after it
     committed step 40, and b waits to join. A round of b alone would resume from whatever

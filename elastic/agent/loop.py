@@ -258,7 +258,9 @@ class Agent:
         self._live_seen = False  # the workers re-formed in place this round (State.run)
         self._waiting_since: float | None = None  # a change began to wait for them (said)
         self._lapsed = False  # etcd dropped the lease, this node carries on: said, not yet done
-        self._out_of: tuple[int, float] = (0, 0.0)  # OUT: (the round it left, when)
+        # OUT: (the round it left, when, until when the others' records may be missing
+        # because an outage dropped every lease: they come back as each node carries on)
+        self._out_of: tuple[int, float, float] = (0, 0.0, 0.0)
         self._stepping = ""  # why this node steps out (or not) on its own failure
         self.checkpoint_dir = checkpoint_dir
         # stopping workers may block the loop up to shutdown_timeout, legitimately
@@ -466,8 +468,12 @@ class Agent:
         """Out of the job (its own worker failed): wait until the others re-formed
         without this node (a round newer than the one it left), the job ended, no one is
         left to re-form (the lead vacant: every node's workers failed at once), too few
-        are (``back``: one was lost meanwhile), or ``OUT_MAX`` passed."""
-        left, since = self._out_of
+        are (``back``: one was lost meanwhile), or ``OUT_MAX`` passed. How many others
+        are present, and whether the lead is vacant, is not known until a TTL after an
+        outage (``outage``): every lease went with it, and each record comes back only as
+        its node carries on (the others, counted 0 moments after etcd answered,
+        re-formed without this node 1 s later)."""
+        left, since, records_back = self._out_of
         led = time.monotonic()  # when the lead was last seen held
         while True:
             now = self._beat = time.monotonic()
@@ -483,12 +489,13 @@ class Agent:
                     return LocalEvent.WENT_ON
                 leader = glance.leader
                 awaited = leader is not None and self.node_id in leader.awaits
-                why = self.back(glance.present, awaited) if self.back is not None else None
+                present = glance.present if now >= records_back else -1
+                why = self.back(present, awaited) if self.back is not None else None
                 if why is not None:
                     log.info("%s: joining again", why)
                     self._awaited = awaited
                     return LocalEvent.WENT_ON
-                if glance.leader is not None:
+                if glance.leader is not None or now < records_back:  # the lead's key too
                     led = now
                 elif now - led > VACANT_MAX:
                     log.info("no node leads the job: joining again")
@@ -895,10 +902,11 @@ class Agent:
         assert self.rejoin is not None and self.round is not None
         log.warning("leaving the job for now: %s", self._stepping)
         self._last_progress()
+        outage = self.rdzv.outage()  # the new rendezvous has not lived through it
         self.rdzv.shutdown(leave=True, back=True)
         self.rdzv = self.rejoin()
         self._restart_count += 1
-        self._out_of = (self.round.number, time.monotonic())
+        self._out_of = (self.round.number, time.monotonic(), outage[1] if outage else 0.0)
 
     def _held(self, pids: list[int]) -> None:
         """The metrics' side of workers held for a re-formation in place."""
