@@ -1515,7 +1515,8 @@ def test_a_node_out_of_the_job_after_an_outage_does_not_count_the_others_gone(
     so c first counts 0 others. Within a TTL of the outage that count is not known: c
     waits for a and b to re-form without it (before: it said "the others are 0 node(s),
     below the minimum of 2" and joined again at once, into the round they re-formed; or,
-    the lead's key gone as well, "no node leads the job" after VACANT_MAX)."""
+    the lead's key gone as well, "no node leads the job" after VACANT_MAX; or, the leader
+    having read the job before c's failure report, "the leader waits for this node")."""
     leader = NodeRecord(id="a", addr="10.0.0.1", nproc=1)
     old, new, workers = _c_steps_out(
         round_of(1, "a", "b", "c"),
@@ -1524,12 +1525,15 @@ def test_a_node_out_of_the_job_after_an_outage_does_not_count_the_others_gone(
     )
     old.outage_until = time.monotonic() + 8.0  # etcd answered moments ago
     # 25 looks, 0.05 s apart: longer than VACANT_MAX (no lead either), within the grace
+    waits = NodeRecord(id="a", addr="10.0.0.1", nproc=1, awaits=("c",))  # before c's report
     new.glances.extend([Glance(round_of(1, "a", "b", "c"), present=0)] * 25)
+    new.glances.extend([Glance(round_of(1, "a", "b", "c"), leader=waits, present=2)] * 5)
     with caplog.at_level(logging.INFO):
         a = agent(old, workers, step_out=_step_out, rejoin=lambda: new, back=_back)
         assert a.run() == 0
     assert "below the minimum" not in caplog.text and "no node leads" not in caplog.text
-    assert new.calls.count("glance") >= 26 and new.calls.index("start") > 25, new.calls
+    assert "waits for this node" not in caplog.text, caplog.text
+    assert new.calls.count("glance") >= 31 and new.calls.index("start") > 30, new.calls
 
 
 def test_a_node_out_of_the_job_joins_again_at_once_when_the_leader_waits_for_it(

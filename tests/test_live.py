@@ -207,7 +207,8 @@ def test_a_worker_killed_while_etcd_is_away_steps_its_node_out_once_etcd_answers
     for a member the outage may have dropped and waited for it, b read that as its being
     awaited and came straight back in, and a and c waited for its new worker's start."""
     with EtcdServer(name="frozen") as server:
-        slow = ("--step-time", "0.3")  # training outlasts the outage
+        # training outlasts the outage, and b's new worker's start (slow without b)
+        slow = ("--step-time", "0.3", "--slow-below-world", "3", "--epochs", "4")
         agents = [
             start_on(procs, server.endpoint, run_id, tmp_path, n, *slow, nnodes="1:3")
             for n in "abc"
@@ -233,7 +234,7 @@ def test_a_worker_killed_while_etcd_is_away_steps_its_node_out_once_etcd_answers
             assert a.wait(120) == 0, a.transcript()
     b = agents[1].transcript()
     assert "leaving the job for now" in b and "starting workers before joining" in b, b
-    check_run(tmp_path, changes=2)
+    check_run(tmp_path, changes=2, epochs=4)
 
 
 @pytest.mark.parametrize(

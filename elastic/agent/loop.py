@@ -469,10 +469,12 @@ class Agent:
         without this node (a round newer than the one it left), the job ended, no one is
         left to re-form (the lead vacant: every node's workers failed at once), too few
         are (``back``: one was lost meanwhile), or ``OUT_MAX`` passed. How many others
-        are present, and whether the lead is vacant, is not known until a TTL after an
-        outage (``outage``): every lease went with it, and each record comes back only as
-        its node carries on (the others, counted 0 moments after etcd answered,
-        re-formed without this node 1 s later)."""
+        are present, whether the lead is vacant, and whether it waits for this node are
+        not known until a TTL after an outage (``outage``): every lease went with it, each
+        record comes back only as its node carries on, and a leader that reads the job
+        before this node's failure report takes it for a member the outage dropped and
+        waits for it (CI: it came straight back in, and the others waited for its new
+        worker; counted 0, the others re-formed without it 1 s later)."""
         left, since, records_back = self._out_of
         led = time.monotonic()  # when the lead was last seen held
         while True:
@@ -488,8 +490,9 @@ class Agent:
                 if glance.closed or (r is not None and r.number > left):
                     return LocalEvent.WENT_ON
                 leader = glance.leader
-                awaited = leader is not None and self.node_id in leader.awaits
-                present = glance.present if now >= records_back else -1
+                settled = now >= records_back  # the job's records, back since the outage
+                awaited = settled and leader is not None and self.node_id in leader.awaits
+                present = glance.present if settled else -1
                 why = self.back(present, awaited) if self.back is not None else None
                 if why is not None:
                     log.info("%s: joining again", why)
