@@ -78,8 +78,10 @@ def _uses_elastic() -> None:
     it to get there rather than replace it as it starts. Said at ``import elastic``, or,
     in a fork server's child (which finds elastic imported), at the script's first use
     of the API (``elastic.State``, ``from elastic import ...``) or an adapter's import
-    (``elastic.integrations``)."""
+    (``elastic.integrations``). Once said, never again."""
     global _told
+    if _told:
+        return
     import os
 
     from elastic.contract import CONTROL_ENV, ELASTIC, RESTART_MODE_ENV, RestartMode, worker_block
@@ -98,8 +100,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elastic' has no attribute {name!r}")
-    if not _told:
-        _uses_elastic()
+    _uses_elastic()
     import importlib
 
     attr = "tune" if name == "tune_workers" else name

@@ -377,8 +377,8 @@ def test_after_an_etcd_outage_a_member_whose_workers_failed_is_not_waited_for() 
     assert plan(view(a, c, r=r), 1, 3, 0.1, 5, now=10.0, outage=grace).lapsed == ("b",)
     training = view(node("a", 1), node("c", 3), r=r)
     assert round_end(training, "a", 1, r, 3, False, outage=grace) is None
-    # b alone holds what round 1 trained (a and c joined in round 2, which trained
-    # nothing): it is waited for as a holder
+    # b alone holds what round 1 trained (a joined in round 2, which trained nothing):
+    # it is waited for as a holder
     r2 = RoundRecord(
         2, (Member("a", 1, "h", 2, since=2), Member("b", 2, "h", 2, since=1)), "h", 1, 2
     )

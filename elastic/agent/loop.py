@@ -498,7 +498,7 @@ class Agent:
                     log.info("%s: joining again", why)
                     self._awaited = awaited
                     return LocalEvent.WENT_ON
-                if glance.leader is not None or now < records_back:  # the lead's key too
+                if glance.leader is not None or not settled:  # the lead's key too
                     led = now
                 elif now - led > VACANT_MAX:
                     log.info("no node leads the job: joining again")

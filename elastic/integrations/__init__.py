@@ -12,5 +12,4 @@ imports one (they are optional extras: ``pip install -e '.[lightning]'``).
 
 import elastic
 
-if not elastic._told:  # a fork server's child, which found elastic imported: say it here
-    elastic._uses_elastic()
+elastic._uses_elastic()  # a fork server's child, which found elastic imported: said here
