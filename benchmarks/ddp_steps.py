@@ -20,7 +20,13 @@ twin model (the same layers) in a DDP State knows nothing of, in turn: the same
 processes, group and moment of the machine measure the step with all State adds (its
 comm hook included) and the plain step.
 
-    python benchmarks/ddp_steps.py [step seconds] [--live] [--ab N] [--device cuda] [--width 2048]
+With ``--echo PORT`` the script keeps a connection of its own, opened before the
+process group, to an echo service on 127.0.0.1:PORT, and makes one request on it each
+step; ``echo_failed`` in each row counts the requests that failed so far (a failed one
+reconnects): a re-formation must cut only the process group's connections.
+
+    python benchmarks/ddp_steps.py [step seconds] [--live] [--ab N] [--echo PORT]
+                                   [--device cuda] [--width 2048]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import time
 from typing import IO
 
@@ -37,6 +44,30 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 STEPS = 10**9
+
+
+class Echo:
+    """The script's own connection: one byte out and back per ``ask``, failures counted."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.failed = port, 0
+        self.conn = self._connect()
+
+    def _connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=5)
+
+    def ask(self) -> None:
+        try:
+            self.conn.sendall(b"x")
+            if self.conn.recv(1) != b"x":
+                raise ConnectionError("end of stream")
+        except OSError:
+            self.failed += 1
+            self.conn.close()
+            self.conn = self._connect()
+
+
+echo: Echo | None = None
 
 
 def train(
@@ -67,6 +98,9 @@ def train(
             step = state.step + 1  # the job's step, once committed
         row = {"t": time.time(), "step": step, "rank": rank, "world": world, "pid": pid,
                "commit": committed, "plain": plain}  # fmt: skip
+        if echo is not None:
+            echo.ask()
+            row["echo_failed"] = echo.failed
         out.write(json.dumps(row))
         out.write("\n")
         out.flush()
@@ -89,7 +123,7 @@ def build(device: str, width: int) -> torch.nn.Module:
 
 
 def main() -> None:
-    global state
+    global state, echo
     ap = argparse.ArgumentParser()
     ap.add_argument("pause", type=float, nargs="?", default=0.05)
     ap.add_argument("--live", action="store_true")
@@ -110,7 +144,10 @@ def main() -> None:
         help="with --live: N steps with "
         "commit(), N without, in turn (the steps of each phase are the same ones)",
     )
+    ap.add_argument("--echo", type=int, default=0, metavar="PORT", help="see the module doc")
     a = ap.parse_args()
+    if a.echo:  # before anything of torch.distributed: not the group's
+        echo = Echo(a.echo)
     if a.live:  # before the process group, as the README says: a newcomer's worker can
         import elastic  # then start before its node joins (elastic/agent/lobby.py)
 

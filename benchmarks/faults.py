@@ -42,8 +42,15 @@ job's budget, with the nodes whose own failure they were.
                   it registers; respawn: it registers) and a is told to leave (SIGTERM) at
                   once: a hands the state to c first (from the SIGTERM to c's first step
                   alone)
+    own connection  the script keeps a connection of its own (opened before the process
+                  group) to an echo service, one request a step; c is SIGKILLed: the
+                  requests that failed are printed (the group's connections alone are cut)
+    junk leader   a value no leader wrote over the live leader's record at job/leader,
+                  then c SIGKILLed: a and b train on without it
     Ctrl-C        SIGINT to the agent of a one-node job
     etcd frozen   etcd SIGSTOPped for 2x the lease TTL + 1 s, no node lost
+    quorum lost   two members of a three-member etcd cluster SIGSTOPped for 2x the
+                  lease TTL + 1 s, no node lost
     kill etcd restarting  etcd and c SIGKILLed together, etcd started again 1 s later
 
     python benchmarks/faults.py [--repeat 1] [--only kill,join] [--modes live,respawn]
@@ -57,14 +64,17 @@ device, a respawned worker initialises CUDA, builds the model and restores it ag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -73,9 +83,15 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # etcd_servers
+
+from etcd_servers import EtcdCluster
 
 from benchmarks._nodes import Node, first_step, steps
 from elastic.agent.etcd_server import EtcdServer
+from rendezvous import records
+from rendezvous.client import EtcdClient
+from rendezvous.config import build_options
 
 SCRIPT = str(Path(__file__).resolve().parent / "ddp_steps.py")
 TTL = 3
@@ -103,14 +119,16 @@ class Job:
         script_args: tuple[str, ...] = (),
     ) -> None:
         self.etcd, self.work, self.mode, self.nnodes = etcd, work, mode, nnodes
+        self.endpoint = etcd.endpoint  # a fault may give the job another etcd
         self.script_args = script_args
+        self.cleanups: list[Callable[[], None]] = []  # after the nodes stop
         self.results = work / "steps"
         self.results.mkdir(parents=True)
         self.nodes: dict[str, Node] = {}
 
     def start(self, name: str, *script_args: str) -> Node:
         cmd = [sys.executable, "-m", "elastic", "--nnodes", self.nnodes, "--nproc-per-node",
-               "1", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.work.name,
+               "1", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.work.name,
                "--rdzv-conf", CONF, "--node-id", name, "--local-addr", "127.0.0.1",
                "--restart-mode", self.mode, "--max-restarts", "3", SCRIPT, STEP_S,
                "--live", *self.script_args, *script_args]  # fmt: skip
@@ -171,6 +189,8 @@ class Job:
     def stop(self) -> None:
         for n in self.nodes.values():
             n.stop()
+        for cleanup in self.cleanups:
+            cleanup()
 
 
 def start_training(job: Job, names: str) -> None:
@@ -465,24 +485,92 @@ def ctrl_c(job: Job) -> Outcome:
     return Outcome(time.time() - at, 0, "-")
 
 
-def etcd_frozen(job: Job) -> Outcome:
+def frozen_for(job: Job, pids: list[int]) -> Outcome:
+    """The job's etcd processes ``pids`` SIGSTOPped for 2x the lease TTL + 1 s while a, b
+    and c train: the longest pause of training (rank 0's steps), and new workers."""
     start_training(job, "abc")
-    pids = {s["pid"] for s in steps(job.results)}
-    assert job.etcd.proc is not None
-    server = psutil.Process(job.etcd.proc.pid)
+    before = {s["pid"] for s in steps(job.results)}
+    servers = [psutil.Process(pid) for pid in pids]
     at = time.time()
-    server.send_signal(signal.SIGSTOP)
+    for server in servers:
+        server.send_signal(signal.SIGSTOP)
     try:
         time.sleep(2 * TTL + 1)
     finally:
-        server.send_signal(signal.SIGCONT)
+        for server in servers:
+            server.send_signal(signal.SIGCONT)
     job.steps_at(3, time.time(), 10)
     rows = [s for s in steps(job.results) if s["t"] > at - 1 and s["rank"] == 0]
     pause = max(b["t"] - a["t"] for a, b in itertools.pairwise(rows))
     out = job.outcome(at, None)  # redone: counted from the freeze on
-    new = {s["pid"] for s in steps(job.results)} - pids
+    new = {s["pid"] for s in steps(job.results)} - before
     more = f", {len(new)} new worker(s)" if new else ""
     return replace(out, seconds=pause, charged=out.charged + more)
+
+
+def etcd_frozen(job: Job) -> Outcome:
+    assert job.etcd.proc is not None
+    return frozen_for(job, [job.etcd.proc.pid])
+
+
+def quorum_lost(job: Job) -> Outcome:
+    """The same with two of a three-member cluster frozen: the one left has no quorum."""
+    cluster = EtcdCluster(3).start()
+    job.cleanups.append(cluster.close)
+    job.endpoint = cluster.endpoints
+    return frozen_for(job, [m.proc.pid for m in cluster.members[1:] if m.proc is not None])
+
+
+def echo_service() -> int:
+    """A service of the script's own on loopback (its port): each byte echoed back."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while data := conn.recv(64):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(server.getsockname()[1])
+
+
+def own_connection(job: Job) -> Outcome:
+    """A plain kill of c, each worker keeping a connection of its own through it: to the
+    first step at world 2, and the requests on those connections that failed."""
+    job.script_args = (*job.script_args, "--echo", str(echo_service()))
+    start_training(job, "abc")
+    at = time.time()
+    job.nodes["c"].kill()
+    out = job.outcome(at, job.since(2, at))
+    job.steps_at(2, at, 10)
+    failed = sum(
+        max((s.get("echo_failed", 0) for s in steps(job.results) if s["pid"] == pid), default=0)
+        for pid in {s["pid"] for s in steps(job.results)}
+    )
+    print(f"own connection ({job.mode}): {failed} request(s) failed", flush=True)
+    return out
+
+
+def junk_leader(job: Job) -> Outcome:
+    """A value no leader wrote put over the live leader's record, then c SIGKILLed: to
+    the first step at world 2 (it was: no node could claim the lead over it, and the
+    job hung until join_timeout)."""
+    start_training(job, "abc")
+    options, _ = build_options(job.endpoint, job.work.name, 1, 1)
+    client = EtcdClient(options)
+    try:
+        client.put(f"/elastic-run/{job.work.name}/{records.LEADER}", b"\x80junk")
+    finally:
+        client.close()
+    time.sleep(0.5)  # every node saw it (nothing happens: no event to wait on)
+    at = time.time()
+    job.nodes["c"].kill()
+    return job.outcome(at, job.since(2, at))
 
 
 def kill_etcd_restarting(job: Job) -> Outcome:
@@ -516,8 +604,11 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "join rebuilding": join_rebuilding,
     "kill building": kill_building,
     "leave handing over": leave_handing_over,
+    "own connection": own_connection,
+    "junk leader": junk_leader,
     "Ctrl-C": ctrl_c,
     "etcd frozen": etcd_frozen,
+    "quorum lost": quorum_lost,
     "kill etcd restarting": kill_etcd_restarting,
 }
 
