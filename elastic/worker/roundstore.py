@@ -13,10 +13,12 @@ through the script's ``init_process_group()`` meet the re-forming ones.
 from __future__ import annotations
 
 import datetime
+import queue
 import socket
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -25,8 +27,39 @@ LONGEST = 0.05
 TRY = 0.25  # seconds of one try to connect: an abandon is looked for between tries
 
 
+T = TypeVar("T")
+
+
 class Abandoned(RuntimeError):
     """The round was given up while this worker waited in its store."""
+
+
+def _abortable(make: Callable[[], T], check_abandoned: Callable[[], None]) -> T:
+    """``make()`` in a thread of its own, while this one looks for an abandon: torch's
+    TCPStore client, once its connection is reset (the host died as it was validated),
+    sleeps and retries inside its constructor, past the timeout it was given (0.65 s and
+    more here), holding no lock of Python's. Abandoned, the thread is left to finish,
+    and whatever it made is dropped with it."""
+    done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            done.put((True, make()))
+        except BaseException as e:  # raised again in the caller
+            done.put((False, e))
+
+    threading.Thread(target=run, name="elastic-store-connect", daemon=True).start()
+    pause = POLL
+    while True:
+        check_abandoned()
+        try:
+            ok, value = done.get(timeout=pause)
+        except queue.Empty:
+            pause = min(pause * 2, LONGEST)
+            continue
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
 
 
 class AbortableStore(dist.Store):
@@ -104,21 +137,24 @@ def connect(
     timeout: datetime.timedelta,
 ) -> AbortableStore:
     """The round's store, in tries of ``TRY`` seconds with a look for an abandon between
-    them (torch logs every refused connect of its own loop: a plain socket tries
-    first)."""
+    them and during each (torch logs every refused connect of its own loop: a plain
+    socket tries first)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         check_abandoned()
         try:
             if hosted_by_agent:
                 socket.create_connection((addr, port), timeout=TRY).close()
-            inner = dist.TCPStore(
-                addr,
-                port,
-                world,
-                is_master=rank == 0 and not hosted_by_agent,
-                timeout=datetime.timedelta(seconds=TRY),
-                wait_for_workers=False,
+            inner = _abortable(
+                lambda: dist.TCPStore(
+                    addr,
+                    port,
+                    world,
+                    is_master=rank == 0 and not hosted_by_agent,
+                    timeout=datetime.timedelta(seconds=TRY),
+                    wait_for_workers=False,
+                ),
+                check_abandoned,
             )
             inner.set_timeout(timeout)
             return AbortableStore(inner, check_abandoned, timeout)
