@@ -13,7 +13,9 @@ them; ``State.run`` with ``round_accelerator``: a new Accelerator). Lightning's
 ModelParallelStrategy (FSDP2, ``--framework lightning-fsdp2``) runs the same script
 sharded: its own checkpoints are DCP directories, the adapter's snapshots DCP checkpoints
 of the shards in ``--checkpoint-dir`` (live, copies in memory too: the survivor's next
-Trainer re-shards the newest step memory holds whole). Once
+Trainer re-shards the newest step memory holds whole); its FSDPStrategy (FSDP1,
+``--framework lightning-fsdp1``; on the CPU the test script's ``CPUFSDP``) gets the same
+DCP snapshots, and no live row: memory cannot re-shard FSDP1. Once
 both nodes train, node b (not torchrun's store host) is SIGKILLed,
 launcher and worker together, and a trains on alone. Printed per launcher: the seconds
 from the kill to the first step at world size 1 (and the ratio to torchrun's), and the
@@ -51,8 +53,12 @@ FRAMEWORKS = {  # name: (what the table calls it, the script, the adapter, its a
         "Lightning FSDP2", "lightning_train.py", "ElasticLightning",
         ("--strategy", "model_parallel"),
     ),
+    "lightning-fsdp1": (
+        "Lightning FSDP1", "lightning_train.py", "ElasticLightning", ("--strategy", "fsdp"),
+    ),
 }  # fmt: skip
-SHARDED = {"lightning-fsdp2"}  # snapshots to --checkpoint-dir (and memory, live)
+SHARDED = {"lightning-fsdp2", "lightning-fsdp1"}  # snapshots to --checkpoint-dir
+NOT_LIVE = {"lightning-fsdp1"}  # memory cannot re-shard FSDP1: a change gives new workers
 ARGS = ["--samples", "8000", "--epochs", "1", "--step-time", "0.03", "--checkpoint-every", "20"]
 COMMON = ["--nnodes", "1:2", "--nproc-per-node", "1", "--local-addr", "127.0.0.1"]
 
@@ -146,6 +152,8 @@ def bench(framework: str, repeat: int, timeout: float, etcd: EtcdServer, tmp: Pa
         kinds[f"elastic-run + {adapter}, live"] = functools.partial(
             sharded_cmd, snapshots=tmp, live=True
         )
+    if framework in NOT_LIVE:
+        del kinds[f"elastic-run + {adapter}, live"]
     seconds: dict[str, list[float | None]] = {k: [] for k in kinds}
     redone: dict[str, list[int | None]] = {k: [] for k in kinds}
     for r in range(repeat):

@@ -180,7 +180,7 @@ def test_a_node_lost_mid_epoch_resizes_without_losing_or_repeating_a_sample(
         assert 0 <= before + 1 - after <= 1, (name, before, after)
 
 
-def fsdp2_job(
+def sharded_job(
     etcd: EtcdServer,
     run_id: str,
     procs: list[Proc],
@@ -188,14 +188,16 @@ def fsdp2_job(
     *args: str,
     nodes: str = "ab",
     extra: tuple[str, ...] = (),
+    strategy: str = "model_parallel",
 ) -> tuple[Callable[[str], Proc], dict[str, Proc], set[int]]:
-    """Lightning's ModelParallelStrategy (FSDP2) job of the test script (``args`` added)
-    on ``nodes`` of one worker each, snapshots every 4 steps to ``out``'s sibling
-    ``snap`` (``extra`` flags too), until all train and a few snapshots are taken.
-    Returns what starts another node of the job, the nodes, and a's worker pids."""
-    out.mkdir()
+    """Lightning's ModelParallelStrategy (FSDP2; ``strategy="fsdp"``: FSDPStrategy, FSDP1)
+    job of the test script (``args`` added) on ``nodes`` of one worker each, snapshots
+    every 4 steps to ``out``'s sibling ``snap`` (``extra`` flags too), until all train
+    and a few snapshots are taken. Returns what starts another node of the job, the
+    nodes, and a's worker pids."""
+    out.mkdir(parents=True)
     job = (
-        SCRIPTS / "lightning_train.py", "--strategy", "model_parallel", "--samples", "192",
+        SCRIPTS / "lightning_train.py", "--strategy", strategy, "--samples", "192",
         "--step-time", "0.05", *args,
     )  # fmt: skip
     snap = ("--checkpoint-dir", str(out.parent / "snap"), "--snapshot-every", "4")
@@ -253,34 +255,51 @@ def same_state(started: dict, snap: dict, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_lightning_fsdp2_resumes_its_shards_from_a_snapshot_over_the_new_world(
+def test_lightning_sharded_resumes_its_shards_from_a_snapshot_over_the_new_world(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
-    """Lightning's ModelParallelStrategy (FSDP2) on two nodes of one worker, with
-    ``--checkpoint-dir`` and Lightning's own checkpoints too rare to matter; b is
-    SIGKILLed mid-epoch. a's new worker resumes from the newest DCP snapshot of the
-    shards (every 4 steps), re-sharded from world 2 to 1, at the exact sample: every
-    sample of both epochs once in the kept steps, at most the interval and the step in
-    flight trained again (was: the adapter stood aside, and a began again from step 0).
-    Through ``run(fit)`` with the module made once, before it: a sharded module cannot
-    be cut again over a new group, so new workers follow, and the log says why."""
-    out = tmp_path / "out"
-    args = ("--live", "--module-once", "--epochs", "2")
-    _, nodes, _ = fsdp2_job(etcd, run_id, procs, out, *args)
-    a, killed = nodes["a"], time.time()
-    nodes["b"].signal(signal.SIGKILL)
-    wait_world(out, 1, after=killed, timeout=90)
-    assert a.wait(240) == 0, a.transcript()
-    said = a.transcript()
-    assert "the LightningModule was made before run(), or fit() keeps it" in said, said
-    history = steps(out)
-    samples_once(history, 192, 2)
-    before = max(r["step"] for r in history if r["world"] == 2)
-    after = min(r["step"] for r in history if r["world"] == 1)
-    assert after - 1 > 0 and (after - 1) % 4 == 0, (before, after)  # a snapshot's step
-    assert 0 <= before + 1 - after <= 4 + 1, (before, after)
-    said_if_redone(said, before, after - 1)
-    assert sorted(p.name for p in (tmp_path / "snap").iterdir())[-1].startswith("dcp-step-")
+    """Lightning's two sharded strategies, each on two nodes of one worker, with
+    ``--checkpoint-dir`` and Lightning's own checkpoints too rare to matter, side by
+    side: ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1, on the CPU as
+    ``CPUFSDP``); b is SIGKILLed mid-epoch. a's new worker resumes from the newest DCP
+    snapshot of the shards (every 4 steps), re-sharded from world 2 to 1, at the exact
+    sample: every sample of both epochs once in the kept steps, at most the interval and
+    the step in flight trained again (was: the adapter stood aside, and a began again
+    from step 0). Both through ``run(fit)``, where neither keeps the workers, and the log
+    says why: FSDP2's module is made once, before it (a sharded module cannot be cut
+    again over a new group), and FSDP1's shards cannot be re-sharded in memory."""
+    why = {
+        "model_parallel": "the LightningModule was made before run(), or fit() keeps it",
+        "fsdp": "FSDP1's flat shards cannot be re-sharded in memory",
+    }
+    more = {"model_parallel": ("--module-once",), "fsdp": ()}
+
+    def lose_b(strategy: str) -> tuple[Proc, set[int]]:
+        out = tmp_path / strategy / "out"
+        args = ("--live", "--epochs", "2", *more[strategy])
+        _, nodes, first = sharded_job(
+            etcd, f"{run_id}-{strategy}", procs, out, *args, strategy=strategy
+        )
+        killed = time.time()
+        nodes["b"].signal(signal.SIGKILL)
+        wait_world(out, 1, after=killed, timeout=90)
+        return nodes["a"], first
+
+    for strategy, (a, first) in at_once(lose_b, why).items():
+        out = tmp_path / strategy / "out"
+        assert a.wait(240) == 0, a.transcript()
+        said = a.transcript()
+        assert why[strategy] in said, said
+        history = steps(out)
+        assert not first & {r["pid"] for r in history if r["world"] == 1}, strategy  # new
+        samples_once(history, 192, 2)
+        before = max(r["step"] for r in history if r["world"] == 2)
+        after = min(r["step"] for r in history if r["world"] == 1)
+        assert after - 1 > 0 and (after - 1) % 4 == 0, (strategy, before, after)  # a snapshot
+        assert 0 <= before + 1 - after <= 4 + 1, (strategy, before, after)
+        said_if_redone(said, before, after - 1)
+        snaps = sorted(p.name for p in (tmp_path / strategy / "snap").iterdir())
+        assert snaps[-1].startswith("dcp-step-"), snaps
 
 
 @pytest.mark.slow
@@ -298,7 +317,7 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     # alone, a trains slowly: c's start-up (over 24 s on a loaded VM) lands inside the job
     args = ("--live", "--epochs", "4", "--dump-start", "--slow-below-world", "2")
     keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
-    node, nodes, kept = fsdp2_job(etcd, run_id, procs, out, *args, extra=keep)
+    node, nodes, kept = sharded_job(etcd, run_id, procs, out, *args, extra=keep)
     a, killed = nodes["a"], time.time()
     nodes["b"].signal(signal.SIGKILL)
     wait_world(out, 1, after=killed, timeout=90)
@@ -348,7 +367,7 @@ def test_lightning_fsdp2_under_run_survives_a_second_kill_during_its_recovery(
     out = tmp_path / "out"
     args = ("--live", "--epochs", "3", "--dump-start")
     keep = ("--checkpoint-keep", "100")  # the one resumed from, to compare
-    _, nodes, kept = fsdp2_job(etcd, run_id, procs, out, *args, nodes="abc", extra=keep)
+    _, nodes, kept = sharded_job(etcd, run_id, procs, out, *args, nodes="abc", extra=keep)
     a, killed = nodes["a"], time.time()
     nodes["b"].signal(signal.SIGKILL)
     a.wait_output("lost b", timeout=30)

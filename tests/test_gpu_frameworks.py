@@ -167,3 +167,36 @@ def test_lightning_fsdp_stands_aside_and_resumes_from_its_own_checkpoint(
     assert min(r["step"] for r in again) == 6, sorted({r["step"] for r in again})
     assert max(r["step"] for r in history) == 48
     samples_once(history, 96, 2)
+
+
+def test_lightning_fsdp_with_a_checkpoint_dir_resumes_from_the_snapshot_of_its_shards(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The same job with ``--checkpoint-dir``: Lightning wraps the whole module in FSDP1
+    on the GPU (the CPU test, ``CPUFSDP``, wraps its layers), and the adapter snapshots
+    the shards with DCP every 3 steps; killed at step 7, the worker resumes from the
+    snapshot of step 6, newer than Lightning's own checkpoint of step 5."""
+    snap = tmp_path / "snap"
+    job = (
+        SCRIPTS / "lightning_train.py", "--samples", "96", *CUDA, "--strategy", "fsdp",
+        "--adapter", "--checkpoint-every", "5", "--kill-rank", "0", "--kill-step", "7",
+    )  # fmt: skip
+    every = ("--checkpoint-dir", str(snap), "--snapshot-every", "3")
+    agent = start_agent(
+        procs,
+        etcd.endpoint,
+        run_id,
+        "a",
+        *job,
+        env={"RESULT_DIR": str(tmp_path)},
+        extra=("--max-restarts", "1", *every, *FORK),
+    )
+    assert agent.wait(300) == 0, agent.transcript()
+    said = agent.transcript()
+    assert "stand aside" not in said and "signal SIGKILL" in said, said
+    history = steps(tmp_path)
+    again = [r for r in history if r["restart_count"] == 1]
+    assert min(r["step"] for r in again) == 7, sorted({r["step"] for r in again})
+    assert max(r["step"] for r in history) == 48
+    samples_once(history, 96, 2)
+    assert any(p.name.startswith("dcp-step-") for p in snap.iterdir())

@@ -105,18 +105,27 @@ def test_only_strategies_whose_checkpoint_every_rank_holds_whole_are_snapshotted
     assert sharded(ModelParallelStrategy()) == "ModelParallelStrategy"
 
 
-def test_model_parallels_shards_are_snapshotted_to_the_checkpoint_dir() -> None:
-    """FSDP2's DTensors are what DCP saves and re-shards: ModelParallel's shards go to
-    --checkpoint-dir where it is given; FSDP's and DeepSpeed's formats are their own."""
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+def test_model_parallels_and_fsdps_shards_are_snapshotted_to_the_checkpoint_dir() -> None:
+    """FSDP2's DTensors and FSDP1's flat parameters (as get_state_dict reads them) are
+    what DCP saves and re-shards: their shards go to --checkpoint-dir where it is given;
+    DeepSpeed's format is its own."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+    )
 
     from elastic.integrations.lightning import shards_dir
 
     assert shards_dir(ModelParallelStrategy(), "/ckpt") == "/ckpt"
     assert shards_dir(ModelParallelStrategy(), None) is None
     assert shards_dir(ModelParallelStrategy(), "") is None
-    assert shards_dir(FSDPStrategy(), "/ckpt") is None
+    assert shards_dir(FSDPStrategy(), "/ckpt") == "/ckpt"
+    assert shards_dir(FSDPStrategy(), None) is None
     assert shards_dir(DDPStrategy(), "/ckpt") is None
+    # made without its __init__, which asks for deepspeed: the rule reads only its class
+    assert shards_dir(DeepSpeedStrategy.__new__(DeepSpeedStrategy), "/ckpt") is None
 
 
 @pytest.mark.parametrize(

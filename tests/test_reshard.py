@@ -99,3 +99,23 @@ def test_an_object_left_holding_a_replaced_optimizer_is_refused() -> None:
         reshard.replace(held, {"model": fresh["model"], "optimizer": fresh["optimizer"]})
     reshard.replace(held, fresh)
     assert held["scheduler"] is fresh["scheduler"]
+
+
+def test_fsdp1_is_sharded_state_that_takes_the_respawn_path(one_rank: None) -> None:
+    """FSDP1's flat parameters are plain tensors: it is sharded state all the same (DCP
+    snapshots through get_state_dict), but memory cannot re-shard it, and the reason
+    names the module."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from elastic.worker import sharded
+
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    inner[0] = FullyShardedDataParallel(inner[0], device_id=torch.device("cpu"))
+    root = FullyShardedDataParallel(torch.nn.Linear(4, 1), device_id=torch.device("cpu"))
+    plain = torch.nn.Linear(4, 1)
+    assert sharded.is_sharded({"model": inner}) and sharded.is_sharded({"model": root})
+    assert not sharded.is_sharded({"model": plain, "value": 3})
+    why = reshard.unsupported({"model": inner})
+    assert why is not None and why.startswith("model.0 is FSDP1"), why
+    assert (reshard.unsupported({"model": root}) or "").startswith("model is FSDP1")
+    assert reshard.unsupported({"model": plain}) is None

@@ -39,8 +39,11 @@ host memory and to the next node; a fault keeps the shards and the rest as of th
 commit (``State.held_shards``), and the next Trainer's ``State`` re-shards the newest
 step the ranks' memory holds whole over the new group (``State.follow``,
 ``restore(held=...)``), reading the disk only where memory holds none. FSDP
-(``FSDPStrategy``) and DeepSpeed keep their own formats: the callback stands aside and
-Lightning resumes from its own checkpoints.
+(``FSDPStrategy``, FSDP1) gets the same DCP snapshots of its shards (``get_state_dict``
+reads FSDP1's flat parameters as shards DCP re-shards), but FSDP1's shards cannot be
+re-sharded in memory: a change gives new workers, which load the newest snapshot.
+DeepSpeed keeps its own format: the callback stands aside and Lightning resumes from its
+own checkpoints.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import (
     DDPStrategy,
     DeepSpeedStrategy,
+    FSDPStrategy,
     ModelParallelStrategy,
     SingleDeviceStrategy,
 )
@@ -345,10 +349,11 @@ def sharded(strategy: object) -> str | None:
 
 
 def shards_dir(strategy: object, checkpoint_dir: str | None) -> str | None:
-    """Where a sharded strategy's snapshots go: ModelParallel's shards (FSDP2's DTensors,
-    which DCP saves and re-shards) to ``checkpoint_dir`` (``--checkpoint-dir``), where
-    given; None: no snapshots (FSDP and DeepSpeed keep formats of their own)."""
-    if not isinstance(strategy, ModelParallelStrategy):
+    """Where a sharded strategy's snapshots go: ModelParallel's shards (FSDP2's DTensors)
+    and FSDP's (FSDP1's flat parameters, as ``get_state_dict`` reads them), which DCP
+    saves and re-shards, to ``checkpoint_dir`` (``--checkpoint-dir``), where given; None:
+    no snapshots (DeepSpeed keeps a format of its own)."""
+    if not isinstance(strategy, ModelParallelStrategy | FSDPStrategy):
         return None
     return checkpoint_dir or None
 
@@ -460,6 +465,7 @@ class ElasticLightning(Callback):
             self._keeps = (
                 self._live
                 and directory is not None
+                and not isinstance(trainer.strategy, FSDPStrategy)  # FSDP1: see the doc
                 and made_anew(pl_module, self._before, self._fit)
             )
             if self._keeps:
@@ -500,17 +506,27 @@ class ElasticLightning(Callback):
 
     def _stand_aside(self, trainer: pl.Trainer, strategy: str, directory: str | None) -> None:
         """A sharded strategy's checkpoint is not each rank's whole state, so no rank could
-        send it to another: no snapshot of the whole. ModelParallel's shards are
-        snapshotted to ``directory``, where given (and under ``run()`` kept in memory for
-        the next fit: the workers stay); else Lightning resumes from its own checkpoints,
-        and under ``run()`` a change gives new workers. The sampler still resumes at the
-        exact sample."""
+        send it to another: no snapshot of the whole. ModelParallel's and FSDP's shards
+        are snapshotted to ``directory``, where given (and ModelParallel's, under ``run()``,
+        kept in memory for the next fit: the workers stay); else Lightning resumes from
+        its own checkpoints, and under ``run()`` a change gives new workers. The sampler
+        still resumes at the exact sample."""
         if not self._aside:
             new = ", and a membership change gives new workers" if self._live else ""
+            fsdp1 = isinstance(trainer.strategy, FSDPStrategy)
             if directory is not None and self._keeps:
                 log.info(
                     "%s shards the model: its snapshots are DCP checkpoints of the shards in "
                     "%s, and copies in memory: the workers are kept through membership changes",
+                    strategy,
+                    directory,
+                )
+            elif directory is not None and self._live and fsdp1:
+                log.warning(
+                    "%s shards the model with FSDP1: its snapshots are DCP checkpoints of the "
+                    "shards in %s, but FSDP1's flat shards cannot be re-sharded in memory, so "
+                    "a membership change gives new workers, which load the newest (FSDP2, "
+                    "ModelParallelStrategy, keeps them)",
                     strategy,
                     directory,
                 )
@@ -529,7 +545,7 @@ class ElasticLightning(Callback):
                 more = (
                     " (give --checkpoint-dir, a directory every node reads, for snapshots "
                     "of its shards)"
-                    if strategy == ModelParallelStrategy.__name__
+                    if fsdp1 or isinstance(trainer.strategy, ModelParallelStrategy)
                     else ""
                 )
                 log.warning(
@@ -563,12 +579,14 @@ class ElasticLightning(Callback):
         """Restore the newest snapshot of the shards, re-sharded over this world, and give
         Lightning the rest as the checkpoint it resumes from; False: Lightning reads
         ``path`` (newer, or no snapshot) or nothing."""
-        module = trainer.lightning_module
-        if not is_sharded({"model": module}):
+        # the strategy's: FSDP wraps the LightningModule (unless configure_model wrapped
+        # its layers), and only the wrapper reads its flat parameters as shards
+        module = trainer.strategy.model
+        if not isinstance(module, torch.nn.Module) or not is_sharded({"model": module}):
             log.warning(
-                "ModelParallelStrategy left the model unsharded (no DTensor parameters "
-                "after configure_model): no snapshots; Lightning resumes from its own "
-                "checkpoints"
+                "%s left the model unsharded (no DTensor parameters or FSDP modules after "
+                "configure_model): no snapshots; Lightning resumes from its own checkpoints",
+                type(trainer.strategy).__name__,
             )
             if self._keeps:
                 group.detach()  # nothing kept: a change gives new workers

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elastic.worker import comm, snapshot
+from elastic.worker import comm, sharded, snapshot
 from elastic.worker.reshard_plan import Need, NoPlan, Offer, Plan, plan
 
 if TYPE_CHECKING:
@@ -53,6 +53,14 @@ def unsupported(objects: dict[str, Any]) -> str | None:
     for name, obj in objects.items():
         if not isinstance(obj, torch.nn.Module):
             continue
+        fsdp1 = sharded.fsdp1_modules(obj)
+        if fsdp1:
+            where = f"{name}.{fsdp1[0]}" if fsdp1[0] else name
+            return (
+                f"{where} is FSDP1 (FullyShardedDataParallel), whose flat shards only its own "
+                "state dicts read: new workers load the DCP checkpoint (FSDP2's fully_shard "
+                "re-shards in memory)"
+            )
         for key, t in obj.state_dict().items():
             if not isinstance(t, dtensor):
                 continue

@@ -1,4 +1,5 @@
-"""Sharded state (FSDP2 / DTensor) through torch.distributed.checkpoint.
+"""Sharded state (FSDP2 / DTensor, and FSDP1's FullyShardedDataParallel) through
+torch.distributed.checkpoint.
 
 Each rank holds only its shards, so a snapshot is a DCP checkpoint written by all ranks
 to a directory every node can read, and a restore loads it into the current sharding:
@@ -24,14 +25,23 @@ _NAME = re.compile(r"^dcp-step-(\d{12})$")
 
 
 def is_sharded(objects: dict[str, Any]) -> bool:
+    """Whether a model holds shards: DTensor parameters (FSDP2, HSDP, tensor parallel),
+    or FSDP1 modules, whose flat parameters are plain tensors that only its own state
+    dicts (``get_state_dict``) turn into shards a checkpoint can hold."""
     from torch.distributed.tensor import DTensor
 
-    return any(
-        isinstance(p, DTensor)
-        for o in objects.values()
-        if isinstance(o, torch.nn.Module)
-        for p in o.parameters()
+    models = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
+    return any(isinstance(p, DTensor) for m in models for p in m.parameters()) or any(
+        fsdp1_modules(m) for m in models
     )
+
+
+def fsdp1_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s FSDP1 (``FullyShardedDataParallel``) modules, "" for the
+    model itself."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [n for n, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)]
 
 
 def _split(objects: dict[str, Any]) -> tuple[list, list, dict[str, Any]]:

@@ -8,7 +8,7 @@ final model and optimizer state to ``$RESULT_DIR/final.pt``. ``--adapter`` adds
 ``ElasticLightning``; ``--live`` fits through its ``run()`` (a new Trainer in the same
 process after each membership change); ``--strategy model_parallel`` shards the model
 with FSDP2 (Lightning's ModelParallelStrategy, which runs on CPU), ``--strategy fsdp``
-with FSDP (Lightning's FSDPStrategy, GPUs only).
+with FSDP1 (Lightning's FSDPStrategy: on CPU ``CPUFSDP``, below).
 ``--device cuda`` trains on the GPU (``--backend gloo``: two nodes on one GPU).
 ``--kill-rank/--kill-step`` make that rank SIGKILL itself at the end of that step, on the
 first attempt only. ``--dump-start`` saves the whole state a resumed fit starts from;
@@ -34,8 +34,19 @@ from elastic_train import Indexed  # the same data as the hand-written loop
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.utils.data import DataLoader
+
+
+class CPUFSDP(FSDPStrategy):
+    """Lightning's FSDPStrategy on the CPU. FSDP1 runs on gloo given the CPU as its
+    device, but Lightning refuses its own class without a GPU, and wraps the model for
+    the device's index, which the CPU has none of: so on the CPU the layers are wrapped
+    in ``configure_model`` (Lightning keeps a wrapping it finds), and this subclass gets
+    past the refusal. Everything else is Lightning's FSDPStrategy as it is. Its own
+    checkpoints are sharded (``state_dict_type="sharded"``, DCP directories): FSDP1's
+    full state dict, gathered to rank 0 and offloaded to the CPU it is already on,
+    crashes the process in torch 2.13 (SIGSEGV in its clone)."""
 
 
 class Net(L.LightningModule):
@@ -44,9 +55,14 @@ class Net(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
         self.record: Callable[[int, list[int], float], None] | None = None
 
-    def configure_model(self) -> None:  # ModelParallelStrategy (FSDP2) only
+    def configure_model(self) -> None:  # ModelParallelStrategy (FSDP2), CPUFSDP (FSDP1)
         if self.device_mesh is not None:
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+        if isinstance(self.trainer.strategy, CPUFSDP) and not isinstance(
+            self.net, FullyShardedDataParallel
+        ):
+            cpu = torch.device("cpu")
+            self.net = FullyShardedDataParallel(self.net, device_id=cpu, use_orig_params=True)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         idx, x, y = batch
@@ -159,7 +175,7 @@ def main() -> None:
 
     def strategy() -> Any:
         if a.strategy == "fsdp":
-            return FSDPStrategy()
+            return FSDPStrategy() if a.device == "cuda" else CPUFSDP(state_dict_type="sharded")
         if a.strategy == "model_parallel":
             return ModelParallelStrategy()
         return DDPStrategy(process_group_backend=a.backend) if a.backend else "ddp"
@@ -183,7 +199,8 @@ def main() -> None:
         return trainer
 
     trainer = elastic.run(fit, backend=a.backend) if a.live else fit()
-    if trainer.global_rank == 0 and module is not None:  # a sharded model: its checkpoint
+    # the model as of the end (FSDP1's would be gathered: a collective, not rank 0's alone)
+    if trainer.global_rank == 0 and module is not None and a.strategy != "fsdp":
         opt = trainer.optimizers[0]
         final = {
             "model": module.state_dict(),
