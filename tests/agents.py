@@ -169,3 +169,10 @@ def samples_once(
             i for (e, _), rows in kept.items() if e == epoch for r in rows for i in r["indices"]
         )
         assert used == list(range(samples)), f"epoch {epoch}: {len(used)} of {samples}"
+
+
+def full_speed(result_dir: Path) -> None:
+    """What the test waited for came while its job trained slowly (the scripts'
+    ``--slow-below-world``, there so that a join or a start lands inside the job however
+    slow the machine): the rest of the job trains at full speed."""
+    (result_dir / "full-speed").touch()

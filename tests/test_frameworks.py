@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import pytest
 import torch
-from agents import samples_once, start_agent, steps, wait_world, worker_pids
+from agents import full_speed, samples_once, start_agent, steps, wait_world, worker_pids
 from conftest import need
 from harness import ROOT, Proc, wait_until
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -324,6 +324,7 @@ def test_lightning_fsdp2_under_run_keeps_its_workers_through_a_kill_and_a_join(
     c = node("c")
     joined = time.time()
     wait_world(out, 2, after=joined, timeout=120)
+    full_speed(out)
     assert a.wait(240) == 0, a.transcript()
     assert c.wait(60) == 0, c.transcript()
     said = a.transcript()

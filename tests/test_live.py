@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from agents import TTL, gone, start_agent, wait_world, worker_pids
+from agents import TTL, full_speed, gone, start_agent, wait_world, worker_pids
 from agents import steps as rows
 from etcd_servers import EtcdCluster
 from faults import NetNode, isolated_node
@@ -230,6 +230,7 @@ def test_a_worker_killed_while_etcd_is_away_steps_its_node_out_once_etcd_answers
         assert two - thawed < TTL, said
         survivors_kept(tmp_path, kept, since=thawed)
         wait_world(tmp_path, 3, after=two, timeout=60)
+        full_speed(tmp_path)
         for a in agents:
             assert a.wait(120) == 0, a.transcript()
     b = agents[1].transcript()
@@ -339,6 +340,7 @@ def test_sigterm_leave_then_two_joins_at_once(
         said = n.transcript()
         assert said.index("starting workers before joining") < said.index("registered as"), said
         assert "new workers follow" not in said, said
+    full_speed(tmp_path)
     for a in (*agents[:2], *new):
         assert a.wait(120) == 0, a.transcript()
     said = "\n".join(a.transcript() for a in agents[:2])
@@ -381,6 +383,7 @@ def test_a_standby_takes_a_lost_members_place_with_its_workers_started_ahead(
     killed = time.time()
     b.kill_tree()
     wait_until(lambda: ahead <= pids_at(tmp_path, 2), 60, "c's waiting worker to train")
+    full_speed(tmp_path)
     for agent in (a, c):
         assert agent.wait(120) == 0, agent.transcript()
     after = {r["pid"] for r in rows(tmp_path) if r["t"] > killed + 0.5}
@@ -420,6 +423,7 @@ def test_a_join_as_the_first_workers_build_waits_for_them_to_get_into_state_run(
         n.wait_output("on their way into State.run", timeout=60)  # the join waits
     (tmp_path / "building").unlink()
     wait_world(tmp_path, 6, timeout=90)
+    full_speed(tmp_path)
     for n in (a, b, c):
         assert n.wait(120) == 0, n.transcript()
     said = a.transcript() + b.transcript()
@@ -459,6 +463,7 @@ def test_the_only_two_members_hung_at_once_keep_the_jobs_newest_state(
     for agent in (a, b):
         agent.wait_output("hung:", timeout=30)
     wait_world(tmp_path, 2, after=stopped + 1, timeout=90)
+    full_speed(tmp_path)
     for agent in (a, b, c):
         assert agent.wait(180) == 0, agent.transcript()
     assert not {r["pid"] for r in rows(tmp_path) if r["t"] > stopped + 1} & set(frozen)
@@ -502,6 +507,7 @@ def test_a_join_while_a_newcomers_workers_go_into_state_run_waits_for_them(
     world = 4 if then == "builds" else 3
     wait_world(tmp_path, world, after=time.time() - 1, timeout=60)
     assert kept <= pids_at(tmp_path, world), d.transcript()
+    full_speed(tmp_path)
     for n in (a, d, e) if then == "b-killed" else (a, b, d, e):
         assert n.wait(120) == 0, n.transcript()
     said = d.transcript()
@@ -550,6 +556,7 @@ def test_a_kill_the_leaders_kill_during_the_re_formation_and_a_join(
     if after_a is not None and float(after_a[1]) < 2:
         assert "rank 0's worker hosts the store" in b.transcript(), b.transcript()
     assert worker_pids(b) == kept
+    full_speed(tmp_path)
     for n in (b, d):
         assert n.wait(120) == 0, n.transcript()
         assert "no live re-formation" not in n.transcript()
@@ -584,6 +591,7 @@ def test_a_newcomer_cut_off_as_the_round_with_it_forms(
         restored = time.time()
         net.restore()
         wait_world(tmp_path, 3, after=restored, timeout=90)
+        full_speed(tmp_path)
         for n in (a, b, c):
             assert n.wait(120) == 0, n.transcript()
         came_back_anew(c)
@@ -622,6 +630,7 @@ def test_the_leader_cut_off_as_the_round_re_forms_for_a_kill(
         restored = time.time()
         net.restore()
         wait_world(tmp_path, 2, after=restored, timeout=90)
+        full_speed(tmp_path)
         for n in (a, c):
             assert n.wait(120) == 0, n.transcript()
         came_back_anew(c)
@@ -663,6 +672,7 @@ def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newco
         assert "was in memory only and is lost with it" in said, said
         return
     assert "hold step" in said and "leaving the job now" in said, said
+    full_speed(tmp_path)
     assert b.wait(120) == 0, b.transcript()
     assert "trained again" not in b.transcript(), b.transcript()
     check_run(tmp_path, changes=2, epochs=6)
@@ -708,6 +718,7 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
         assert -1 < got < said.find("restored step"), said
         after = {r["pid"] for r in rows(tmp_path) if r["world"] == 2 and r["t"] > killed}
         assert after == set(kept) | newcomer, "c's first worker trains"
+    full_speed(tmp_path)
     for n in (b, c):
         assert n.wait(120) == 0, n.transcript()
         assert "no live re-formation" not in n.transcript()
@@ -748,6 +759,7 @@ def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_tr
         back = wait_world(tmp_path, 2, after=alone, timeout=90)
         print(f"a is back {back - killed:.2f}s after the kill")
         assert worker_pids(b) == kept and pids_at(tmp_path, 1, killed) <= set(kept)
+        full_speed(tmp_path)
         for n in (a, b):
             assert n.wait(120) == 0, n.transcript()
     said = a.transcript()
@@ -774,6 +786,7 @@ def test_a_worker_crash_on_one_node(
     killed = time.time()
     os.kill(worker_pids(agents[2])[0], signal.SIGKILL)
     wait_until(lambda: len(pids_at(tmp_path, 3)) > 3, 60, "a new worker on c", interval=0.1)
+    full_speed(tmp_path)
     assert [worker_pids(a) for a in agents[:2]] == kept
     for a in agents:
         assert a.wait(120) == 0, a.transcript()
