@@ -22,6 +22,7 @@ import pytest
 from agents import (
     TRAIN_LOOP,
     TTL,
+    full_speed,
     gone,
     samples_once,
     start_agent,
@@ -117,6 +118,7 @@ def test_partitioned_node_is_dropped_then_fences_and_rejoins(
         c.wait_output("fenced", timeout=30)
         wait_until(lambda: gone(stale), 10, "the cut-off node's stale workers to be killed")
         back = wait_world(tmp_path, 3, after=restored, timeout=90)
+        full_speed(tmp_path)
         finish(a, b, c)
         history = steps(tmp_path)
         assert [r for r in history if r["pid"] in stale and r["t"] > cut + 0.5] == [], (
@@ -161,6 +163,7 @@ def test_etcd_restart_longer_than_the_ttl_leaves_training_alone(
         etcd.start()
         time.sleep(TTL + 2)
         assert during, "training stopped while etcd was away"
+        full_speed(tmp_path)
         finish(*agents)
         assert {r["pid"] for r in steps(tmp_path)} == pids, "a worker was restarted"
         assert all(rounds_seen(a) == [1] for a in agents), [a.err[-5:] for a in agents]
@@ -223,6 +226,7 @@ def test_a_frozen_worker_is_found_blamed_alone_and_charged_once_as_a_node_is_los
     killed = time.time()
     b.kill_tree()
     resumed = wait_world(tmp_path, 2, after=killed, timeout=60)
+    full_speed(tmp_path)
     finish(a, c)
     history = steps(tmp_path)
     samples_once(history, SAMPLES, EPOCHS, steps(tmp_path, tried=True))

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from agents import samples_once, start_agent, steps, wait_world, worker_pids
+from agents import full_speed, samples_once, start_agent, steps, wait_world, worker_pids
 from harness import ROOT, Proc, wait_until
 
 from elastic.agent.etcd_server import EtcdServer
@@ -156,6 +156,7 @@ def test_three_two_three_nodes_every_sample_exactly_once(
     d = node("d")
     wait_world(out, 3, after=joined, timeout=60)
     a.wait_output("joined d", timeout=5)
+    full_speed(out)
     for n in (a, b, d):
         assert n.wait(120) == 0, n.transcript()
 
