@@ -57,7 +57,7 @@ def _dead_agents_folder(base: Path, name: str, owner: dict, step: int | None) ->
         slots = SnapshotSlots(d)
         slots.buffer(0, 8)[:8] = b"snapshot"
         slots.commit(0, step, 8)
-        (d / f"rng-rank0-step{step}.pt").write_bytes(b"rng")
+        (d / f"rng-rank0-step{step}.rng").write_bytes(b"rng")
     return d
 
 
@@ -90,7 +90,7 @@ def test_a_restarted_node_inherits_its_dead_predecessors_snapshot(
     assert nodedir.predecessor_step(mine) == 40
     nodedir.inherit(mine, keep=True)
     assert SnapshotSlots(mine, create=False).newest() == (0, 40)
-    assert (mine / "rng-rank0-step40.pt").exists()
+    assert (mine / "rng-rank0-step40.rng").exists()
     assert not (mine / nodedir.PREDECESSOR).exists() and not (mine / "control-0").exists()
     nodedir.remove_job("J")  # the job ended: nobody inherits b's any more
     assert not other_node.exists() and mine.is_dir()

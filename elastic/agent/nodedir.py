@@ -41,7 +41,7 @@ GONE = "gone-since"  # when an agent first found the owner dead (seconds since t
 GRACE = 600.0  # seconds another job's agent leaves a dead agent's folder for its node
 PREDECESSOR = "predecessor"  # a dead agent's folder of the same job and node, until judged
 JOB = "job-run"  # the run of the job its snapshots were taken in (``remember_job``)
-SNAPSHOT_FILES = ("slots.hdr", "slot0.bin", "slot1.bin", "rng-rank*-step*.pt")
+SNAPSHOT_FILES = ("slots.hdr", "slot0.bin", "slot1.bin", "rng-rank*-step*.rng")
 
 
 def _owner(pid: int) -> dict[str, object] | None:

@@ -6,21 +6,22 @@ file, and on restore takes it back if it is of the restored step. A rank that ha
 (a new node, or new ranks after a resize) is seeded from (step, rank): reproducible, and
 different for every rank and step.
 
-The states are read at the step (about 0.2 ms) and written by one background thread, off
-the training path (the file cost 1-2 ms a snapshot there); a restore waits for the
-writes in flight first. A file lost with a crash right after its snapshot means a fresh
-seed for that step, as for a rank that has none.
+The file is written at the step, before the snapshot is taken, on the training thread
+(0.17 ms in all here, 0.07 ms of it reading the states: raw bytes behind a small JSON
+header, no pickle, no zip). A background thread wrote it once, and a worker killed two
+steps after a snapshot on a loaded machine had not written it yet: its restore was
+reseeded, and the resume no longer bitwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-import queue
 import random
 import sys
-import threading
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,16 @@ import torch
 
 log = logging.getLogger("elastic.state")
 
+MAGIC = b"elastic-run rng 1\n"
+KEEP = 3  # RNG files per rank: more than the snapshot slots, so the restored one is there
+
 
 def _numpy() -> Any:
     return sys.modules.get("numpy")  # only if the script uses it: never import it for them
 
 
 def capture() -> dict[str, Any]:
-    """This process's RNG states: torch (CPU and every CUDA device), Python, NumPy (its
-    key as NumPy holds it: ``portable`` makes it loadable without NumPy)."""
+    """This process's RNG states: torch (CPU and every CUDA device), Python, NumPy."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -43,15 +46,6 @@ def capture() -> dict[str, Any]:
     if np is not None:
         state["numpy"] = np.random.get_state()
     return state
-
-
-def portable(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with NumPy's key as a tensor: a file of it loads with weights_only."""
-    if "numpy" not in state or isinstance(state["numpy"][1], torch.Tensor):
-        return state
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    keys = torch.from_numpy(keys.astype("int64"))
-    return {**state, "numpy": (name, keys, int(pos), int(has_gauss), float(gauss))}
 
 
 def apply(state: dict[str, Any]) -> None:
@@ -62,8 +56,7 @@ def apply(state: dict[str, Any]) -> None:
     np = _numpy()
     if np is not None and "numpy" in state:
         name, keys, pos, has_gauss, gauss = state["numpy"]
-        keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
-        np.random.set_state((name, keys.astype("uint32"), pos, has_gauss, gauss))
+        np.random.set_state((name, np.asarray(keys, dtype="uint32"), pos, has_gauss, gauss))
 
 
 def reseed(step: int, rank: int) -> None:
@@ -75,68 +68,99 @@ def reseed(step: int, rank: int) -> None:
         np.random.seed(seed)
 
 
-KEEP = 3  # RNG files per rank: more than the snapshot slots, so the restored one is there
+def _words(data: bytes) -> array[int]:
+    words = array("I")  # 32 bits on every platform torch runs on
+    words.frombytes(data)
+    return words
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """A CPU byte tensor's bytes, without NumPy (a script may run without it)."""
+    out = bytearray(t.numel())
+    if out:
+        torch.frombuffer(out, dtype=torch.uint8).copy_(t.reshape(-1))
+    return bytes(out)
+
+
+def encode(step: int, state: dict[str, Any]) -> bytes:
+    """``state`` (``capture()``'s) of ``step`` as a file's bytes: a JSON header naming
+    the raw blobs that follow it."""
+    version, words, gauss = state["python"]
+    blobs = {"torch": _bytes(state["torch"]), "python": array("I", words).tobytes()}
+    head: dict[str, Any] = {"step": step, "python": [version, gauss]}
+    for i, t in enumerate(state.get("cuda", ())):
+        blobs[f"cuda{i}"] = _bytes(t)
+    if "numpy" in state:
+        name, keys, pos, has_gauss, g = state["numpy"]
+        blobs["numpy"] = _numpy().asarray(keys, dtype="uint32").tobytes()
+        head["numpy"] = [name, int(pos), int(has_gauss), float(g)]
+    head["blobs"] = [[k, len(v)] for k, v in blobs.items()]
+    text = json.dumps(head).encode()
+    return MAGIC + len(text).to_bytes(4, "little") + text + b"".join(blobs.values())
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        raise ValueError("an empty generator state")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode(data: bytes) -> tuple[int, dict[str, Any]]:
+    """The step and the states of ``encode``'s bytes; ValueError names what is wrong."""
+    if not data.startswith(MAGIC):
+        raise ValueError("not an RNG file of elastic-run")
+    at = len(MAGIC) + 4
+    size = int.from_bytes(data[at - 4 : at], "little")
+    try:
+        head = json.loads(data[at : at + size])
+        at += size
+        blobs: dict[str, bytes] = {}
+        for name, n in head["blobs"]:
+            blobs[name], at = data[at : at + n], at + n
+        if at != len(data):
+            raise ValueError(f"{len(data)} bytes, where its header names {at}")
+        version, gauss = head["python"]
+        state: dict[str, Any] = {
+            "torch": _tensor(blobs["torch"]),
+            "python": (version, tuple(_words(blobs["python"])), gauss),
+        }
+        cuda = sorted((int(k[4:]), k) for k in blobs if k.startswith("cuda"))
+        if cuda:
+            state["cuda"] = [
+                torch.frombuffer(bytearray(blobs[k]), dtype=torch.uint8) for _, k in cuda
+            ]
+        if "numpy" in head:
+            name, pos, has_gauss, g = head["numpy"]
+            state["numpy"] = (name, _words(blobs["numpy"]), pos, has_gauss, g)
+        return int(head["step"]), state
+    except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
 
 
 def _path(node_dir: str, rank: int, step: int) -> Path:
-    return Path(node_dir) / f"rng-rank{rank}-step{step}.pt"
+    return Path(node_dir) / f"rng-rank{rank}-step{step}.rng"
 
 
-class _Writer:
-    """One daemon thread that writes the RNG files in the order they were taken."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[str, int, int, dict[str, Any]]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def put(self, node_dir: str, rank: int, step: int, state: dict[str, Any]) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="rng-writer", daemon=True)
-                self._thread.start()
-        self._queue.put((node_dir, rank, step, state))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                _write(*item)
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        self._queue.join()
-
-
-_writer = _Writer()
+def _mine(node_dir: str, rank: int) -> list[Path]:
+    return sorted(Path(node_dir).glob(f"rng-rank{rank}-step*.rng"), key=_step_of)
 
 
 def save(node_dir: str | None, rank: int, step: int) -> None:
-    """This rank's RNG states of ``step``, next to the node's snapshot: read now, written
-    in the background. One file per step: the snapshot of this step may be cut short (a
+    """This rank's RNG states of ``step``, next to the node's snapshot, in place before
+    the snapshot is. One file per step: the snapshot of this step may be cut short (a
     crash while it is copied), and then the restore needs the RNG states of the step
     before, which are still there."""
-    if node_dir:
-        _writer.put(node_dir, rank, step, capture())
-
-
-def flush() -> None:
-    """Wait until every RNG state saved so far is in its file."""
-    _writer.flush()
-
-
-def _write(node_dir: str, rank: int, step: int, state: dict[str, Any]) -> None:
+    if not node_dir:
+        return
     path = _path(node_dir, rank, step)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save({"step": step, "rng": portable(state)}, tmp)
+        tmp.write_bytes(encode(step, capture()))
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not save this rank's RNG state: %s", e)
         return
-    old = sorted(Path(node_dir).glob(f"rng-rank{rank}-step*.pt"), key=_step_of)[:-KEEP]
-    for stale in old:
+    for stale in _mine(node_dir, rank)[:-KEEP]:
         with contextlib.suppress(OSError):
             stale.unlink()
 
@@ -149,13 +173,27 @@ def _step_of(path: Path) -> int:
 
 
 def restore(node_dir: str | None, rank: int, step: int) -> None:
-    """This rank's RNG states of ``step`` if the node has them, else a fresh seed."""
-    flush()
+    """This rank's RNG states of ``step`` if the node has them, else a fresh seed: said
+    as a warning for an unreadable file, and as a note where the node holds this rank's
+    files of other steps only (a rank numbered anew after a resize; a worker that ended
+    between the node's snapshot and its own file)."""
     path = _path(node_dir, rank, step) if node_dir else None
     if path is not None and path.exists():
-        with contextlib.suppress(Exception):
-            saved = torch.load(path, weights_only=True)
-            if saved.get("step") == step:
-                apply(saved["rng"])
+        try:
+            saved, state = decode(path.read_bytes())
+            if saved == step:
+                apply(state)
                 return
+            why = f"holds step {saved}"
+        except (OSError, ValueError) as e:
+            why = str(e)
+        log.warning("rank %d: the RNG file %s %s: seeded from (step, rank)", rank, path, why)
+    elif node_dir and _mine(node_dir, rank):
+        log.info(
+            "rank %d: this node holds no RNG state of step %d for it: seeded from (step, "
+            "rank), so its random draws (dropout, augmentation) differ from a run without "
+            "the fault",
+            rank,
+            step,
+        )
     reseed(step, rank)

@@ -634,8 +634,6 @@ class State:
             frozen,
             checkpoint=lambda: rank0 and self._core.snapshotter.due_checkpoint(wait),
         )
-        if wait:
-            rng.flush()  # the process is about to stop: the RNG file too
         return 0.0
 
     def _keep_sharded(self, step: int) -> None:
@@ -862,12 +860,10 @@ class State:
     def flush(self) -> None:
         """Wait for the snapshot copy and the checkpoint write in progress, if any."""
         self._core.snapshotter.flush()
-        rng.flush()
 
     def close(self) -> None:
         """Finish background work (the process exiting does the same, less politely)."""
         self._core.snapshotter.close()
-        rng.flush()
         progress.flush()
         for h in self._core.hooks:
             h.remove()
