@@ -9,16 +9,23 @@ reuses ``attempt_<restarts>`` and loses the logs of resizes)::
 
     <log_dir>/<run_id>_<node_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log, error.json
 
-One thing differs on purpose: a traceback a worker prints as it dies is held back for a
+Two things differ on purpose. A traceback a worker prints as it dies is held back for a
 moment, so that when it only says that a peer vanished (the peer's node was lost), the
 agent can print one line instead, naming the loss as the cause, and keep the traceback in
-the worker's ``stderr.log``. Any other traceback is printed as it came.
+the worker's ``stderr.log``. Any other traceback is printed as it came. And a C++ stack
+that torch's own warning about a vanished peer carries (``[W ... TCPStore.cpp] recvValue
+failed ...: Connection reset by peer``, then 20-odd ``frame #N`` lines, as a store host
+dies while a worker re-forms, which the agent handles) goes to ``stderr.log``; the
+console keeps the warning and one line saying where its stack is. So does the stack of
+any message of torch's distributed layer (``[c10d]``: the store's and the group's network
+errors, which the agent judges from the workers' state, not from their stacks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import shutil
 import string
@@ -40,6 +47,8 @@ PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 DEFAULT_PREFIX = "[${role_name}${local_rank}]:"
 QUIET = 2.0  # seconds without output that end a traceback the worker survived
 _TRACEBACK = b"Traceback (most recent call last):"
+_CPP_STACK = re.compile(rb"^Exception raised from .* \(most recent call first\):\s*$")
+_CPP_FRAME = re.compile(rb"^(?:frame #\d+: |<omitting python frames>|\s*$)")
 _console_lock = threading.Lock()
 
 
@@ -72,6 +81,7 @@ class StreamPlan:
     filters: tuple[bytes, ...] = ()  # lines containing any of these ...
     filtered: BinaryIO | None = None  # ... are copied here too
     filtered_prefix: bytes = b""  # with the rank prefix, as torchrun's filtered files
+    kept: Path | None = None  # where what the console leaves out is (its file, if any)
 
 
 class Pump:
@@ -87,6 +97,8 @@ class Pump:
         self.tail = ""
         self.held = b""
         self._block: list[bytes] = []
+        self._frames: list[bytes] | None = None  # a C++ stack left off the console
+        self._last = b""  # the last line shown
         self.thread = threading.Thread(target=self._run, daemon=True, name="log-pump")
         self.thread.start()
 
@@ -95,7 +107,9 @@ class Pump:
         pending = b""
         try:
             while True:
-                if self._block and not select.select([fd], [], [], QUIET)[0]:
+                waiting = self._block or self._frames is not None
+                if waiting and not select.select([fd], [], [], QUIET)[0]:
+                    self._end_frames()
                     self._end_block(dying=False)  # it printed a traceback and lived on
                     continue
                 data = os.read(fd, 1 << 16)
@@ -107,6 +121,7 @@ class Pump:
                     self._line(line + b"\n")
             if pending:
                 self._line(pending + b"\n")
+            self._end_frames()
             self._end_block(dying=True)
         finally:
             self.source.close()
@@ -121,10 +136,44 @@ class Pump:
             plan.filtered.flush()
         if not plan.console:
             return
+        if self.stream == ERR and self._frames is not None:
+            if _CPP_FRAME.match(line):
+                self._frames.append(line)
+                if not line.strip():  # c10 ends its stack with an empty line
+                    self._end_frames()
+                return
+            self._end_frames()
         if self.stream == ERR and (self._block or _starts_traceback(line)):
             self._block.append(line)
             return
+        if (
+            self.stream == ERR
+            and _CPP_STACK.match(line)
+            and (b"[c10d]" in self._last or peer_gone(self._last.decode(errors="replace")))
+        ):
+            self._frames = [line]
+            return
+        self._last = line
         to_console(self.stream, plan.prefix + line)
+
+    def _end_frames(self) -> None:
+        """A C++ stack of a c10d message, or of one about a vanished peer, is complete: into
+        the worker's stderr file (where it is already if stderr is tee'd), one line on the
+        console."""
+        frames, self._frames = self._frames, None
+        if not frames:
+            return
+        kept = self.plan.kept
+        if kept is not None and self.plan.file is None:
+            try:
+                with open(kept, "ab") as f:
+                    f.write(b"".join(frames))
+            except OSError:
+                kept = None
+        count = sum(1 for line in frames if line.startswith(b"frame #"))
+        where = f": in {kept}" if kept is not None else ""
+        note = f"(its C++ stack, {count} frames, left off the console{where})\n"
+        to_console(self.stream, self.plan.prefix + note.encode())
 
     def _end_block(self, dying: bool) -> None:
         """A traceback is complete: print it, or (a peer-gone one as the stream ends) hold
@@ -283,7 +332,7 @@ class LogRouter:
                 target = subprocess.DEVNULL
             prefix = self.prefix(rank, local_rank)
             ws.plans[stream] = StreamPlan(
-                console, prefix if tee else b"", file, filters, filtered, prefix
+                console, prefix if tee else b"", file, filters, filtered, prefix, d / f"{name}.log"
             )
             if stream == OUT:
                 ws.stdout = target
