@@ -68,8 +68,9 @@ def test_every_generator_comes_back_from_the_file(tmp_path: Path) -> None:
         lambda b: b"junk" + b,  # not ours
         lambda b: b[:30] + b"{" + b[31:],  # its header broken
         lambda b: rng.encode(8, rng.capture()),  # of another step
+        lambda b: rng.encode(9, {**rng.capture(), "torch": torch.zeros(7, dtype=torch.uint8)}),
     ],
-    ids=["cut-short", "foreign", "bad-header", "other-step"],
+    ids=["cut-short", "foreign", "bad-header", "other-step", "refused-by-torch"],
 )
 def test_a_damaged_file_is_named_and_reseeds(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: object

@@ -126,9 +126,7 @@ def decode(data: bytes) -> tuple[int, dict[str, Any]]:
         }
         cuda = sorted((int(k[4:]), k) for k in blobs if k.startswith("cuda"))
         if cuda:
-            state["cuda"] = [
-                torch.frombuffer(bytearray(blobs[k]), dtype=torch.uint8) for _, k in cuda
-            ]
+            state["cuda"] = [_tensor(blobs[k]) for _, k in cuda]
         if "numpy" in head:
             name, pos, has_gauss, g = head["numpy"]
             state["numpy"] = (name, _words(blobs["numpy"]), pos, has_gauss, g)
@@ -182,12 +180,14 @@ def restore(node_dir: str | None, rank: int, step: int) -> None:
         try:
             saved, state = decode(path.read_bytes())
             if saved == step:
-                apply(state)
+                apply(state)  # a state of the wrong size is refused by its generator
                 return
-            why = f"holds step {saved}"
-        except (OSError, ValueError) as e:
+            why = f"it holds step {saved}"
+        except (OSError, ValueError, TypeError, RuntimeError) as e:
             why = str(e)
-        log.warning("rank %d: the RNG file %s %s: seeded from (step, rank)", rank, path, why)
+        log.warning(
+            "rank %d: the RNG file %s is unusable (%s): seeded from (step, rank)", rank, path, why
+        )
     elif node_dir and _mine(node_dir, rank):
         log.info(
             "rank %d: this node holds no RNG state of step %d for it: seeded from (step, "
