@@ -64,17 +64,14 @@ device, a respawned worker initialises CUDA, builds the model and restores it ag
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -83,9 +80,10 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # etcd_servers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # etcd_servers, harness
 
 from etcd_servers import EtcdCluster
+from harness import echo_server
 
 from benchmarks._nodes import Node, first_step, steps
 from elastic.agent.etcd_server import EtcdServer
@@ -521,28 +519,10 @@ def quorum_lost(job: Job) -> Outcome:
     return frozen_for(job, [m.proc.pid for m in cluster.members[1:] if m.proc is not None])
 
 
-def echo_service() -> int:
-    """A service of the script's own on loopback (its port): each byte echoed back."""
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            while data := conn.recv(64):
-                conn.sendall(data)
-
-    def accept() -> None:
-        while True:
-            conn, _ = server.accept()
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return int(server.getsockname()[1])
-
-
 def own_connection(job: Job) -> Outcome:
     """A plain kill of c, each worker keeping a connection of its own through it: to the
     first step at world 2, and the requests on those connections that failed."""
-    job.script_args = (*job.script_args, "--echo", str(echo_service()))
+    job.script_args = (*job.script_args, "--echo", str(echo_server()))
     start_training(job, "abc")
     at = time.time()
     job.nodes["c"].kill()

@@ -300,11 +300,12 @@ def etcdctl(server, *args: str, user: str | None = None) -> str:
 
 
 def echo_server() -> int:
-    """A service of the script's own on loopback: it echoes each byte back."""
+    """A service of the script's own on loopback (its port): it echoes each byte back; a
+    client killed mid-request ends its connection quietly (also ``benchmarks/faults.py``'s)."""
     server = socket.create_server(("127.0.0.1", 0))
 
     def serve(conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.suppress(OSError):
             while data := conn.recv(64):
                 conn.sendall(data)
 

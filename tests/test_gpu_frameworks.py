@@ -138,6 +138,21 @@ def test_the_examples_gpu_forms_run(tmp_path: Path) -> None:
         assert "destroy_process_group() was not called" not in d.stderr, name
 
 
+def fsdp_killed_at_step_7(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], out: Path, *extra: str
+) -> Proc:
+    """Lightning's FSDPStrategy on the GPU with the adapter and its own checkpoints every
+    5 steps, on one node of one worker, SIGKILLed at step 7 once (``extra``: more agent
+    flags); the agent, started."""
+    job = (
+        SCRIPTS / "lightning_train.py", "--samples", "96", *CUDA, "--strategy", "fsdp",
+        "--adapter", "--checkpoint-every", "5", "--kill-rank", "0", "--kill-step", "7",
+    )  # fmt: skip
+    env = {"RESULT_DIR": str(out)}
+    extra = ("--max-restarts", "1", *extra, *FORK)
+    return start_agent(procs, etcd.endpoint, run_id, "a", *job, env=env, extra=extra)
+
+
 def test_lightning_fsdp_stands_aside_and_resumes_from_its_own_checkpoint(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -145,19 +160,7 @@ def test_lightning_fsdp_stands_aside_and_resumes_from_its_own_checkpoint(
     its checkpoint is rank 0's alone, so the adapter stands aside and says so; a worker
     killed at step 7 resumes from Lightning's own checkpoint of step 5, and the adapter's
     loader still goes on at the checkpoint's sample: every sample once in the kept steps."""
-    job = (
-        SCRIPTS / "lightning_train.py", "--samples", "96", *CUDA, "--strategy", "fsdp",
-        "--adapter", "--checkpoint-every", "5", "--kill-rank", "0", "--kill-step", "7",
-    )  # fmt: skip
-    agent = start_agent(
-        procs,
-        etcd.endpoint,
-        run_id,
-        "a",
-        *job,
-        env={"RESULT_DIR": str(tmp_path)},
-        extra=("--max-restarts", "1", *FORK),
-    )
+    agent = fsdp_killed_at_step_7(etcd, run_id, procs, tmp_path)
     assert agent.wait(300) == 0, agent.transcript()
     said = agent.transcript()
     assert "FSDPStrategy keeps sharded checkpoints of its own" in said, said
@@ -177,20 +180,8 @@ def test_lightning_fsdp_with_a_checkpoint_dir_resumes_from_the_snapshot_of_its_s
     the shards with DCP every 3 steps; killed at step 7, the worker resumes from the
     snapshot of step 6, newer than Lightning's own checkpoint of step 5."""
     snap = tmp_path / "snap"
-    job = (
-        SCRIPTS / "lightning_train.py", "--samples", "96", *CUDA, "--strategy", "fsdp",
-        "--adapter", "--checkpoint-every", "5", "--kill-rank", "0", "--kill-step", "7",
-    )  # fmt: skip
     every = ("--checkpoint-dir", str(snap), "--snapshot-every", "3")
-    agent = start_agent(
-        procs,
-        etcd.endpoint,
-        run_id,
-        "a",
-        *job,
-        env={"RESULT_DIR": str(tmp_path)},
-        extra=("--max-restarts", "1", *every, *FORK),
-    )
+    agent = fsdp_killed_at_step_7(etcd, run_id, procs, tmp_path, *every)
     assert agent.wait(300) == 0, agent.transcript()
     said = agent.transcript()
     assert "stand aside" not in said and "signal SIGKILL" in said, said
