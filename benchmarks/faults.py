@@ -541,10 +541,10 @@ def junk_leader(job: Job) -> Outcome:
     the first step at world 2 (it was: no node could claim the lead over it, and the
     job hung until join_timeout)."""
     start_training(job, "abc")
-    options, _ = build_options(job.endpoint, job.work.name, 1, 1)
+    options, rdzv = build_options(job.endpoint, job.work.name, 1, 1)
     client = EtcdClient(options)
     try:
-        client.put(f"/elastic-run/{job.work.name}/{records.LEADER}", b"\x80junk")
+        client.put(rdzv.job_prefix + records.LEADER, b"\x80junk")
     finally:
         client.close()
     time.sleep(0.5)  # every node saw it (nothing happens: no event to wait on)
