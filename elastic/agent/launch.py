@@ -8,13 +8,11 @@ import functools
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from elastic.agent import lobby, nodedir
+from elastic.agent import lobby, nodedir, signals
 from elastic.agent.breakdown import save_at_breakdown
 from elastic.agent.config import RunConfig
 from elastic.agent.core import AgentState
@@ -38,16 +36,6 @@ from rendezvous.protocol import NodeSpec, Rendezvous
 log = logging.getLogger("elastic.launch")
 
 DEFAULT_METRICS_PORT = 9400
-
-
-@contextlib.contextmanager
-def handled_signals(signals: tuple[int, ...], handler: Callable[[int], None]) -> Iterator[None]:
-    previous = {s: signal.signal(s, lambda n, _f: handler(n)) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _reach(cfg: RunConfig) -> str:
@@ -209,7 +197,7 @@ def launch(cfg: RunConfig) -> int:
         per = "1 worker" if cfg.nproc_per_node == 1 else f"{cfg.nproc_per_node} workers"
         log.info("node %s joining%s (%s node(s), %s per node)", cfg.node_id, job, nodes, per)
         stack.callback(workers.stop, 0)  # before leaving the job: no worker outlives the agent
-        with handled_signals(cfg.signals, agent.on_signal):
+        with signals.relayed(cfg.signals, agent.on_signal):
             if fork is not None:
                 # joining a running job pauses it (live workers wait for the newcomer):
                 # be ready to start workers at once before anyone sees this node

@@ -300,7 +300,8 @@ class Agent:
         return time.monotonic() - last < self.stall_after
 
     def on_signal(self, signum: int) -> None:
-        """From the signal handler: remember the first signal and wake the main loop."""
+        """From the signal relay (``signals``, a thread: never the handler itself, which
+        must take no lock): remember the first signal and wake the main loop."""
         if self.signal is None:
             self.signal = signum
         self._cancel.set()
