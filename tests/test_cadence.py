@@ -22,6 +22,7 @@ from elastic.worker.cadence import (
     StepTimes,
     choose,
 )
+from elastic.worker.state import moved
 
 
 def run(
@@ -326,3 +327,12 @@ def test_a_new_proposal_that_is_not_urgent_is_asked_with_the_next_snapshot() -> 
     assert not c.asks(snapshot=True)
     c.proposal = 20  # three times as often: at once
     assert c.asks(snapshot=False)
+
+
+def test_the_cadence_is_logged_at_its_first_choice_and_at_moves_of_2x() -> None:
+    """The snapshot interval's moves of 2x, not the agreements' gap's: a tiny model's gap
+    moved 2x within seconds (20, 10, 40, ...), and every move logged a line, 22-24 in a
+    run of 11 s; with ``--snapshot-every 0`` every new gap did (0 is near no ratio)."""
+    assert moved(None, 0) and moved(None, 346)
+    assert not moved(0, 0) and not moved(346, 183) and not moved(183, 357)
+    assert moved(346, 173) and moved(100, 200) and moved(0, 100) and moved(100, 0)

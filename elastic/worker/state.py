@@ -108,7 +108,7 @@ class _Core:
     hooks: list[Any] = field(default_factory=list)
     last_commit: float | None = None  # the cadence's clock at the end of commit()
     disturbed: bool = False  # a snapshot ran into the step now in progress
-    logged: tuple[int, int] | None = None  # (interval, gap) last logged
+    logged: int | None = None  # the snapshot interval last logged
     stepped: bool = False  # an optimizer stepped since the last commit()
     group: Group | None = None  # while run() keeps this process through changes
     restored: bool = False
@@ -173,6 +173,16 @@ class _Core:
 
     def stopping(self) -> bool:
         return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
+
+
+def moved(logged: int | None, interval: int) -> bool:
+    """Whether the snapshot interval moved far enough from the one last logged to log
+    again: the first choice, and moves of 2x or more (from or to 0, ``--snapshot-every
+    0``, too). The agreements' gap, which a slow spell of the machine moves 2x within
+    seconds, is logged with it but never by itself: the metrics follow it."""
+    if logged is None:
+        return True
+    return interval != logged and not logged / 2 < interval < logged * 2
 
 
 class State:
@@ -380,13 +390,9 @@ class State:
         late = 0 if cadence.fixed or folded else gap - 1  # a fixed interval's gap divides it
         risk = cadence.at_risk + late if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
-        figures, logged = (cadence.interval, gap), core.logged
-        near = logged is not None and all(
-            a / 2 < b < a * 2 for a, b in zip(logged, figures, strict=True)
-        )
-        if near or comm.rank() != 0:
+        if not moved(core.logged, cadence.interval) or comm.rank() != 0:
             return  # the log shows the first choice and moves of 2x; the metrics all
-        core.logged = figures
+        core.logged = cadence.interval
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
         if cadence.choice and cadence.choice.interval != cadence.interval:
             why += f" here; another rank's figures asked for every {cadence.interval}"
