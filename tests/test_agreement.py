@@ -15,8 +15,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic import State
 from elastic.contract import NODE_DIR_ENV, SnapshotPolicy
-from elastic.worker import comm
+from elastic.worker import comm, doorbell
 from elastic.worker.agreement import (
+    HOOK_S,
     LATENCY,
     LIMIT,
     SETTLED,
@@ -275,20 +276,36 @@ def test_where_the_bell_rode_in_the_reduction_it_alone_says_but_a_new_group_agre
 
 
 @pytest.mark.parametrize(
-    ("pass_s", "step_s", "pays"),
+    ("pass_s", "step_s", "buckets", "pays"),
     [
-        (2e-6, 0.002, True),  # a tiny model: its pass is nothing beside its step
-        (900e-6, 0.012, False),  # 4 MB of gradients: 7.5% of a 12 ms step
-        (200e-6, 0.010, True),  # 2%: what the agreements may cost
+        (2e-6, 0.002, 1, False),  # a tiny model: the Python hook's call costs 5% of it
+        (2e-6, 0.010, 1, True),  # ... 1% of a longer step
+        (900e-6, 0.012, 1, False),  # 4 MB of gradients: 7.5% of a 12 ms step
+        (90e-6, 0.010, 1, True),  # 1.9%: within what the agreements may cost
+        (90e-6, 0.010, 2, False),  # ... but not with a second bucket's call
     ],
 )
-def test_the_bell_goes_on_only_where_its_pass_costs_what_agreements_may(
-    pass_s: float, step_s: float, pays: bool
+def test_the_bell_goes_on_only_where_its_hook_costs_what_agreements_may(
+    pass_s: float, step_s: float, buckets: int, pays: bool
 ) -> None:
-    verdict = bell_pays(pass_s, step_s)
+    verdict = bell_pays(pass_s, step_s, buckets)
     assert verdict.pays is pays
-    assert f"{pass_s * 1e6:.0f} us, {pass_s / step_s:.1%}" in verdict.reason, verdict.reason
-    assert pays or SHARE * step_s < pass_s
+    cost = pass_s + buckets * HOOK_S
+    assert f"{cost * 1e6:.0f} us ({pass_s * 1e6:.0f} us over" in verdict.reason, verdict.reason
+    assert f"{buckets} bucket(s)" in verdict.reason and f"{cost / step_s:.1%}" in verdict.reason
+    assert pays is (cost <= SHARE * step_s)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_hook_is_weighed_for_each_bucket_ddp_reduces() -> None:
+    """The Python hook's cost comes once per bucket: DDP's first bucket holds 1 MB, the
+    others 25 MB (``bucket_cap_mb``)."""
+    small = DDP(torch.nn.Linear(64, 64))
+    big = DDP(torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))))
+    capped = DDP(
+        torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))), bucket_cap_mb=4
+    )
+    assert [doorbell._buckets(d) for d in (small, big, capped)] == [1, 3, 9]
 
 
 def test_the_step_is_weighed_once_the_first_steps_on_a_group_are_past() -> None:

@@ -14,9 +14,11 @@ its own. A step whose gradients were not reduced (``no_sync``) falls back to
 
 A comm hook is not free: DDP's C++ reduction scales the gradients as it copies them
 into its buckets, and under a hook they are copied, then scaled, a pass of their own
-(0.5-1 ms of a 12 ms step of a 4 MB model here). So the DDP around one of State's modules
+(0.5-1 ms of a 12 ms step of a 4 MB model here); and a hook in Python costs about 100 us
+a bucket beside DDP's C++ reduction, whatever the model (a tenth of a tiny model's 1 ms
+step here). So the DDP around one of State's modules
 is found at its first forward (a forward pre-hook on the module, until then and again
-after each re-formation), that pass is timed,
+after each re-formation), that pass is timed and its buckets counted,
 and the hook goes on only where it costs no more than the agreements it would replace
 may (``agreement.bell_pays``: 2% of a step, weighed once the steps are timed, by every
 rank: one that finds it does not pay keeps it off all of them; a DDP that already has a
@@ -72,6 +74,7 @@ class Doorbell:
         self._slot: _Slot | None = None  # ... its slot
         self._seen: DistributedDataParallel | None = None  # found, not yet weighed
         self._pass_s = 0.0  # ... what a hook's pass over its gradients costs a step
+        self._buckets = 1  # ... the buckets a hook is called for each step
         self._weighed: DistributedDataParallel | None = None  # the last one weighed
         self._proposed: DistributedDataParallel | None = None  # ... until the ranks settle it
         self.verdict: Bell | None = None  # ... whether the hook went on, and why
@@ -110,7 +113,7 @@ class Doorbell:
             return
         self._unlisten()  # a new DDP comes with a new group: ``forget`` listens again
         if ddp not in (self._seen, self._weighed):  # the same after ``watch``: known
-            self._seen, self._pass_s = ddp, _pass_time(ddp)
+            self._seen, self._pass_s, self._buckets = ddp, _pass_time(ddp), _buckets(ddp)
 
     def consider(self, step_s: float | None) -> None:
         """Weigh the DDP found (``bell_pays``) beside a step of ``step_s`` (None: not
@@ -120,7 +123,7 @@ class Doorbell:
         if ddp is None or step_s is None:
             return
         self._seen, self._weighed = None, ddp
-        self.verdict = bell_pays(self._pass_s, step_s)
+        self.verdict = bell_pays(self._pass_s, step_s, self._buckets)
         self._proposed = ddp
 
     @property
@@ -275,6 +278,17 @@ class _Fold:
 
 
 _RUNGS = [Rung(a, s) for a in (False, True) for s in (False, True)]
+
+
+def _buckets(ddp: DistributedDataParallel) -> int:
+    """At most how many buckets ``ddp`` reduces a step (a comm hook is called for each):
+    its gradients' bytes in a first bucket of its first cap, the rest in buckets of its
+    cap (DDP fills a bucket past its cap with a parameter kept whole: maybe fewer)."""
+    nbytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+    config = getattr(ddp, "_bucket_config", None)
+    first = int(getattr(config, "first_bucket_bytes_cap", 1 << 20))
+    cap = max(1, int(getattr(ddp, "bucket_bytes_cap", 25 << 20)))
+    return 1 + math.ceil(max(0, nbytes - first) / cap)
 
 
 def _pass_time(ddp: DistributedDataParallel) -> float:
