@@ -78,6 +78,7 @@ class Measured(NamedTuple):
 
     step: float
     paired: float
+    paired_median: float  # ... the same of the phases' median steps
     added: float  # seconds: the paired run's mean step with State less the one without
     agents: float
 
@@ -123,11 +124,12 @@ def step_time(make: Callable[[str, str], list[str]], etcd: str, work: Path, a: A
                 phases[bool(x.get("plain"))].append(b["t"] - x["t"])
     if len(gaps) < 10:
         raise RuntimeError(f"only {len(gaps)} steps measured; see {work}")
-    paired = added = 0.0
+    paired = paired_median = added = 0.0
     if phases[True] and phases[False]:
         with_state, without = statistics.mean(phases[False]), statistics.mean(phases[True])
         paired, added = with_state / without, with_state - without
-    return Measured(statistics.median(gaps), paired, added, agent_cores)
+        paired_median = statistics.median(phases[False]) / statistics.median(phases[True])
+    return Measured(statistics.median(gaps), paired, paired_median, added, agent_cores)
 
 
 PAIRED = "State / plain DDP, by turns"
@@ -170,12 +172,15 @@ def main() -> None:
             f"{med[k] / med['elastic-run']:>14.2f}x   {each}"
         )
     ratios = [m.paired for m in runs[PAIRED]]
+    medians = [m.paired_median for m in runs[PAIRED]]
     print(
         f"\nin one run, {AB} steps under State (comm hook and commit()) and {AB} of a twin "
         f"model in a plain DDP in turn: the step with State is "
         f"{statistics.median(ratios):.3f}x the plain step (mean over the phases; runs: "
         f"{' '.join(f'{x:.3f}' for x in ratios)}): "
-        f"{statistics.median(m.added for m in runs[PAIRED]) * 1e6:.0f} us more a step"
+        f"{statistics.median(m.added for m in runs[PAIRED]) * 1e6:.0f} us more a step; "
+        f"{statistics.median(medians):.3f}x by the phases' median steps (runs: "
+        f"{' '.join(f'{x:.3f}' for x in medians)})"
     )
     print("\nthe two agents' CPU meanwhile, in cores (median of the runs)")
     for k, v in runs.items():

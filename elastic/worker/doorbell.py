@@ -284,7 +284,8 @@ def _buckets(ddp: DistributedDataParallel) -> int:
     """At most how many buckets ``ddp`` reduces a step (a comm hook is called for each):
     its gradients' bytes in a first bucket of its first cap, the rest in buckets of its
     cap (DDP fills a bucket past its cap with a parameter kept whole: maybe fewer)."""
-    nbytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+    params = ddp.module.parameters()
+    nbytes = int(sum(p.numel() * p.element_size() for p in params if p.requires_grad))
     config = getattr(ddp, "_bucket_config", None)
     first = int(getattr(config, "first_bucket_bytes_cap", 1 << 20))
     cap = max(1, int(getattr(ddp, "bucket_bytes_cap", 25 << 20)))
