@@ -11,7 +11,10 @@ and, from one more run that trains ``AB`` steps under ``State`` (its comm hook a
 ``commit()``) and ``AB`` of a twin model in a DDP ``State`` does not know, in turn, the
 step with it over the step without (this VM's plain step moves 1.4-4 ms
 between runs, more than the differences it is to show: a paired figure, measured in the
-same processes at the same moments, is not moved by that); and the agents' own CPU.
+same processes at the same moments, is not moved by that), as the ratio of the phases'
+mean steps (which count the rare agreements and snapshots, but also the 2-4 ms stalls
+of a quarter of the steps that two ranks on 2 busy cores see, alike in both phases,
+which dilute it) and of their medians (what every step pays); and the agents' own CPU.
 The kinds take turns, ``--repeat`` times, so a slow spell of the machine hits all alike.
 
 What ``State`` adds is a cost per step (its comm hook, ``commit()``), not a share of it:
