@@ -7,6 +7,7 @@ round's store, the fork server) or in the workers.
     args         the command line (torchrun's flags and ours)
     config       the checked RunConfig
     launch       wires one node together
+    signals      the agent's signals, handed on by a relay thread (a lock in a handler hangs)
     core         the decision table: (state, event) -> reaction, pure
     loop         the agent loop: gathers events, carries out reactions
     workers      the local worker processes (start, poll, drain, hold, stop)
