@@ -305,7 +305,7 @@ def test_a_hook_is_weighed_for_each_bucket_ddp_reduces() -> None:
     capped = DDP(
         torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))), bucket_cap_mb=4
     )
-    assert [doorbell._buckets(d) for d in (small, big, capped)] == [1, 3, 9]
+    assert [doorbell._bucket_count(d) for d in (small, big, capped)] == [1, 3, 9]
 
 
 def test_the_step_is_weighed_once_the_first_steps_on_a_group_are_past() -> None:

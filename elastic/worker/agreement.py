@@ -72,7 +72,7 @@ HOOK_S = 100e-6  # seconds a Python comm hook adds to each bucket's reduction, b
 # gloo's thread): 30-120 us here, measured as 2 ranks of a tiny DDP step in turns
 
 
-def bell_pays(pass_s: float, step_s: float, buckets: int = 1) -> Bell:
+def bell_pays(pass_s: float, step_s: float, buckets: int) -> Bell:
     """Whether DDP's reduction carries the bell (``doorbell``). Its comm hook costs a
     pass over the gradients each step, ``pass_s`` (DDP's C++ reduction scales them as it
     copies them into its buckets; under a hook they are copied, then scaled), and

@@ -286,3 +286,13 @@ class Cadence:
                 choice = Choice(choice.interval, why)
             self.proposal = choice.interval
             self.choice = choice
+
+
+def interval_moved(logged: int | None, interval: int) -> bool:
+    """Whether the snapshot interval moved far enough from the one last logged to log
+    again: the first choice, and moves of 2x or more (from or to 0, ``--snapshot-every
+    0``, too). The agreements' gap, which a slow spell of the machine moves 2x within
+    seconds, is logged with it but never by itself: the metrics follow it."""
+    if logged is None:
+        return True
+    return interval != logged and not logged / 2 < interval < logged * 2

@@ -113,7 +113,7 @@ class Doorbell:
             return
         self._unlisten()  # a new DDP comes with a new group: ``forget`` listens again
         if ddp not in (self._seen, self._weighed):  # the same after ``watch``: known
-            self._seen, self._pass_s, self._buckets = ddp, _pass_time(ddp), _buckets(ddp)
+            self._seen, self._pass_s, self._buckets = ddp, _pass_time(ddp), _bucket_count(ddp)
 
     def consider(self, step_s: float | None) -> None:
         """Weigh the DDP found (``bell_pays``) beside a step of ``step_s`` (None: not
@@ -280,7 +280,7 @@ class _Fold:
 _RUNGS = [Rung(a, s) for a in (False, True) for s in (False, True)]
 
 
-def _buckets(ddp: DistributedDataParallel) -> int:
+def _bucket_count(ddp: DistributedDataParallel) -> int:
     """At most how many buckets ``ddp`` reduces a step (a comm hook is called for each):
     its gradients' bytes in a first bucket of its first cap, the rest in buckets of its
     cap (DDP fills a bucket past its cap with a parameter kept whole: maybe fewer)."""

@@ -55,7 +55,7 @@ from elastic.worker import (
     snapshot,
 )
 from elastic.worker.agreement import Agreement
-from elastic.worker.cadence import Cadence
+from elastic.worker.cadence import Cadence, interval_moved
 from elastic.worker.doorbell import Doorbell, Rung
 from elastic.worker.group import Group, Reformation
 from elastic.worker.restore import (
@@ -173,16 +173,6 @@ class _Core:
 
     def stopping(self) -> bool:
         return self.ctl is not None and self.ctl.stop_generation != self.stop_seen
-
-
-def moved(logged: int | None, interval: int) -> bool:
-    """Whether the snapshot interval moved far enough from the one last logged to log
-    again: the first choice, and moves of 2x or more (from or to 0, ``--snapshot-every
-    0``, too). The agreements' gap, which a slow spell of the machine moves 2x within
-    seconds, is logged with it but never by itself: the metrics follow it."""
-    if logged is None:
-        return True
-    return interval != logged and not logged / 2 < interval < logged * 2
 
 
 class State:
@@ -390,7 +380,7 @@ class State:
         late = 0 if cadence.fixed or folded else gap - 1  # a fixed interval's gap divides it
         risk = cadence.at_risk + late if cadence.at_risk else 0
         progress.cadence(cadence.interval, cadence.cost_s or 0.0, cadence.step_s or 0.0, risk)
-        if not moved(core.logged, cadence.interval) or comm.rank() != 0:
+        if not interval_moved(core.logged, cadence.interval) or comm.rank() != 0:
             return  # the log shows the first choice and moves of 2x; the metrics all
         core.logged = cadence.interval
         why = cadence.choice.reason if cadence.choice else "no measurements here yet"
