@@ -275,6 +275,13 @@ class ControlBlock:
         return self.phase is Phase.WAITING and formed != placed
 
     @property
+    def resyncing(self) -> bool:
+        """It formed the group of a placement in place and agrees on the state there (a
+        send of the whole state may take minutes): it trained nothing in that group yet."""
+        placed = self._get(_OFF["placement"]) > 0 and self.phase is Phase.RUNNING
+        return self.live and placed and self.restored_step is None
+
+    @property
     def uses_state(self) -> bool:
         return bool(self._get(_OFF["flags"]) & USES_STATE)
 

@@ -160,6 +160,7 @@ def placement(port: int) -> dict[str, str]:
 
 def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) -> None:
     assert agent_side.live and agent_side.phase is Phase.RUNNING
+    assert not agent_side.resyncing  # the script's own first group: not placed in place
     group.leave()  # no group yet: leaving is still safe, and says so to the agent
     assert agent_side.phase is Phase.WAITING and agent_side.stranded
     assert group.wait_placement(lambda: True) is None  # asked to stop instead
@@ -173,6 +174,9 @@ def test_leave_wait_form_and_form_again(group: Group, agent_side: ControlBlock) 
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and group.reformations == 1
     assert agent_side.phase is Phase.RUNNING and not agent_side.stranded
     assert not agent_side.forming
+    assert agent_side.resyncing  # no step in it yet: a node leaving gives it up at once
+    agent_side.restored(7)  # the worker resumed from step 7 in it
+    assert not agent_side.resyncing
     group.leave()
     assert not dist.is_initialized() and agent_side.phase is Phase.WAITING
     agent_side.publish_placement(placement(free_port()))

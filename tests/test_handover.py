@@ -29,6 +29,7 @@ def holding(**kw: object) -> Holding:
 
 
 NEW_PAIR = {"round": 4, "size": 2, "joined": 1}  # round 4: this node and one that joined it
+FRESH = {"size": 3, "joined": 1, "newcomer": True, "resumed": None}  # it joined two
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,8 @@ NEW_PAIR = {"round": 4, "size": 2, "joined": 1}  # round 4: this node and one th
         (False, {"others": 2}, True, "the 2 node(s) joining have it"),
         (False, {"on_disk": True}, False, "goes to --checkpoint-dir"),
         (False, {"step": -1}, False, "no step trained"),
+        # a fresh newcomer, its worker still receiving the state: it brings nothing
+        (False, {**FRESH, "step": 0}, False, "no step trained"),
         (False, {"size": 2}, False, "the other nodes of round 3 hold what it trained"),
         (False, {"size": 3, "joined": 1}, False, "hold what it trained"),  # one trained with it
         (False, {"size": 2, "joined": 1, "newcomer": True}, False, "hold step 40 now"),

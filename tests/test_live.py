@@ -726,6 +726,54 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
     check_run(tmp_path, changes=2, epochs=6)
 
 
+@pytest.mark.parametrize("pressed", ["a", "c"])
+def test_ctrl_c_of_a_node_as_a_round_with_a_newcomer_resyncs(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, pressed: str
+) -> None:
+    """c joins a and b; as the round of three resyncs (a, rank 0 and the store host,
+    held in packing the state it sends c's fresh worker), Ctrl-C reaches a node's whole
+    process group, agent and workers: a, the sender, or c, the receiver. That node
+    leaves at once (128 + SIGINT, within the Ctrl-C bound, nothing left behind): its
+    workers give the round up rather than wait for its first step (c waited for a's
+    send, trained a step with a and b, then left: 5.4 s; and c's agent, its worker
+    still receiving, took itself for the holder of the job's newest state). The others
+    leave the round at once and re-form without it, in their own processes, nothing lost
+    (a leave during a re-formation is just another change)."""
+    slow = ("--slow-below-world", "4", "--slow-send", "--epochs", "6")
+    flag = tmp_path / "slow-send"
+    a = start(procs, etcd, run_id, tmp_path, "a", *slow)
+    a.wait_output("registered as a", timeout=30)  # a registers first: rank 0
+    b = start(procs, etcd, run_id, tmp_path, "b", *slow)
+    wait_world(tmp_path, 2, timeout=90)
+    flag.touch()  # a, sending the state, is held in packing it
+    c = start(procs, etcd, run_id, tmp_path, "c", *slow)
+    c.wait_output("rank 2: receiving step", timeout=60)
+    leaving, staying = (a, c) if pressed == "a" else (c, a)
+    kept = set(worker_pids(b)) | set(worker_pids(staying))
+    family = [leaving.pid, *(p.pid for p in psutil.Process(leaving.pid).children(True))]
+    pressed_at = time.time()
+    os.killpg(leaving.pid, signal.SIGINT)
+    if pressed == "a":  # its packing is the script's own code: nothing can cut it short
+        flag.unlink()
+    code = leaving.wait(10)
+    took = time.time() - pressed_at
+    flag.unlink(missing_ok=True)  # c left while a still packed: b sends now
+    assert code == 128 + signal.SIGINT, leaving.transcript()
+    assert took < 2.5, f"Ctrl-C took {took:.1f}s\n{leaving.transcript()}"
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in family), 5, "no orphans")
+    back = wait_world(tmp_path, 2, after=pressed_at, timeout=90)
+    print(f"Ctrl-C of {pressed}: left in {took:.2f}s, training at world 2 {back - pressed_at:.2f}s")
+    assert back - pressed_at < 10, b.transcript()  # not --shutdown-timeout (30 s)
+    assert pids_at(tmp_path, 2, after=pressed_at) == kept, (b.transcript(), staying.transcript())
+    full_speed(tmp_path)
+    for n in (b, staying):
+        assert n.wait(120) == 0, n.transcript()
+        said = n.transcript()
+        assert "no live re-formation" not in said and "stopping workers" not in said, said
+        assert "workers failed" not in said, said
+    check_run(tmp_path, changes=2, epochs=6)
+
+
 def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_train_on(
     run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:

@@ -31,7 +31,7 @@ class Holding:
     joined: int  # ... of them new in it
     newcomer: bool  # this node is one of those
     others: int  # nodes but this one registered in the job or on their way (-1: unknown)
-    step: int  # its workers' newest step (-1: none, or not elastic.State)
+    step: int  # its workers' newest step (0: none trained; -1: none, or not elastic.State)
     resumed: int | None  # the step they resumed from in this round (None: not said yet)
     on_disk: bool  # --checkpoint-dir: the newest state is saved as it leaves anyway
 
@@ -58,7 +58,7 @@ def shared(h: Holding) -> str | None:
 def holds_alone(h: Holding) -> bool:
     """This node may hold the job's newest state alone: it trained, and no other member
     of its round holds what it did (``shared``)."""
-    return h.step >= 0 and shared(h) is None
+    return h.step > 0 and shared(h) is None
 
 
 def hands_over(waiting: bool, h: Holding) -> tuple[bool, str]:
@@ -66,7 +66,7 @@ def hands_over(waiting: bool, h: Holding) -> tuple[bool, str]:
     (else the signal just came)."""
     if h.on_disk:
         return False, "the newest state goes to --checkpoint-dir as this node leaves"
-    if h.step < 0:
+    if h.step <= 0:  # a fresh newcomer's worker says 0 as it receives the state
         return False, "no step trained: nothing to hand over"
     why = shared(h)
     if why is not None:

@@ -512,10 +512,11 @@ class WorkerGroup:
 
     def _stepless(self, w: Worker, asked: float) -> bool:
         """Asked to stop at ``asked`` (monotonic), ``w`` has no step to stop at: it forms
-        its group, or, live, it reached none within its learned allowance (it waits on a
-        peer); given its group up, it saves from its wait for a placement."""
-        if self._forming(w):
-            return True
+        its group or agrees on the state in it, or, live, it reached none within its
+        learned allowance (it waits on a peer); given its group up, it saves from its wait
+        for a placement."""
+        if self._forming(w) or (w.proc.poll() is None and w.control.resyncing):
+            return True  # nothing trained in the new group yet: it is given up at once
         late = time.monotonic() - asked > hangs.allowance(w.beats).seconds
         return late and w.control.live and not w.control.stranded and not self._saved(w)
 

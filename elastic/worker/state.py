@@ -536,8 +536,9 @@ class State:
             )
         step = g.reform(self._drop_step_in_flight, self._resync, self._core.stopping)
         if step is None:  # this node leaves meanwhile
-            # sharded (here or in a follower): a save is collective; its group is gone
-            if not (self._core.sharded or self._core.delegated):
+            # sharded (here or in a follower): a save is collective; its group is gone;
+            # not yet restored (it left in its first restore): its state is nobody's step
+            if self._core.restored and not (self._core.sharded or self._core.delegated):
                 self.snapshot(wait=True)
             self._leave_for_resize()
         log.info(
