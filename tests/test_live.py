@@ -774,6 +774,36 @@ def test_ctrl_c_of_a_node_as_a_round_with_a_newcomer_resyncs(
     check_run(tmp_path, changes=2, epochs=6)
 
 
+def test_ctrl_c_of_the_leader_as_the_round_re_forms_for_a_kill(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path
+) -> None:
+    """c is SIGKILLed; as the others re-form for it, Ctrl-C reaches a, the leader (rank
+    0, the round's store host), agent and workers: a leaves within the Ctrl-C bound, and
+    b trains on alone in its own process, nothing lost."""
+    slow = ("--slow-below-world", "2", "--epochs", "6")
+    a = start_on(procs, etcd.endpoint, run_id, tmp_path, "a", *slow, nnodes="1:3")
+    a.wait_output("registered as a", timeout=30)  # a claims the lead as it registers
+    b, c = (start_on(procs, etcd.endpoint, run_id, tmp_path, n, *slow, nnodes="1:3") for n in "bc")
+    wait_world(tmp_path, 3, timeout=90)
+    kept = worker_pids(b)
+    c.kill_tree()
+    a.wait_output("workers re-form live", timeout=30)
+    pressed = time.time()
+    os.killpg(a.pid, signal.SIGINT)
+    assert a.wait(10) == 128 + signal.SIGINT, a.transcript()
+    took = time.time() - pressed
+    assert took < 2.5, f"Ctrl-C took {took:.1f}s\n{a.transcript()}"
+    back = wait_world(tmp_path, 1, after=pressed, timeout=60)
+    print(f"a left in {took:.2f}s; b trains alone {back - pressed:.2f}s after the Ctrl-C")
+    assert back - pressed < 5, b.transcript()  # a's leave is no loss: no lease to expire
+    assert worker_pids(b) == kept
+    full_speed(tmp_path)
+    assert b.wait(120) == 0, b.transcript()
+    said = b.transcript()
+    assert "no live re-formation" not in said and "workers failed" not in said, said
+    check_run(tmp_path, changes=3, epochs=6)
+
+
 def test_a_node_stuck_in_a_send_to_a_lost_newcomer_steps_out_while_the_others_train_on(
     run_id: str, procs: list[Proc], tmp_path: Path
 ) -> None:
