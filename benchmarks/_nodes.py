@@ -44,6 +44,12 @@ class Node:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
 
+    def interrupt(self) -> None:
+        """Ctrl-C in the node's terminal: SIGINT to its whole process group (the agent
+        and its workers)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+
     def freeze(self) -> None:
         """The node hangs: SIGSTOP to the agent and its workers."""
         for p in self.tree():

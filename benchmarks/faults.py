@@ -19,6 +19,9 @@ job's budget, with the nodes whose own failure they were.
                   more)
     kill receiving  c joins; as its worker receives the state from a (rank 0), c is
                   SIGKILLed (a --width of 2048 or more: a's send may be cut short)
+    Ctrl-C receiving  c joins; as its worker receives the state from a, c's terminal
+                  gets a Ctrl-C (SIGINT to agent and worker): a and b go on without it
+                  (a --width of 2048 or more: the send takes a while)
     two kills     c SIGKILLed, then a (the leader) 0.45 s later: b trains alone
     kill standby  --nnodes 1:2: a and b train, c waits as a standby; b is SIGKILLed and
                   c takes its place (to the first step of a and c)
@@ -245,6 +248,18 @@ def kill_receiving(job: Job) -> Outcome:
     job.wait_log("c", "receiving step")
     at = time.time()
     job.nodes["c"].kill()
+    return job.outcome(at, job.since(2, at))
+
+
+def ctrl_c_receiving(job: Job) -> Outcome:
+    """c joins a and b; as c's fresh worker receives the state from a, Ctrl-C reaches c's
+    agent and worker: c leaves, its worker gives the round up at once (nothing trained
+    in it), and a and b re-form without it: from the press to their first step."""
+    start_training(job, "ab")
+    job.start("c")
+    job.wait_log("c", "receiving step")
+    at = time.time()
+    job.nodes["c"].interrupt()
     return job.outcome(at, job.since(2, at))
 
 
@@ -571,6 +586,7 @@ FAULTS: dict[str, Callable[[Job], Outcome]] = {
     "kill newcomer": kill_newcomer,
     "kill resyncing": kill_resyncing,
     "kill receiving": kill_receiving,
+    "Ctrl-C receiving": ctrl_c_receiving,
     "kill standby": kill_standby,
     "kill early standby": functools.partial(kill_standby, early=True),
     "two kills": two_kills,
