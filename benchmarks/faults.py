@@ -227,15 +227,21 @@ def kill_newcomer(job: Job) -> Outcome:
     return killed_as_c_joins(job, "c")
 
 
-def kill_resyncing(job: Job) -> Outcome:
-    """c joins a and b; as c's fresh worker receives the state from a (rank 0, the lowest
-    rank holding it), a is SIGKILLed: b, which holds it too, sends it in the next round."""
+def as_c_receives(job: Job, fault: Callable[[], None]) -> Outcome:
+    """c joins a and b; ``fault`` strikes as c's fresh worker receives the state: to the
+    first step at world 2."""
     start_training(job, "ab")
     job.start("c")
     job.wait_log("c", "receiving step")
     at = time.time()
-    job.nodes["a"].kill()
+    fault()
     return job.outcome(at, job.since(2, at))
+
+
+def kill_resyncing(job: Job) -> Outcome:
+    """c joins a and b; as c's fresh worker receives the state from a (rank 0, the lowest
+    rank holding it), a is SIGKILLed: b, which holds it too, sends it in the next round."""
+    return as_c_receives(job, job.nodes["a"].kill)
 
 
 def kill_receiving(job: Job) -> Outcome:
@@ -243,24 +249,14 @@ def kill_receiving(job: Job) -> Outcome:
     and b go on without it. gloo never fails a send cut short by its receiver's death (a
     would wait for it until the group's timeout): where the kill lands mid-send, a's
     worker says it is stuck and a's node takes new workers."""
-    start_training(job, "ab")
-    job.start("c")
-    job.wait_log("c", "receiving step")
-    at = time.time()
-    job.nodes["c"].kill()
-    return job.outcome(at, job.since(2, at))
+    return as_c_receives(job, job.nodes["c"].kill)
 
 
 def ctrl_c_receiving(job: Job) -> Outcome:
     """c joins a and b; as c's fresh worker receives the state from a, Ctrl-C reaches c's
     agent and worker: c leaves, its worker gives the round up at once (nothing trained
     in it), and a and b re-form without it: from the press to their first step."""
-    start_training(job, "ab")
-    job.start("c")
-    job.wait_log("c", "receiving step")
-    at = time.time()
-    job.nodes["c"].interrupt()
-    return job.outcome(at, job.since(2, at))
+    return as_c_receives(job, job.nodes["c"].interrupt)
 
 
 def kill_standby(job: Job, early: bool = False) -> Outcome:
