@@ -161,6 +161,10 @@ def test_save_at_breakdown_writes_only_a_newer_state(tmp_path: Path) -> None:
     snapshot_in(node, 7)
     said = save_at_breakdown(node, None, 3)
     assert said is not None and "step 7" in said and "lost" in said
+    # leaving a job whose other nodes trained with it: nothing is lost, and it says why
+    said = save_at_breakdown(node, None, 3, "the other nodes of round 4 hold what it trained")
+    assert said is not None and "step 7" in said and "lost" not in said
+    assert "round 4 hold" in said
     said = save_at_breakdown(node, str(ckpt), 3)
     assert said is not None and "saved the newest state (step 7" in said
     step, raw = CheckpointDir(ckpt).newest_valid()

@@ -678,6 +678,24 @@ def test_a_node_told_to_leave_while_it_alone_holds_the_state_hands_it_to_a_newco
     check_run(tmp_path, changes=2, epochs=6)
 
 
+def _c_joins_a_and_b(
+    etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, held: bool
+) -> tuple[Proc, Proc, Proc, Path]:
+    """a (registered first: rank 0 and the store host) and b train at world 2, then c
+    starts to join; ``held``: a, sending c's fresh worker the state, is held in packing
+    it until the returned flag file is removed. Training outlasts all of it, however
+    slowly c's worker starts (15 s in CI)."""
+    slow = ("--slow-below-world", "4", "--slow-send", "--epochs", "6")
+    flag = tmp_path / "slow-send"
+    a = start(procs, etcd, run_id, tmp_path, "a", *slow)
+    a.wait_output("registered as a", timeout=30)
+    b = start(procs, etcd, run_id, tmp_path, "b", *slow)
+    wait_world(tmp_path, 2, timeout=90)
+    if held:
+        flag.touch()
+    return a, b, start(procs, etcd, run_id, tmp_path, "c", *slow), flag
+
+
 @pytest.mark.parametrize("phase", ["forming", "resyncing"])
 def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
     etcd: EtcdServer, run_id: str, procs: list[Proc], tmp_path: Path, phase: str
@@ -689,17 +707,8 @@ def test_the_store_host_lost_while_a_round_with_a_newcomer_forms(
     --shutdown-timeout and respawned; c's worker died of its first restore). These are
     the tests of losing the rank-0 node; a node that is not rank 0: the quick-succession
     test."""
-    # training outlasts all of it, however slowly c's worker starts (15 s in CI)
-    slow = ("--slow-below-world", "4", "--slow-send", "--epochs", "6")
-    flag = tmp_path / "slow-send"
-    a = start(procs, etcd, run_id, tmp_path, "a", *slow)
-    a.wait_output("registered as a", timeout=30)  # a registers first: rank 0
-    b = start(procs, etcd, run_id, tmp_path, "b", *slow)
-    wait_world(tmp_path, 2, timeout=90)
+    a, b, c, flag = _c_joins_a_and_b(etcd, run_id, procs, tmp_path, held=phase == "resyncing")
     kept = worker_pids(b)
-    if phase == "resyncing":
-        flag.touch()  # a, sending the state, is held in packing it
-    c = start(procs, etcd, run_id, tmp_path, "c", *slow)
     if phase == "forming":
         b.wait_output("joined c", timeout=60)  # the round of three has formed
     else:
@@ -739,14 +748,7 @@ def test_ctrl_c_of_a_node_as_a_round_with_a_newcomer_resyncs(
     still receiving, took itself for the holder of the job's newest state). The others
     leave the round at once and re-form without it, in their own processes, nothing lost
     (a leave during a re-formation is just another change)."""
-    slow = ("--slow-below-world", "4", "--slow-send", "--epochs", "6")
-    flag = tmp_path / "slow-send"
-    a = start(procs, etcd, run_id, tmp_path, "a", *slow)
-    a.wait_output("registered as a", timeout=30)  # a registers first: rank 0
-    b = start(procs, etcd, run_id, tmp_path, "b", *slow)
-    wait_world(tmp_path, 2, timeout=90)
-    flag.touch()  # a, sending the state, is held in packing it
-    c = start(procs, etcd, run_id, tmp_path, "c", *slow)
+    a, b, c, flag = _c_joins_a_and_b(etcd, run_id, procs, tmp_path, held=True)
     c.wait_output("rank 2: receiving step", timeout=60)
     leaving, staying = (a, c) if pressed == "a" else (c, a)
     kept = set(worker_pids(b)) | set(worker_pids(staying))
@@ -759,6 +761,7 @@ def test_ctrl_c_of_a_node_as_a_round_with_a_newcomer_resyncs(
     took = time.time() - pressed_at
     flag.unlink(missing_ok=True)  # c left while a still packed: b sends now
     assert code == 128 + signal.SIGINT, leaving.transcript()
+    assert "lost with it" not in leaving.transcript()  # b holds a's state; c has none
     assert took < 2.5, f"Ctrl-C took {took:.1f}s\n{leaving.transcript()}"
     wait_until(lambda: not any(psutil.pid_exists(p) for p in family), 5, "no orphans")
     back = wait_world(tmp_path, 2, after=pressed_at, timeout=90)

@@ -18,9 +18,13 @@ from elastic.stored import CheckpointDir, SnapshotSlots
 log = logging.getLogger("elastic.breakdown")
 
 
-def save_at_breakdown(node_dir: Path, checkpoint_dir: str | None, keep: int) -> str | None:
+def save_at_breakdown(
+    node_dir: Path, checkpoint_dir: str | None, keep: int, shared: str | None = None
+) -> str | None:
     """Write the node's newest snapshot to ``checkpoint_dir`` if it is newer than the
-    newest checkpoint there; returns what happened, for the log (None: no snapshot)."""
+    newest checkpoint there; returns what happened, for the log (None: no snapshot).
+    ``shared``: why the job's other nodes hold it too (a node leaving a job that goes
+    on), so that its copy in memory going with the node loses nothing."""
     if not SnapshotSlots.present(node_dir):
         return None
     try:
@@ -32,6 +36,8 @@ def save_at_breakdown(node_dir: Path, checkpoint_dir: str | None, keep: int) -> 
         if newest is None:
             return None
         slot, step = newest
+        if checkpoint_dir is None and shared is not None:
+            return f"this node's copy of the newest state (step {step}) goes with it: {shared}"
         if checkpoint_dir is None:
             return (
                 f"this node's copy of the newest state (step {step}) was in memory only and "

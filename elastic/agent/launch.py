@@ -210,8 +210,10 @@ def launch(cfg: RunConfig) -> int:
                 workers.stop(0)  # first: no worker may overwrite the slot being saved
                 _save_at_breakdown(node_dir, policy)
                 raise
-        if agent.state in (AgentState.FAILED, AgentState.LEFT):  # the job, or this node, ends
+        if agent.state is AgentState.FAILED:  # the job ends
             _save_at_breakdown(node_dir, policy)
+        elif agent.state is AgentState.LEFT:  # this node ends, the job may go on
+            _save_at_breakdown(node_dir, policy, agent.shared())
         if agent.state in (AgentState.FAILED, AgentState.SUCCEEDED):  # nothing to inherit
             nodedir.remove_job(cfg.rdzv_id)
         if agent.state is AgentState.FAILED and http is not None and http.watched:
@@ -241,7 +243,7 @@ def _inherit(node_dir: Path, rdzv: Rendezvous) -> None:
     log.info("%s the snapshot of step %d this node's previous agent left: %s", what, step, why)
 
 
-def _save_at_breakdown(node_dir: Path, policy: SnapshotPolicy) -> None:
-    said = save_at_breakdown(node_dir, policy.checkpoint_dir, policy.keep)
+def _save_at_breakdown(node_dir: Path, policy: SnapshotPolicy, shared: str | None = None) -> None:
+    said = save_at_breakdown(node_dir, policy.checkpoint_dir, policy.keep, shared)
     if said:
         log.info("%s", said)

@@ -33,7 +33,7 @@ from elastic.agent.core import (
 )
 from elastic.agent.failures import FailureReport, WorkerFailure, format_report, summarize
 from elastic.agent.handing import Handover
-from elastic.agent.handover import Holding, holds_alone
+from elastic.agent.handover import Holding, holds_alone, shared
 from elastic.agent.lobby import LOBBY_MAX, Ahead, StepOut, can_warm, warm_up
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.placement import Placement, restart_count
@@ -686,6 +686,11 @@ class Agent:
             self.signal = leave_with
             self._cancel.set()
         return keep
+
+    def shared(self) -> str | None:
+        """Why the other members of this node's last round hold what it trained (None:
+        they may not), for the line it leaves with (``breakdown``)."""
+        return shared(self._holding(count=False))
 
     def _holding(self, count: bool = True, gone: frozenset[str] = frozenset()) -> Holding:
         """What this node knows of the state it holds (``count``: and, where it runs
