@@ -26,7 +26,8 @@ At the end (the job trains to its last step, or stalls for ``--stall`` seconds):
 agent not killed exits 0, no sample of any epoch is lost, the final model equals the one
 an undisturbed run computes (so nothing was applied twice or skipped), committed steps
 trained again are never silent (an agent said how many: short by no more than the steps
-of the job's progress record's interval, the blind spot a kill of its writer leaves), and
+of the job's progress record's interval, the blind spot a kill of its writer leaves, and
+of any etcd outage then: no step trained in one can be recorded until etcd is back), and
 no event alone (none other within 12 s) paused training for more than 12 s. Printed per
 event: the longest pause of training until the next event, and the steps trained again
 after it.
@@ -88,6 +89,7 @@ class Event:
     target: str = ""
     pause: float = 0.0
     redone: int = 0
+    etcd_out: float = 0.0  # seconds etcd could record nothing (etcd-freeze, etcd-restart)
 
 
 @dataclass
@@ -237,7 +239,7 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
     if kind == "etcd-freeze":
         assert s.etcd.proc is not None
         frozen_for([psutil.Process(s.etcd.proc.pid)], 2 * TTL + 1)
-        return Event(now, kind)
+        return Event(now, kind, etcd_out=2 * TTL + 1)
     if kind == "etcd-restart":
         s.etcd.stop(signal.SIGKILL)
         time.sleep(1.0)
@@ -250,7 +252,7 @@ def strike(s: Storm, kind: str, rng: random.Random) -> Event | None:
                 time.sleep(1.0)
         else:
             raise RuntimeError(f"etcd did not start again on its ports: {why}")
-        return Event(now, kind)
+        return Event(now, kind, etcd_out=time.time() - now)
     return None
 
 
@@ -286,11 +288,26 @@ RECORD_LAG = PROGRESS_EVERY + 1.0
 WARNED = re.compile(r"round (\d+) resumes from step (\d+), (?:at least )?(\d+) step\(s\) behind")
 
 
-def jumps(rows: list[dict]) -> list[Jump]:
+def blind_from(newest_at: float, outages: list[tuple[float, float]]) -> float:
+    """Since when the steps trained up to ``newest_at`` may be missing from the job's
+    progress record: its interval, and back to the start of any etcd outage (``outages``:
+    (start, end)) that reaches into that blind spot, chained."""
+    since = newest_at - RECORD_LAG
+    moved = True
+    while moved:
+        moved = False
+        for start, end in outages:
+            if start <= newest_at and end >= since and start - RECORD_LAG < since:
+                since, moved = start - RECORD_LAG, True
+    return since
+
+
+def jumps(rows: list[dict], outages: list[tuple[float, float]]) -> list[Jump]:
     """Each round that resumed below the newest step trained so far (the step in flight,
     retried, is not below it). Only where a worker starts training in a placement (its
     first row, a new rank or world, or a step below its own last): a frozen worker that
-    thaws in a round that is over logs its old step once more, and trains nothing."""
+    thaws in a round that is over logs its old step once more, and trains nothing.
+    ``outages``: when etcd could record nothing (``blind_from``)."""
     out: list[Jump] = []
     newest, newest_at = 0, 0.0
     trained: list[tuple[float, int]] = []
@@ -301,7 +318,8 @@ def jumps(rows: list[dict]) -> list[Jump]:
         starts = prev is None or prev[:2] != (r["world"], r["rank"]) or r["step"] < prev[2]
         same_round = out and out[-1].resumed <= r["step"] and r["t"] - out[-1].at < 5.0
         if starts and r["step"] < newest and not same_round:
-            lag = newest - min((s for t, s in trained if t >= newest_at - RECORD_LAG), default=0)
+            since = blind_from(newest_at, outages)
+            lag = newest - min((s for t, s in trained if t >= since), default=0)
             out.append(Jump(r["t"], r["step"], newest - r["step"], lag))
             newest, trained = r["step"], []
         if r["step"] > newest:
@@ -400,7 +418,7 @@ def run(a: argparse.Namespace) -> int:
             for node in s.nodes.values():
                 node.stop()
     rows = s.rows()
-    found = jumps(rows)
+    found = jumps(rows, [(e.at, e.at + e.etcd_out) for e in events if e.etcd_out])
     problems += unsaid(found, warnings(work), events)
     pauses(rows, events, end)
     print(f"\n{'t (s)':>7}  {'event':<13}{'target':<10}{'pause':>7}  redone")
