@@ -898,6 +898,28 @@ def test_stranded_workers_with_no_change_in_sight_are_a_failure() -> None:
     assert len(workers.started) == 2 and workers.reformed == []
 
 
+def test_stranded_workers_of_a_node_told_to_leave_as_the_change_is_looked_for_charge_nothing() -> (
+    None
+):
+    """Chaos seed 404: a peer's leave broke the collective before etcd said so, and a
+    SIGTERM came as the agent looked for the change: it leaves (drains its waiting
+    workers), and reports no failure of its own."""
+    job = FakeJob([round_of(1, "a", "b")])
+    workers = FakeWorkers([RUNNING, RUNNING])
+    workers.live = True
+    workers.strand.append([STRANDED])
+    a = agent(job, workers)
+    probe = job.probe_members
+
+    def signalled(broken: bool = False) -> None:
+        a.on_signal(signal.SIGTERM)
+        probe(broken)
+
+    job.probe_members = signalled  # type: ignore[method-assign]
+    assert a.run() == 143
+    assert job.reported == [] and workers.actions == ["drain SIGTERM"]
+
+
 def test_a_live_re_formation_that_cannot_hold_the_workers_falls_back_to_new_ones(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

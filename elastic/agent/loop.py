@@ -234,6 +234,7 @@ class Agent:
         self._change_at = time.monotonic()
         self._change_why = "start"
         self._lost_cause: Any = None  # LostCause of the pause in progress, if any
+        self._left_shared: str | None = None  # why the others hold its state, as it left
         self._cause: RestartCause | None = None  # charged once the workers stop or are held
         self._accounted: set[int] = set()  # pids whose end the metrics have seen
         self._hold_failed = ""  # why the workers could not be held
@@ -660,7 +661,10 @@ class Agent:
                 return change.end
             stranded = self.workers.stranded()
             if stranded:
-                return self._stranded(stranded)
+                found = self._stranded(stranded)
+                if found is not None:
+                    return found
+                continue  # a signal came as the change was looked for: it is acted on first
             if self.metrics is not None:
                 self.metrics.tick()
             self.rdzv.wait(version, self.monitor_interval)
@@ -688,9 +692,10 @@ class Agent:
         return keep
 
     def shared(self) -> str | None:
-        """Why the other members of this node's last round hold what it trained (None:
-        they may not), for the line it leaves with (``breakdown``)."""
-        return shared(self._holding(count=False))
+        """Why the other members of its round held what this node trained as it began to
+        leave (None: they may not, or it never did), for the line it leaves with
+        (``breakdown``)."""
+        return self._left_shared
 
     def _holding(self, count: bool = True, gone: frozenset[str] = frozenset()) -> Holding:
         """What this node knows of the state it holds (``count``: and, where it runs
@@ -792,13 +797,17 @@ class Agent:
         self._failures = ()
         return change.end
 
-    def _stranded(self, stranded: list[WorkerFailure]) -> Event:
+    def _stranded(self, stranded: list[WorkerFailure]) -> Event | None:
         """Live workers left their group on their own (a collective failed, or the other
         ranks paused): the change of the job that explains it is the event. None found:
-        their failure is."""
+        their failure is; None if a signal cut the search short (chaos seed 404: a
+        peer's leave, not yet in etcd, broke the collective, and this node, told to
+        leave too, was charged the failure): the node leaves, charged nothing."""
         change = self._find_change(urgent_only=False)
         if change is not None:
             return change.end
+        if self.signal is not None:
+            return None
         self._failures = tuple(stranded)
         return LocalEvent.WORKERS_FAILED
 
@@ -842,6 +851,7 @@ class Agent:
         self._explain(r, event)
         pids = self.workers.pids
         if r.announce_leaving:
+            self._left_shared = shared(self._holding(count=False))  # while its workers say
             try:
                 self.rdzv.announce_leaving()
             except RendezvousError as e:
