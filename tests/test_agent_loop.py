@@ -527,6 +527,28 @@ def test_a_collective_failure_with_no_loss_in_sight_is_a_failure() -> None:
     assert len(job.reported) == 1 and workers.released[0] is True
 
 
+def test_a_collective_failure_of_a_node_told_to_leave_as_the_loss_is_looked_for_is_no_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gone = WorkerFailure(
+        1, 1, 7, 1, 1.0, "RuntimeError: Connection reset by peer", consequence=True
+    )
+    job = FakeJob([round_of(1, "a", "b")])
+    workers = FakeWorkers([(GroupState.FAILED, [gone])])
+    a = agent(job, workers)
+    probe = job.probe_members
+
+    def signalled(broken: bool = False) -> None:
+        a.on_signal(signal.SIGTERM)
+        probe(broken)
+
+    job.probe_members = signalled  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        assert a.run() == 143
+    assert job.reported == [] and "workers failed" not in caplog.text
+    assert "its collective failed when a peer vanished" in caplog.text
+
+
 def test_a_newcomer_drains_the_workers_with_sigterm_for_scripts_without_state() -> None:
     waiting = Change(RoundEnd.WAITING, "n waiting to join", ("n",))
     job = FakeJob([round_of(1, "a"), round_of(2, "a", "n")], [waiting])

@@ -787,13 +787,17 @@ class Agent:
     def _verdict(self, failures: list[WorkerFailure]) -> Event:
         """Workers failed. If every failure only says a peer vanished under it, find out
         whether one did: then the loss is the event, and the failures are its
-        consequences, not this node's fault."""
+        consequences, not this node's fault; so they are where a signal cuts the search
+        short (a peer's leave not yet in etcd), and the node leaves."""
         if not all(f.consequence for f in failures):
             return LocalEvent.WORKERS_FAILED
         change = self._find_change(urgent_only=True)
-        if change is None:
+        if change is None and self.signal is None:
             return LocalEvent.WORKERS_FAILED
         self._consequences = tuple(failures)
+        if change is None:  # told to leave as it looked: it leaves, charged nothing
+            self._failures = ()
+            return LocalEvent.SIGNALLED
         self._failures = ()
         return change.end
 
