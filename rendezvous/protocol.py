@@ -473,12 +473,14 @@ class Rendezvous:
         if final:
             self.flush_progress()
 
-    def raise_progress(self, step: int) -> None:
+    def raise_progress(self, step: int, final: bool = False) -> None:
         """Record ``step`` as the job's progress, whatever round this node is in, if the
         record says less: a node whose round the job left behind (fenced) may hold the
         only copy of its workers' newest step, a record kept from them while etcd was
         away; should it die before a round takes that state, the round that resumes
-        behind it says how many steps it trains again. Never lowers the record."""
+        behind it says how many steps it trains again. So may a node that leaves while
+        the record's writer, rank 0, lags (frozen, gone). Never lowers the record.
+        ``final``: it leaves the job, and waits for the write while etcd answers."""
         recorded = self.mirror.view().progress
         if step < 0 or (recorded is not None and recorded.step >= step):
             return
@@ -487,6 +489,8 @@ class Rendezvous:
             step=step, node=self.me.id, round=number, at=time.time(), job=self._job
         )
         self._progress_writer.raise_to(rec)
+        if final and self.mirror.connected:
+            self.flush_progress()
 
     def flush_progress(self, timeout: float = 2 * RETRIED_TIMEOUT) -> bool:
         """Wait (up to ``timeout``) for the progress handed over to be written, or to fail."""

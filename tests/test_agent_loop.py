@@ -108,7 +108,7 @@ class FakeJob:
     def report_progress(self, step: int, final: bool = False) -> None:
         self.progress_said = [*self.progress_said, (step, final)]
 
-    def raise_progress(self, step: int) -> None:
+    def raise_progress(self, step: int, final: bool = False) -> None:
         self.progress_raised = [*self.progress_raised, step]
 
     def progress(self) -> ProgressRecord | None:
@@ -710,8 +710,27 @@ def test_fenced_kills_stale_workers_at_once_and_joins_again() -> None:
         workers.last = 41
         assert agent(job, workers).run() == 0
         assert workers.actions[:2] == actions and len(workers.started) == 2
-        # their newest step may be in no record (etcd was away while they trained)
-        assert job.progress_raised == [41]
+        # their newest step may be in no record (etcd was away while they trained); and
+        # raised again as it leaves the job, as rank 1 of round 3 (over 41: etcd's no-op)
+        assert job.progress_raised == [41, 41]
+
+
+def test_a_node_not_rank_0_raises_the_record_to_its_last_step_as_it_leaves() -> None:
+    """The record's writer, rank 0, may lag (its agent frozen, or gone): a node that
+    leaves raises the record to its workers' last step, so that a round that resumes
+    behind it says how many steps it trains again (chaos seed 404)."""
+    job = FakeJob([round_of(1, "x", "a")])
+    workers = FakeWorkers([RUNNING, RUNNING])
+    workers.last = 26
+    a = agent(job, workers)
+
+    def poll() -> tuple[GroupState, list[WorkerFailure]]:
+        a.on_signal(signal.SIGTERM)  # as its workers train
+        return RUNNING
+
+    workers.poll = poll  # type: ignore[method-assign]
+    assert a.run() == 143
+    assert job.progress_raised == [26] and (26, True) in job.progress_said
 
 
 def test_a_hung_worker_is_a_failure() -> None:

@@ -109,7 +109,7 @@ class Membership(Protocol):
     def announce_leaving(self) -> None: ...
     def announce_in_place(self, in_place: bool) -> None: ...
     def report_progress(self, step: int, final: bool = False) -> None: ...  # rank 0: job progress
-    def raise_progress(self, step: int) -> None: ...  # any node: only over an older step
+    def raise_progress(self, step: int, final: bool = False) -> None: ...  # any node: a raise
     def progress(self) -> ProgressRecord | None: ...  # the job's progress as recorded
     def close(self, state: JobOutcome, reason: str = "") -> bool: ...
     def shutdown(self, leave: bool = True, back: bool = False) -> None: ...
@@ -764,11 +764,17 @@ class Agent:
         the job's newest (the last node of a job told to stop): recorded, so that a round
         that resumes behind them later says how many it trains again. Before its round
         said where it resumed, only past what the job recorded: steps of workers from
-        before a fence may be behind the job's."""
+        before a fence may be behind the job's. A node not rank 0 raises the record to
+        them: its writer may lag (frozen, gone; chaos seed 404: both others left while
+        rank 0's agent was frozen, and the round that formed without it trained 25 steps
+        again, unsaid)."""
         step = self.workers.last_step()
         recorded = self.rdzv.progress()
         if self._resuming is None or recorded is None or step > recorded.step:
             self.rdzv.report_progress(step, final=True)
+            r = self.round
+            if r is not None and r.rank_of(self.node_id) != 0:
+                self.rdzv.raise_progress(step, final=True)
 
     def _announce_in_place(self, live: bool) -> None:
         """Say whether the job's workers re-form in place (``live``: this node's did, in
