@@ -321,6 +321,17 @@ SUCCEEDED: tuple[GroupState, list[WorkerFailure]] = (GroupState.SUCCEEDED, [])
 CRASH = WorkerFailure(rank=1, local_rank=1, pid=7, exitcode=1, time=1.0, message="boom")
 
 
+def signal_as_members_are_probed(job: FakeJob, a: Agent) -> None:
+    """SIGTERM reaches ``a`` as it probes the members (it looks for a change)."""
+    probe = job.probe_members
+
+    def signalled(broken: bool = False) -> None:
+        a.on_signal(signal.SIGTERM)
+        probe(broken)
+
+    job.probe_members = signalled  # type: ignore[method-assign]
+
+
 def agent(job: FakeJob, workers: FakeWorkers, **kw: Any) -> Agent:
     kw = {
         "monitor_interval": 0.0,
@@ -536,13 +547,7 @@ def test_a_collective_failure_of_a_node_told_to_leave_as_the_loss_is_looked_for_
     job = FakeJob([round_of(1, "a", "b")])
     workers = FakeWorkers([(GroupState.FAILED, [gone])])
     a = agent(job, workers)
-    probe = job.probe_members
-
-    def signalled(broken: bool = False) -> None:
-        a.on_signal(signal.SIGTERM)
-        probe(broken)
-
-    job.probe_members = signalled  # type: ignore[method-assign]
+    signal_as_members_are_probed(job, a)
     with caplog.at_level(logging.INFO):
         assert a.run() == 143
     assert job.reported == [] and "workers failed" not in caplog.text
@@ -950,13 +955,7 @@ def test_stranded_workers_of_a_node_told_to_leave_as_the_change_is_looked_for_ch
     workers.live = True
     workers.strand.append([STRANDED])
     a = agent(job, workers)
-    probe = job.probe_members
-
-    def signalled(broken: bool = False) -> None:
-        a.on_signal(signal.SIGTERM)
-        probe(broken)
-
-    job.probe_members = signalled  # type: ignore[method-assign]
+    signal_as_members_are_probed(job, a)
     assert a.run() == 143
     assert job.reported == [] and workers.actions == ["drain SIGTERM"]
 
