@@ -227,21 +227,21 @@ def kill_newcomer(job: Job) -> Outcome:
     return killed_as_c_joins(job, "c")
 
 
-def as_c_receives(job: Job, fault: Callable[[], None]) -> Outcome:
-    """c joins a and b; ``fault`` strikes as c's fresh worker receives the state: to the
-    first step at world 2."""
+def as_c_receives(job: Job, victim: str, fault: Callable[[Node], None]) -> Outcome:
+    """c joins a and b; ``fault`` strikes node ``victim`` as c's fresh worker receives the
+    state: to the first step at world 2."""
     start_training(job, "ab")
     job.start("c")
     job.wait_log("c", "receiving step")
     at = time.time()
-    fault()
+    fault(job.nodes[victim])
     return job.outcome(at, job.since(2, at))
 
 
 def kill_resyncing(job: Job) -> Outcome:
     """c joins a and b; as c's fresh worker receives the state from a (rank 0, the lowest
     rank holding it), a is SIGKILLed: b, which holds it too, sends it in the next round."""
-    return as_c_receives(job, job.nodes["a"].kill)
+    return as_c_receives(job, "a", Node.kill)
 
 
 def kill_receiving(job: Job) -> Outcome:
@@ -249,14 +249,14 @@ def kill_receiving(job: Job) -> Outcome:
     and b go on without it. gloo never fails a send cut short by its receiver's death (a
     would wait for it until the group's timeout): where the kill lands mid-send, a's
     worker says it is stuck and a's node takes new workers."""
-    return as_c_receives(job, job.nodes["c"].kill)
+    return as_c_receives(job, "c", Node.kill)
 
 
 def ctrl_c_receiving(job: Job) -> Outcome:
     """c joins a and b; as c's fresh worker receives the state from a, Ctrl-C reaches c's
     agent and worker: c leaves, its worker gives the round up at once (nothing trained
     in it), and a and b re-form without it: from the press to their first step."""
-    return as_c_receives(job, job.nodes["c"].interrupt)
+    return as_c_receives(job, "c", Node.interrupt)
 
 
 def kill_standby(job: Job, early: bool = False) -> Outcome:
